@@ -1,0 +1,127 @@
+//! Every constant of the protocol, in one place, named as in `docs/PROTOCOL.md`.
+//!
+//! Wire constants (sizes, codes) are fixed by the specification. Defaults of
+//! tunables live in [`crate::config`] and refer to the `DEFAULT_*` values here.
+
+use core::time::Duration;
+
+/// The protocol version this implementation speaks (`VERSION` in the spec).
+pub const VERSION: u8 = 1;
+
+/// The UDP destination port every endpoint listens on (`METAROCE_PORT`).
+///
+/// The UDP *source* port is the path's ECMP entropy and varies per path.
+pub const METAROCE_PORT: u16 = 4792;
+
+/// Size of the common header that starts every packet (`COMMON_HEADER_LEN`).
+pub const COMMON_HEADER_LEN: usize = 8;
+
+/// Size of the fixed part of a DATA packet header, common header included
+/// (`DATA_HEADER_LEN`); the opcode extension follows it.
+pub const DATA_HEADER_LEN: usize = 40;
+
+/// Size of the fixed part of an ACK packet, common header included (`ACK_HEADER_LEN`).
+pub const ACK_HEADER_LEN: usize = 28;
+
+/// Size of one per-path entry in an ACK (`ACK_PATH_ENTRY_LEN`).
+pub const ACK_PATH_ENTRY_LEN: usize = 48;
+
+/// Size of one per-stream entry in an ACK (`ACK_STREAM_ENTRY_LEN`).
+pub const ACK_STREAM_ENTRY_LEN: usize = 8;
+
+/// Size of one NAK entry in an ACK (`ACK_NAK_ENTRY_LEN`).
+pub const ACK_NAK_ENTRY_LEN: usize = 12;
+
+/// Width of the per-path selective acknowledgement bitvector, in bits (`SACK_BITS`).
+///
+/// A sender never has a path's packets outstanding over a span of more than
+/// this many sequence numbers, so the bitvector always describes all of them.
+pub const SACK_BITS: u32 = 256;
+
+/// Bytes of the SACK bitvector (`SACK_BYTES`).
+pub const SACK_BYTES: usize = (SACK_BITS / 8) as usize;
+
+/// Largest number of paths a connection may have (`MAX_PATHS`). Path ids are `0..MAX_PATHS`.
+pub const MAX_PATHS: usize = 64;
+
+/// Width of the receiver's connection-sequence (CSN) duplicate window (`CSN_WINDOW`).
+///
+/// A sender never has CSNs outstanding over a span larger than this.
+pub const CSN_WINDOW: u32 = 65_536;
+
+/// Largest number of messages per queue pair that may be in progress at a
+/// receiver at once, counted from its oldest unfinished message (`MSG_WINDOW`).
+pub const MSG_WINDOW: u32 = 4_096;
+
+/// Largest message the protocol carries, in bytes (`MAX_MESSAGE_LEN`): lengths are `u32`.
+pub const MAX_MESSAGE_LEN: u64 = u32::MAX as u64;
+
+/// Smallest path MTU (UDP payload bytes) an endpoint accepts (`MIN_MTU`).
+pub const MIN_MTU: u16 = 256;
+
+/// Largest path MTU (UDP payload bytes) an endpoint accepts (`MAX_MTU`).
+pub const MAX_MTU: u16 = 9_000;
+
+/// Size of a HELLO packet; HELLOs are padded to it so that the server's
+/// stateless COOKIE reply is never larger than the request (`HELLO_LEN`).
+pub const HELLO_LEN: usize = 64;
+
+/// Size of the cookie a server hands out (`COOKIE_LEN`).
+pub const COOKIE_LEN: usize = 16;
+
+/// How long a cookie stays valid (`COOKIE_LIFETIME`).
+pub const COOKIE_LIFETIME: Duration = Duration::from_secs(10);
+
+/// Largest number of ACK options' bytes accepted after the entries (`MAX_OPTIONS_LEN`).
+pub const MAX_OPTIONS_LEN: usize = 256;
+
+/// Default UDP payload MTU of a path: a 4 KiB payload plus headers (`DEFAULT_MTU`).
+pub const DEFAULT_MTU: u16 = 4_096 + 64;
+
+/// Default number of paths per connection (`DEFAULT_PATHS`).
+pub const DEFAULT_PATHS: u8 = 8;
+
+/// Default initial retransmission timeout (`DEFAULT_INITIAL_RTO`).
+pub const DEFAULT_INITIAL_RTO: Duration = Duration::from_millis(1);
+
+/// Default lower bound of the retransmission timeout (`DEFAULT_MIN_RTO`).
+pub const DEFAULT_MIN_RTO: Duration = Duration::from_micros(500);
+
+/// Default upper bound of the retransmission timeout (`DEFAULT_MAX_RTO`).
+pub const DEFAULT_MAX_RTO: Duration = Duration::from_millis(500);
+
+/// Default number of consecutive timeouts without progress before a
+/// connection fails with retry-exceeded (`DEFAULT_RETRY_CNT`, as `retry_cnt` in verbs).
+pub const DEFAULT_RETRY_CNT: u8 = 7;
+
+/// Default number of RNR retries before a request fails (`DEFAULT_RNR_RETRY`).
+/// The value 7 means "retry forever", as in verbs.
+pub const DEFAULT_RNR_RETRY: u8 = 7;
+
+/// Default time a requester waits after an RNR NAK before retrying (`DEFAULT_RNR_TIMER`).
+pub const DEFAULT_RNR_TIMER: Duration = Duration::from_micros(100);
+
+/// Default delayed-ACK timer (`DEFAULT_ACK_DELAY`).
+pub const DEFAULT_ACK_DELAY: Duration = Duration::from_micros(20);
+
+/// Default number of data packets a receiver takes before it sends an ACK
+/// without waiting for the delayed-ACK timer (`DEFAULT_ACK_EVERY`).
+pub const DEFAULT_ACK_EVERY: u32 = 4;
+
+/// Default handshake retransmission interval (`DEFAULT_HANDSHAKE_RTO`).
+pub const DEFAULT_HANDSHAKE_RTO: Duration = Duration::from_millis(100);
+
+/// Default number of HELLO attempts before a connection attempt fails (`DEFAULT_HANDSHAKE_RETRIES`).
+pub const DEFAULT_HANDSHAKE_RETRIES: u8 = 8;
+
+/// Default initial congestion window of a connection, in bytes (`DEFAULT_INITIAL_WINDOW`).
+pub const DEFAULT_INITIAL_WINDOW: u64 = 256 * 1024;
+
+/// Default largest congestion window of a connection, in bytes (`DEFAULT_MAX_WINDOW`).
+pub const DEFAULT_MAX_WINDOW: u64 = 64 * 1024 * 1024;
+
+/// Default smallest congestion window of a connection, in bytes (`DEFAULT_MIN_WINDOW`).
+pub const DEFAULT_MIN_WINDOW: u64 = 8 * 1024;
+
+/// Default largest number of outstanding RDMA READs per QP (`DEFAULT_MAX_RD_ATOMIC`).
+pub const DEFAULT_MAX_RD_ATOMIC: u8 = 16;

@@ -1,0 +1,498 @@
+//! ACK packets: per-path cumulative point and 256-bit SACK, the connection's
+//! CSN point, per-stream progress, NAKs, the receiver's rate hint and options.
+//!
+//! Fixed part (28 bytes):
+//!
+//! | offset | size | field | meaning |
+//! |---|---|---|---|
+//! | 0 | 8 | common header | type `0x02`; byte 2 `flags`, byte 3 reserved |
+//! | 8 | 4 | `cum_csn` | every CSN before it has been received |
+//! | 12 | 4 | `ts_echo` | `tx_ts` of the packet that triggered this ACK |
+//! | 16 | 4 | `ack_delay_ns` | time the receiver held that packet before acking |
+//! | 20 | 4 | `rate_hint_kbps` | receiver's grant for this sender (0: none) |
+//! | 24 | 1 | `n_paths` | number of path entries |
+//! | 25 | 1 | `n_streams` | number of stream entries |
+//! | 26 | 1 | `n_naks` | number of NAK entries |
+//! | 27 | 1 | `echo_path` | path id of the packet `ts_echo` came from |
+//!
+//! Then `n_paths` [`AckPathEntry`] (48 bytes each), `n_streams`
+//! [`AckStreamEntry`] (8 bytes each), `n_naks` [`NakEntry`] (12 bytes each),
+//! then options as TLVs (`kind` u8, `len` u8, value) to the end of the datagram.
+//! An option whose `kind` has the high bit set is critical: a receiver that
+//! does not know it rejects the packet. Others are skipped.
+
+use super::{check_len, check_out, expect_type, get_u16, get_u32, put_common, put_u16, put_u32, PacketType, WireError};
+use crate::consts::{
+    ACK_HEADER_LEN, ACK_NAK_ENTRY_LEN, ACK_PATH_ENTRY_LEN, ACK_STREAM_ENTRY_LEN, MAX_OPTIONS_LEN, MAX_PATHS, SACK_BYTES,
+};
+
+/// The fixed fields of an ACK.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AckHeader {
+    /// Flags byte (none defined in version 1; sent as 0, ignored).
+    pub flags: u8,
+    /// Destination connection id.
+    pub dst_cid: u32,
+    /// Every CSN before this one has been received.
+    pub cum_csn: u32,
+    /// `tx_ts` echoed from the packet that triggered this ACK.
+    pub ts_echo: u32,
+    /// Time between that packet's arrival and this ACK, ns.
+    pub ack_delay_ns: u32,
+    /// Receiver's rate grant for this sender in kbit/s; 0 means no limit.
+    pub rate_hint_kbps: u32,
+    /// Path id `ts_echo` came from.
+    pub echo_path: u8,
+}
+
+/// Per-path acknowledgement state.
+///
+/// | offset | size | field |
+/// |---|---|---|
+/// | 0 | 1 | `path_id` |
+/// | 1 | 1 | `flags` (sent as 0) |
+/// | 2 | 2 | reserved |
+/// | 4 | 4 | `ack_psn`: every PSN before it was received on this path |
+/// | 8 | 32 | `sack`: bit `i` (byte `i/8`, bit `i%8` from the LSB) set means PSN `ack_psn + 1 + i` was received |
+/// | 40 | 4 | `rx_packets`: DATA packets received on this path (wrapping counter) |
+/// | 44 | 4 | `ce_packets`: of them, CE-marked (wrapping counter; the ECN echo) |
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AckPathEntry {
+    /// The sender's path index.
+    pub path_id: u8,
+    /// Next PSN expected in order on the path.
+    pub ack_psn: u32,
+    /// Selective acknowledgement bits for `ack_psn + 1 ..= ack_psn + 256`.
+    pub sack: [u8; SACK_BYTES],
+    /// Packets received on the path so far.
+    pub rx_packets: u32,
+    /// CE-marked packets received on the path so far.
+    pub ce_packets: u32,
+}
+
+impl AckPathEntry {
+    /// Whether PSN `ack_psn + 1 + i` is marked received.
+    pub fn sack_bit(&self, i: u32) -> bool {
+        let i = i as usize;
+        i < SACK_BYTES * 8 && self.sack[i / 8] & (1 << (i % 8)) != 0
+    }
+}
+
+/// Per-stream progress: every message before `msn_done` of the requester's
+/// QP `qpn` has been executed by the responder (placed, consumed, or answered).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AckStreamEntry {
+    /// QP number at the ACK's receiver (the requester).
+    pub qpn: u32,
+    /// First message not yet executed.
+    pub msn_done: u32,
+}
+
+/// Why a request was refused ([`NakEntry::code`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum NakCode {
+    /// Receiver not ready: no receive posted; retry after `rnr_timer_us`.
+    Rnr = 1,
+    /// Bad rkey, out-of-bounds address or missing access right.
+    RemoteAccess = 2,
+    /// A request the responder cannot carry out (too long for the receive buffer, bad opcode, ...).
+    InvalidRequest = 3,
+    /// The responder's QP is in the error state.
+    RemoteOperation = 4,
+}
+
+impl NakCode {
+    /// Decodes a NAK code.
+    pub fn from_u8(v: u8) -> Result<Self, WireError> {
+        Ok(match v {
+            1 => Self::Rnr,
+            2 => Self::RemoteAccess,
+            3 => Self::InvalidRequest,
+            4 => Self::RemoteOperation,
+            _ => return Err(WireError::InvalidField("nak code")),
+        })
+    }
+}
+
+/// A negative acknowledgement of one message.
+///
+/// | offset | size | field |
+/// |---|---|---|
+/// | 0 | 4 | `qpn` (requester's) |
+/// | 4 | 4 | `msn` |
+/// | 8 | 1 | `code` |
+/// | 9 | 1 | `gen` of the refused request |
+/// | 10 | 2 | `rnr_timer_us` (RNR only) |
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NakEntry {
+    /// QP number at the ACK's receiver.
+    pub qpn: u32,
+    /// Refused message.
+    pub msn: u32,
+    /// Reason.
+    pub code: NakCode,
+    /// Generation of the refused attempt.
+    pub gen: u8,
+    /// For RNR: how long to wait before retrying, µs.
+    pub rnr_timer_us: u16,
+}
+
+/// One TLV option of an ACK.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AckOption<'a> {
+    /// Option kind; high bit set means critical.
+    pub kind: u8,
+    /// Option value.
+    pub value: &'a [u8],
+}
+
+/// A validated, zero-copy view of an ACK packet.
+#[derive(Debug, Clone, Copy)]
+pub struct AckPacket<'a> {
+    buf: &'a [u8],
+    header: AckHeader,
+    n_paths: usize,
+    n_streams: usize,
+    n_naks: usize,
+}
+
+impl<'a> AckPacket<'a> {
+    /// Validates an ACK: lengths, entry counts, path ids, NAK codes, options.
+    ///
+    /// `known_option` says which option kinds the caller understands; an
+    /// unknown critical option rejects the packet.
+    pub fn parse(buf: &'a [u8], known_option: impl Fn(u8) -> bool) -> Result<Self, WireError> {
+        expect_type(buf, PacketType::Ack, ACK_HEADER_LEN)?;
+        let n_paths = usize::from(buf[24]);
+        let n_streams = usize::from(buf[25]);
+        let n_naks = usize::from(buf[26]);
+        if n_paths > MAX_PATHS {
+            return Err(WireError::InvalidField("n_paths"));
+        }
+        let entries_end =
+            ACK_HEADER_LEN + n_paths * ACK_PATH_ENTRY_LEN + n_streams * ACK_STREAM_ENTRY_LEN + n_naks * ACK_NAK_ENTRY_LEN;
+        check_len(buf, entries_end)?;
+        let header = AckHeader {
+            flags: buf[2],
+            dst_cid: get_u32(buf, 4),
+            cum_csn: get_u32(buf, 8),
+            ts_echo: get_u32(buf, 12),
+            ack_delay_ns: get_u32(buf, 16),
+            rate_hint_kbps: get_u32(buf, 20),
+            echo_path: buf[27],
+        };
+        let pkt = AckPacket {
+            buf,
+            header,
+            n_paths,
+            n_streams,
+            n_naks,
+        };
+        for i in 0..n_paths {
+            if usize::from(buf[ACK_HEADER_LEN + i * ACK_PATH_ENTRY_LEN]) >= MAX_PATHS {
+                return Err(WireError::InvalidField("path_id"));
+            }
+        }
+        let naks_at = pkt.naks_offset();
+        for i in 0..n_naks {
+            NakCode::from_u8(buf[naks_at + i * ACK_NAK_ENTRY_LEN + 8])?;
+        }
+        let opts = &buf[entries_end..];
+        if opts.len() > MAX_OPTIONS_LEN {
+            return Err(WireError::InvalidField("options length"));
+        }
+        let mut at = 0;
+        while at < opts.len() {
+            check_len(&opts[at..], 2)?;
+            let kind = opts[at];
+            let len = usize::from(opts[at + 1]);
+            check_len(&opts[at + 2..], len)?;
+            if kind & 0x80 != 0 && !known_option(kind) {
+                return Err(WireError::UnknownCriticalOption(kind));
+            }
+            at += 2 + len;
+        }
+        Ok(pkt)
+    }
+
+    fn streams_offset(&self) -> usize {
+        ACK_HEADER_LEN + self.n_paths * ACK_PATH_ENTRY_LEN
+    }
+
+    fn naks_offset(&self) -> usize {
+        self.streams_offset() + self.n_streams * ACK_STREAM_ENTRY_LEN
+    }
+
+    fn options_offset(&self) -> usize {
+        self.naks_offset() + self.n_naks * ACK_NAK_ENTRY_LEN
+    }
+
+    /// The fixed fields.
+    pub fn header(&self) -> &AckHeader {
+        &self.header
+    }
+
+    /// The per-path entries.
+    pub fn paths(&self) -> impl Iterator<Item = AckPathEntry> + 'a {
+        let buf = self.buf;
+        (0..self.n_paths).map(move |i| {
+            let b = &buf[ACK_HEADER_LEN + i * ACK_PATH_ENTRY_LEN..];
+            let mut sack = [0u8; SACK_BYTES];
+            sack.copy_from_slice(&b[8..8 + SACK_BYTES]);
+            AckPathEntry {
+                path_id: b[0],
+                ack_psn: get_u32(b, 4),
+                sack,
+                rx_packets: get_u32(b, 40),
+                ce_packets: get_u32(b, 44),
+            }
+        })
+    }
+
+    /// The per-stream entries.
+    pub fn streams(&self) -> impl Iterator<Item = AckStreamEntry> + 'a {
+        let buf = self.buf;
+        let at = self.streams_offset();
+        (0..self.n_streams).map(move |i| {
+            let b = &buf[at + i * ACK_STREAM_ENTRY_LEN..];
+            AckStreamEntry {
+                qpn: get_u32(b, 0),
+                msn_done: get_u32(b, 4),
+            }
+        })
+    }
+
+    /// The NAK entries.
+    pub fn naks(&self) -> impl Iterator<Item = NakEntry> + 'a {
+        let buf = self.buf;
+        let at = self.naks_offset();
+        (0..self.n_naks).map(move |i| {
+            let b = &buf[at + i * ACK_NAK_ENTRY_LEN..];
+            NakEntry {
+                qpn: get_u32(b, 0),
+                msn: get_u32(b, 4),
+                // Validated in `parse`.
+                code: NakCode::from_u8(b[8]).unwrap_or(NakCode::InvalidRequest),
+                gen: b[9],
+                rnr_timer_us: get_u16(b, 10),
+            }
+        })
+    }
+
+    /// The options, in order.
+    pub fn options(&self) -> impl Iterator<Item = AckOption<'a>> + 'a {
+        let opts = &self.buf[self.options_offset()..];
+        let mut at = 0;
+        core::iter::from_fn(move || {
+            if at + 2 > opts.len() {
+                return None;
+            }
+            let kind = opts[at];
+            let len = usize::from(opts[at + 1]);
+            let value = opts.get(at + 2..at + 2 + len)?;
+            at += 2 + len;
+            Some(AckOption { kind, value })
+        })
+    }
+}
+
+/// Writes an ACK into a caller-owned buffer, entry by entry, without allocating.
+///
+/// Entries must be added in order: paths, then streams, then NAKs, then options.
+///
+/// ```
+/// use metaroce_proto::wire::{AckBuilder, AckHeader, AckPacket, AckPathEntry};
+/// let mut buf = [0u8; 512];
+/// let mut b = AckBuilder::new(&mut buf, AckHeader { dst_cid: 1, cum_csn: 10, ..Default::default() }).unwrap();
+/// b.push_path(&AckPathEntry { path_id: 0, ack_psn: 4, sack: [0; 32], rx_packets: 4, ce_packets: 0 }).unwrap();
+/// let n = b.finish();
+/// let ack = AckPacket::parse(&buf[..n], |_| false).unwrap();
+/// assert_eq!(ack.header().cum_csn, 10);
+/// assert_eq!(ack.paths().next().unwrap().ack_psn, 4);
+/// ```
+#[derive(Debug)]
+pub struct AckBuilder<'b> {
+    buf: &'b mut [u8],
+    len: usize,
+    stage: u8,
+}
+
+impl<'b> AckBuilder<'b> {
+    /// Starts an ACK with the given fixed fields.
+    pub fn new(buf: &'b mut [u8], h: AckHeader) -> Result<Self, WireError> {
+        check_out(buf, ACK_HEADER_LEN)?;
+        put_common(buf, PacketType::Ack, h.flags, 0, h.dst_cid);
+        put_u32(buf, 8, h.cum_csn);
+        put_u32(buf, 12, h.ts_echo);
+        put_u32(buf, 16, h.ack_delay_ns);
+        put_u32(buf, 20, h.rate_hint_kbps);
+        buf[24] = 0;
+        buf[25] = 0;
+        buf[26] = 0;
+        buf[27] = h.echo_path;
+        Ok(AckBuilder {
+            buf,
+            len: ACK_HEADER_LEN,
+            stage: 0,
+        })
+    }
+
+    /// Bytes left in the buffer.
+    pub fn remaining(&self) -> usize {
+        self.buf.len() - self.len
+    }
+
+    fn advance(&mut self, stage: u8, count_at: usize, entry_len: usize, limit: u8) -> Result<usize, WireError> {
+        if self.stage > stage {
+            return Err(WireError::InvalidField("entry order"));
+        }
+        if self.buf[count_at] == limit {
+            return Err(WireError::InvalidField("entry count"));
+        }
+        check_out(&self.buf[self.len..], entry_len)?;
+        self.stage = stage;
+        self.buf[count_at] += 1;
+        let at = self.len;
+        self.len += entry_len;
+        Ok(at)
+    }
+
+    /// Adds a path entry.
+    pub fn push_path(&mut self, e: &AckPathEntry) -> Result<(), WireError> {
+        if usize::from(e.path_id) >= MAX_PATHS {
+            return Err(WireError::InvalidField("path_id"));
+        }
+        let at = self.advance(0, 24, ACK_PATH_ENTRY_LEN, MAX_PATHS as u8)?;
+        let b = &mut self.buf[at..at + ACK_PATH_ENTRY_LEN];
+        b[0] = e.path_id;
+        b[1] = 0;
+        put_u16(b, 2, 0);
+        put_u32(b, 4, e.ack_psn);
+        b[8..8 + SACK_BYTES].copy_from_slice(&e.sack);
+        put_u32(b, 40, e.rx_packets);
+        put_u32(b, 44, e.ce_packets);
+        Ok(())
+    }
+
+    /// Adds a stream entry.
+    pub fn push_stream(&mut self, e: &AckStreamEntry) -> Result<(), WireError> {
+        let at = self.advance(1, 25, ACK_STREAM_ENTRY_LEN, u8::MAX)?;
+        put_u32(self.buf, at, e.qpn);
+        put_u32(self.buf, at + 4, e.msn_done);
+        Ok(())
+    }
+
+    /// Adds a NAK entry.
+    pub fn push_nak(&mut self, e: &NakEntry) -> Result<(), WireError> {
+        let at = self.advance(2, 26, ACK_NAK_ENTRY_LEN, u8::MAX)?;
+        put_u32(self.buf, at, e.qpn);
+        put_u32(self.buf, at + 4, e.msn);
+        self.buf[at + 8] = e.code as u8;
+        self.buf[at + 9] = e.gen;
+        put_u16(self.buf, at + 10, e.rnr_timer_us);
+        Ok(())
+    }
+
+    /// Adds an option.
+    pub fn push_option(&mut self, kind: u8, value: &[u8]) -> Result<(), WireError> {
+        let len = u8::try_from(value.len()).map_err(|_| WireError::InvalidField("option length"))?;
+        check_out(&self.buf[self.len..], 2 + value.len())?;
+        self.stage = 3;
+        self.buf[self.len] = kind;
+        self.buf[self.len + 1] = len;
+        self.buf[self.len + 2..self.len + 2 + value.len()].copy_from_slice(value);
+        self.len += 2 + value.len();
+        Ok(())
+    }
+
+    /// Whether another entry of `entry_len` bytes fits.
+    pub fn fits(&self, entry_len: usize) -> bool {
+        self.remaining() >= entry_len
+    }
+
+    /// Number of entries of each kind so far: (paths, streams, naks).
+    pub fn counts(&self) -> (u8, u8, u8) {
+        (self.buf[24], self.buf[25], self.buf[26])
+    }
+
+    /// Finishes the ACK; returns its length.
+    pub fn finish(self) -> usize {
+        self.len
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn build(buf: &mut [u8]) -> usize {
+        let mut b = AckBuilder::new(
+            buf,
+            AckHeader {
+                flags: 0,
+                dst_cid: 77,
+                cum_csn: 1000,
+                ts_echo: 5,
+                ack_delay_ns: 600,
+                rate_hint_kbps: 12_500_000,
+                echo_path: 3,
+            },
+        )
+        .unwrap();
+        let mut sack = [0u8; SACK_BYTES];
+        sack[0] = 0b101;
+        sack[31] = 0x80;
+        b.push_path(&AckPathEntry { path_id: 3, ack_psn: 10, sack, rx_packets: 20, ce_packets: 2 }).unwrap();
+        b.push_path(&AckPathEntry { path_id: 4, ack_psn: 11, sack: [0; 32], rx_packets: 1, ce_packets: 0 }).unwrap();
+        b.push_stream(&AckStreamEntry { qpn: 9, msn_done: 3 }).unwrap();
+        b.push_nak(&NakEntry { qpn: 9, msn: 3, code: NakCode::Rnr, gen: 1, rnr_timer_us: 100 }).unwrap();
+        b.push_option(0x01, b"hi").unwrap();
+        b.finish()
+    }
+
+    #[test]
+    fn round_trip() {
+        let mut buf = [0u8; 512];
+        let n = build(&mut buf);
+        let a = AckPacket::parse(&buf[..n], |_| false).unwrap();
+        assert_eq!(a.header().cum_csn, 1000);
+        assert_eq!(a.header().rate_hint_kbps, 12_500_000);
+        assert_eq!(a.header().echo_path, 3);
+        let p: Vec<_> = a.paths().collect();
+        assert_eq!(p.len(), 2);
+        assert!(p[0].sack_bit(0) && !p[0].sack_bit(1) && p[0].sack_bit(2) && p[0].sack_bit(255));
+        assert!(!p[0].sack_bit(256));
+        assert_eq!(p[1].ack_psn, 11);
+        assert_eq!(a.streams().collect::<Vec<_>>(), vec![AckStreamEntry { qpn: 9, msn_done: 3 }]);
+        let naks: Vec<_> = a.naks().collect();
+        assert_eq!(naks[0].code, NakCode::Rnr);
+        assert_eq!(naks[0].rnr_timer_us, 100);
+        let opts: Vec<_> = a.options().collect();
+        assert_eq!(opts, vec![AckOption { kind: 1, value: b"hi" }]);
+        for cut in 0..n - 4 {
+            assert!(AckPacket::parse(&buf[..cut], |_| false).is_err(), "cut {cut}");
+        }
+    }
+
+    #[test]
+    fn critical_options_and_order() {
+        let mut buf = [0u8; 512];
+        let mut b = AckBuilder::new(&mut buf, AckHeader::default()).unwrap();
+        b.push_stream(&AckStreamEntry { qpn: 1, msn_done: 1 }).unwrap();
+        assert!(b.push_path(&AckPathEntry { path_id: 0, ack_psn: 0, sack: [0; 32], rx_packets: 0, ce_packets: 0 }).is_err());
+        b.push_option(0x81, &[]).unwrap();
+        let n = b.finish();
+        assert_eq!(AckPacket::parse(&buf[..n], |_| false).unwrap_err(), WireError::UnknownCriticalOption(0x81));
+        assert!(AckPacket::parse(&buf[..n], |k| k == 0x81).is_ok());
+    }
+
+    #[test]
+    fn rejects_bad_nak_code() {
+        let mut buf = [0u8; 512];
+        let n = build(&mut buf);
+        let nak_code_at = ACK_HEADER_LEN + 2 * ACK_PATH_ENTRY_LEN + ACK_STREAM_ENTRY_LEN + 8;
+        buf[nak_code_at] = 0;
+        assert_eq!(AckPacket::parse(&buf[..n], |_| false).unwrap_err(), WireError::InvalidField("nak code"));
+    }
+}

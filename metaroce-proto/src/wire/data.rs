@@ -1,0 +1,412 @@
+//! DATA packets: every packet carries its own destination.
+//!
+//! Fixed part (40 bytes, after which the opcode extension and the payload follow):
+//!
+//! | offset | size | field | meaning |
+//! |---|---|---|---|
+//! | 0 | 1 | `version` | [`VERSION`](crate::consts::VERSION) |
+//! | 1 | 1 | `type` | `0x01` |
+//! | 2 | 1 | `opcode` | [`Opcode`] |
+//! | 3 | 1 | `flags` | [`data_flags`] |
+//! | 4 | 4 | `dst_cid` | receiver's connection id |
+//! | 8 | 4 | `dst_qpn` | receiver's queue pair number (the stream) |
+//! | 12 | 1 | `path_id` | sender's path index |
+//! | 13 | 1 | `gen` | request generation (bumped on each RNR retry) |
+//! | 14 | 2 | reserved | sent as 0, ignored |
+//! | 16 | 4 | `psn` | per-path sequence number |
+//! | 20 | 4 | `csn` | connection sequence number (kept across retransmissions) |
+//! | 24 | 4 | `tx_ts` | sender timestamp, ns, truncated to 32 bits |
+//! | 28 | 4 | `msn` | message sequence number within the stream |
+//! | 32 | 4 | `msg_len` | total length of the message in bytes |
+//! | 36 | 4 | `msg_offset` | offset of this payload inside the message |
+
+use super::{check_len, check_out, expect_type, get_u32, get_u64, put_common, put_u32, put_u64, PacketType, WireError};
+use crate::consts::DATA_HEADER_LEN;
+
+/// Flag bits of a DATA packet (`flags` byte).
+pub mod data_flags {
+    /// The receiver should acknowledge this packet at once.
+    pub const ACK_REQ: u8 = 0x01;
+    /// This packet is a retransmission (informational).
+    pub const RETRANSMIT: u8 = 0x02;
+    /// The sender's IP layer marked it ECN-capable (informational).
+    pub const ECT: u8 = 0x04;
+}
+
+/// The operation a DATA packet belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Opcode {
+    /// Part of a SEND; matched to a posted receive by `recv_seq`.
+    Send = 0x01,
+    /// Part of a SEND with immediate data.
+    SendImm = 0x02,
+    /// Part of an RDMA WRITE; placed at `rkey`/`remote_addr + msg_offset`.
+    Write = 0x03,
+    /// Part of an RDMA WRITE with immediate; consumes a posted receive.
+    WriteImm = 0x04,
+    /// An RDMA READ request for `msg_len` bytes at `rkey`/`remote_addr`.
+    ReadReq = 0x05,
+    /// Part of the response to an RDMA READ, placed by `msn`/`msg_offset`.
+    ReadResp = 0x06,
+    /// Carries only a CSN: a retransmission whose request no longer exists.
+    Nop = 0x07,
+}
+
+impl Opcode {
+    /// Decodes an opcode byte.
+    pub fn from_u8(v: u8) -> Result<Self, WireError> {
+        Ok(match v {
+            0x01 => Self::Send,
+            0x02 => Self::SendImm,
+            0x03 => Self::Write,
+            0x04 => Self::WriteImm,
+            0x05 => Self::ReadReq,
+            0x06 => Self::ReadResp,
+            0x07 => Self::Nop,
+            other => return Err(WireError::UnknownOpcode(other)),
+        })
+    }
+
+    /// Length of the extension that follows the fixed header for this opcode.
+    pub fn ext_len(self) -> usize {
+        match self {
+            Self::Send => 4,
+            Self::SendImm => 8,
+            Self::Write | Self::ReadReq => 12,
+            Self::WriteImm => 20,
+            Self::ReadResp | Self::Nop => 0,
+        }
+    }
+
+    /// Whether the packet may carry payload bytes.
+    pub fn carries_payload(self) -> bool {
+        !matches!(self, Self::ReadReq | Self::Nop)
+    }
+}
+
+/// The opcode-specific extension of a DATA header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpcodeExt {
+    /// SEND: `recv_seq` (u32).
+    Send {
+        /// Index of the receive work request this message consumes.
+        recv_seq: u32,
+    },
+    /// SEND_IMM: `recv_seq` (u32), `imm` (u32).
+    SendImm {
+        /// Index of the receive work request this message consumes.
+        recv_seq: u32,
+        /// Immediate data.
+        imm: u32,
+    },
+    /// WRITE: `rkey` (u32), `remote_addr` (u64) of the message's first byte.
+    Write {
+        /// Remote key.
+        rkey: u32,
+        /// Remote virtual address of byte 0 of the message.
+        remote_addr: u64,
+    },
+    /// WRITE_IMM: `rkey`, `remote_addr`, `recv_seq`, `imm`.
+    WriteImm {
+        /// Remote key.
+        rkey: u32,
+        /// Remote virtual address of byte 0 of the message.
+        remote_addr: u64,
+        /// Index of the receive work request this message consumes.
+        recv_seq: u32,
+        /// Immediate data.
+        imm: u32,
+    },
+    /// READ_REQ: `rkey`, `remote_addr`; the length is `msg_len`.
+    ReadReq {
+        /// Remote key.
+        rkey: u32,
+        /// Remote virtual address to read from.
+        remote_addr: u64,
+    },
+    /// READ_RESP: no extension.
+    ReadResp,
+    /// NOP: no extension.
+    Nop,
+}
+
+impl OpcodeExt {
+    /// The opcode this extension belongs to.
+    pub fn opcode(&self) -> Opcode {
+        match self {
+            Self::Send { .. } => Opcode::Send,
+            Self::SendImm { .. } => Opcode::SendImm,
+            Self::Write { .. } => Opcode::Write,
+            Self::WriteImm { .. } => Opcode::WriteImm,
+            Self::ReadReq { .. } => Opcode::ReadReq,
+            Self::ReadResp => Opcode::ReadResp,
+            Self::Nop => Opcode::Nop,
+        }
+    }
+}
+
+/// A validated DATA header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataHeader {
+    /// Operation; must agree with `ext`.
+    pub opcode: Opcode,
+    /// [`data_flags`] bits.
+    pub flags: u8,
+    /// Receiver's connection id.
+    pub dst_cid: u32,
+    /// Receiver's QP number.
+    pub dst_qpn: u32,
+    /// Sender's path index (`< MAX_PATHS`).
+    pub path_id: u8,
+    /// Request generation (RNR retries).
+    pub gen: u8,
+    /// Per-path sequence number.
+    pub psn: u32,
+    /// Connection sequence number.
+    pub csn: u32,
+    /// Sender timestamp (ns, truncated).
+    pub tx_ts: u32,
+    /// Message sequence number in the stream.
+    pub msn: u32,
+    /// Total message length.
+    pub msg_len: u32,
+    /// Offset of this payload in the message.
+    pub msg_offset: u32,
+    /// Opcode-specific fields.
+    pub ext: OpcodeExt,
+}
+
+impl DataHeader {
+    /// Total header length (fixed part plus extension).
+    pub fn header_len(&self) -> usize {
+        DATA_HEADER_LEN + self.opcode.ext_len()
+    }
+
+    /// Parses a DATA packet; returns the header and the payload.
+    ///
+    /// Checks lengths, the opcode, the path id range, and that the payload
+    /// lies inside the message (`msg_offset + payload <= msg_len`).
+    pub fn parse(buf: &[u8]) -> Result<(Self, &[u8]), WireError> {
+        expect_type(buf, PacketType::Data, DATA_HEADER_LEN)?;
+        let opcode = Opcode::from_u8(buf[2])?;
+        let hlen = DATA_HEADER_LEN + opcode.ext_len();
+        check_len(buf, hlen)?;
+        let path_id = buf[12];
+        if usize::from(path_id) >= crate::consts::MAX_PATHS {
+            return Err(WireError::InvalidField("path_id"));
+        }
+        let e = DATA_HEADER_LEN;
+        let ext = match opcode {
+            Opcode::Send => OpcodeExt::Send {
+                recv_seq: get_u32(buf, e),
+            },
+            Opcode::SendImm => OpcodeExt::SendImm {
+                recv_seq: get_u32(buf, e),
+                imm: get_u32(buf, e + 4),
+            },
+            Opcode::Write => OpcodeExt::Write {
+                rkey: get_u32(buf, e),
+                remote_addr: get_u64(buf, e + 4),
+            },
+            Opcode::WriteImm => OpcodeExt::WriteImm {
+                rkey: get_u32(buf, e),
+                remote_addr: get_u64(buf, e + 4),
+                recv_seq: get_u32(buf, e + 12),
+                imm: get_u32(buf, e + 16),
+            },
+            Opcode::ReadReq => OpcodeExt::ReadReq {
+                rkey: get_u32(buf, e),
+                remote_addr: get_u64(buf, e + 4),
+            },
+            Opcode::ReadResp => OpcodeExt::ReadResp,
+            Opcode::Nop => OpcodeExt::Nop,
+        };
+        let hdr = DataHeader {
+            opcode,
+            flags: buf[3],
+            dst_cid: get_u32(buf, 4),
+            dst_qpn: get_u32(buf, 8),
+            path_id,
+            gen: buf[13],
+            psn: get_u32(buf, 16),
+            csn: get_u32(buf, 20),
+            tx_ts: get_u32(buf, 24),
+            msn: get_u32(buf, 28),
+            msg_len: get_u32(buf, 32),
+            msg_offset: get_u32(buf, 36),
+            ext,
+        };
+        let payload = &buf[hlen..];
+        hdr.check_payload(payload.len())?;
+        Ok((hdr, payload))
+    }
+
+    fn check_payload(&self, payload: usize) -> Result<(), WireError> {
+        let out_of_message = WireError::PayloadOutOfMessage {
+            payload,
+            offset: self.msg_offset,
+            msg_len: self.msg_len,
+        };
+        if !self.opcode.carries_payload() {
+            if payload != 0 {
+                return Err(out_of_message);
+            }
+            if self.msg_offset != 0 {
+                return Err(WireError::InvalidField("msg_offset"));
+            }
+            return Ok(());
+        }
+        let end = u64::from(self.msg_offset) + payload as u64;
+        if end > u64::from(self.msg_len) {
+            return Err(out_of_message);
+        }
+        Ok(())
+    }
+
+    /// Writes the header followed by `payload` into `buf`; returns the packet length.
+    pub fn emit(&self, buf: &mut [u8], payload: &[u8]) -> Result<usize, WireError> {
+        let hlen = self.emit_header(buf, payload.len())?;
+        buf[hlen..hlen + payload.len()].copy_from_slice(payload);
+        Ok(hlen + payload.len())
+    }
+
+    /// Writes only the header into `buf`, for a payload of `payload_len` bytes
+    /// that the caller places at `buf[header_len()..]` itself (so that payload
+    /// can be copied straight from a memory region). Returns the header length.
+    pub fn emit_header(&self, buf: &mut [u8], payload_len: usize) -> Result<usize, WireError> {
+        if self.ext.opcode() != self.opcode {
+            return Err(WireError::InvalidField("opcode"));
+        }
+        if usize::from(self.path_id) >= crate::consts::MAX_PATHS {
+            return Err(WireError::InvalidField("path_id"));
+        }
+        self.check_payload(payload_len)?;
+        let hlen = self.header_len();
+        check_out(buf, hlen + payload_len)?;
+        put_common(buf, PacketType::Data, self.opcode as u8, self.flags, self.dst_cid);
+        put_u32(buf, 8, self.dst_qpn);
+        buf[12] = self.path_id;
+        buf[13] = self.gen;
+        buf[14] = 0;
+        buf[15] = 0;
+        put_u32(buf, 16, self.psn);
+        put_u32(buf, 20, self.csn);
+        put_u32(buf, 24, self.tx_ts);
+        put_u32(buf, 28, self.msn);
+        put_u32(buf, 32, self.msg_len);
+        put_u32(buf, 36, self.msg_offset);
+        let e = DATA_HEADER_LEN;
+        match self.ext {
+            OpcodeExt::Send { recv_seq } => put_u32(buf, e, recv_seq),
+            OpcodeExt::SendImm { recv_seq, imm } => {
+                put_u32(buf, e, recv_seq);
+                put_u32(buf, e + 4, imm);
+            }
+            OpcodeExt::Write { rkey, remote_addr } | OpcodeExt::ReadReq { rkey, remote_addr } => {
+                put_u32(buf, e, rkey);
+                put_u64(buf, e + 4, remote_addr);
+            }
+            OpcodeExt::WriteImm {
+                rkey,
+                remote_addr,
+                recv_seq,
+                imm,
+            } => {
+                put_u32(buf, e, rkey);
+                put_u64(buf, e + 4, remote_addr);
+                put_u32(buf, e + 12, recv_seq);
+                put_u32(buf, e + 16, imm);
+            }
+            OpcodeExt::ReadResp | OpcodeExt::Nop => {}
+        }
+        Ok(hlen)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(ext: OpcodeExt, len: u32) -> DataHeader {
+        DataHeader {
+            opcode: ext.opcode(),
+            flags: data_flags::ACK_REQ,
+            dst_cid: 0xdead_beef,
+            dst_qpn: 17,
+            path_id: 63,
+            gen: 2,
+            psn: u32::MAX,
+            csn: 1,
+            tx_ts: 99,
+            msn: 5,
+            msg_len: len,
+            msg_offset: 0,
+            ext,
+        }
+    }
+
+    #[test]
+    fn every_opcode_round_trips() {
+        let exts = [
+            OpcodeExt::Send { recv_seq: 3 },
+            OpcodeExt::SendImm { recv_seq: 4, imm: 0x1234 },
+            OpcodeExt::Write { rkey: 5, remote_addr: u64::MAX - 8 },
+            OpcodeExt::WriteImm { rkey: 6, remote_addr: 7, recv_seq: 8, imm: 9 },
+            OpcodeExt::ReadReq { rkey: 10, remote_addr: 11 },
+            OpcodeExt::ReadResp,
+            OpcodeExt::Nop,
+        ];
+        for ext in exts {
+            let payload: &[u8] = if ext.opcode().carries_payload() { b"xyz" } else { b"" };
+            let h = sample(ext, 100);
+            let mut buf = [0u8; 256];
+            let n = h.emit(&mut buf, payload).unwrap();
+            assert_eq!(n, h.header_len() + payload.len());
+            let (p, pl) = DataHeader::parse(&buf[..n]).unwrap();
+            assert_eq!(p, h);
+            assert_eq!(pl, payload);
+            // Every truncation is rejected.
+            for cut in 0..h.header_len() {
+                assert!(DataHeader::parse(&buf[..cut]).is_err(), "cut {cut} of {ext:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_payload_outside_message() {
+        let mut h = sample(OpcodeExt::Write { rkey: 1, remote_addr: 0 }, 10);
+        h.msg_offset = 8;
+        let mut buf = [0u8; 128];
+        assert!(matches!(h.emit(&mut buf, b"abc"), Err(WireError::PayloadOutOfMessage { .. })));
+        let n = h.emit(&mut buf, b"ab").unwrap();
+        // Grow the datagram behind the header's back: the decoder must notice.
+        buf[n] = 0;
+        assert!(matches!(DataHeader::parse(&buf[..n + 1]), Err(WireError::PayloadOutOfMessage { .. })));
+    }
+
+    #[test]
+    fn rejects_bad_opcode_and_path() {
+        let h = sample(OpcodeExt::Send { recv_seq: 0 }, 0);
+        let mut buf = [0u8; 128];
+        let n = h.emit(&mut buf, b"").unwrap();
+        let mut bad = buf;
+        bad[2] = 0x55;
+        assert_eq!(DataHeader::parse(&bad[..n]), Err(WireError::UnknownOpcode(0x55)));
+        let mut bad = buf;
+        bad[12] = 64;
+        assert_eq!(DataHeader::parse(&bad[..n]), Err(WireError::InvalidField("path_id")));
+        let mut bad = buf;
+        bad[1] = PacketType::Ack as u8;
+        assert_eq!(DataHeader::parse(&bad[..n]), Err(WireError::InvalidField("type")));
+    }
+
+    #[test]
+    fn read_request_carries_no_payload() {
+        let h = sample(OpcodeExt::ReadReq { rkey: 1, remote_addr: 2 }, 1 << 30);
+        let mut buf = [0u8; 128];
+        assert!(h.emit(&mut buf, b"x").is_err());
+        let n = h.emit(&mut buf, b"").unwrap();
+        assert!(DataHeader::parse(&buf[..n + 1]).is_err());
+    }
+}

@@ -1,0 +1,388 @@
+//! Connection handshake and teardown: HELLO, COOKIE, ACCEPT, CLOSE, VERSION_NEGOTIATION.
+//!
+//! A client sends HELLO; a server that has no state for it answers with a
+//! stateless COOKIE bound to the client's address; the client repeats HELLO
+//! carrying the cookie; the server checks it, creates the connection and
+//! answers ACCEPT. A spoofed source never sees the cookie, so it cannot make
+//! the server keep state. HELLO is padded to [`HELLO_LEN`] so that no reply
+//! is larger than the request.
+//!
+//! Version-independent invariants: byte 0 is the version, byte 1 the type,
+//! bytes 4..8 `dst_cid`, and a HELLO carries its `src_cid` at bytes 8..12, in
+//! every version. A VERSION_NEGOTIATION packet has version byte 0.
+
+use super::{check_len, check_out, expect_type, get_u16, get_u32, put_common, put_u16, put_u32, PacketType, WireError};
+use crate::consts::{COOKIE_LEN, HELLO_LEN, MAX_MTU, MAX_PATHS, MIN_MTU, VERSION};
+
+/// HELLO flag: a cookie is present.
+const HELLO_HAS_COOKIE: u8 = 0x01;
+
+/// HELLO: a client's connection request.
+///
+/// | offset | size | field |
+/// |---|---|---|
+/// | 0 | 8 | common header, type `0x10`, byte 2 `flags` (`0x01`: cookie present), `dst_cid` 0 |
+/// | 8 | 4 | `src_cid`: the client's connection id |
+/// | 12 | 2 | `listen_port`: UDP port the client receives on |
+/// | 14 | 2 | `mtu`: largest UDP payload the client takes |
+/// | 16 | 1 | `max_paths`: paths the client will spray over |
+/// | 17 | 3 | reserved |
+/// | 20 | 16 | `cookie` (zero when absent) |
+/// | 36 | 28 | padding (zero) |
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hello {
+    /// Client connection id (non-zero).
+    pub src_cid: u32,
+    /// Client's receive port.
+    pub listen_port: u16,
+    /// Client's MTU.
+    pub mtu: u16,
+    /// Client's path count.
+    pub max_paths: u8,
+    /// Cookie from a previous COOKIE reply.
+    pub cookie: Option<[u8; COOKIE_LEN]>,
+}
+
+impl Hello {
+    /// Parses a HELLO.
+    pub fn parse(buf: &[u8]) -> Result<Self, WireError> {
+        expect_type(buf, PacketType::Hello, HELLO_LEN)?;
+        let src_cid = get_u32(buf, 8);
+        if src_cid == 0 {
+            return Err(WireError::InvalidField("src_cid"));
+        }
+        let mtu = get_u16(buf, 14);
+        if !(MIN_MTU..=MAX_MTU).contains(&mtu) {
+            return Err(WireError::InvalidField("mtu"));
+        }
+        let max_paths = buf[16];
+        if max_paths == 0 || usize::from(max_paths) > MAX_PATHS {
+            return Err(WireError::InvalidField("max_paths"));
+        }
+        let cookie = if buf[2] & HELLO_HAS_COOKIE != 0 {
+            let mut c = [0u8; COOKIE_LEN];
+            c.copy_from_slice(&buf[20..20 + COOKIE_LEN]);
+            Some(c)
+        } else {
+            None
+        };
+        Ok(Hello {
+            src_cid,
+            listen_port: get_u16(buf, 12),
+            mtu,
+            max_paths,
+            cookie,
+        })
+    }
+
+    /// Writes a HELLO (always [`HELLO_LEN`] bytes).
+    pub fn emit(&self, buf: &mut [u8]) -> Result<usize, WireError> {
+        check_out(buf, HELLO_LEN)?;
+        buf[..HELLO_LEN].fill(0);
+        let flags = if self.cookie.is_some() { HELLO_HAS_COOKIE } else { 0 };
+        put_common(buf, PacketType::Hello, flags, 0, 0);
+        put_u32(buf, 8, self.src_cid);
+        put_u16(buf, 12, self.listen_port);
+        put_u16(buf, 14, self.mtu);
+        buf[16] = self.max_paths;
+        if let Some(c) = &self.cookie {
+            buf[20..20 + COOKIE_LEN].copy_from_slice(c);
+        }
+        Ok(HELLO_LEN)
+    }
+}
+
+/// COOKIE: a server's stateless answer to a HELLO without a valid cookie.
+///
+/// | offset | size | field |
+/// |---|---|---|
+/// | 0 | 8 | common header, type `0x11`, `dst_cid` = the HELLO's `src_cid` |
+/// | 8 | 16 | `cookie` |
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CookieReply {
+    /// The client's connection id.
+    pub dst_cid: u32,
+    /// The cookie to echo.
+    pub cookie: [u8; COOKIE_LEN],
+}
+
+impl CookieReply {
+    /// Length on the wire.
+    pub const LEN: usize = 8 + COOKIE_LEN;
+
+    /// Parses a COOKIE.
+    pub fn parse(buf: &[u8]) -> Result<Self, WireError> {
+        expect_type(buf, PacketType::Cookie, Self::LEN)?;
+        let mut cookie = [0u8; COOKIE_LEN];
+        cookie.copy_from_slice(&buf[8..8 + COOKIE_LEN]);
+        Ok(CookieReply {
+            dst_cid: get_u32(buf, 4),
+            cookie,
+        })
+    }
+
+    /// Writes a COOKIE.
+    pub fn emit(&self, buf: &mut [u8]) -> Result<usize, WireError> {
+        check_out(buf, Self::LEN)?;
+        put_common(buf, PacketType::Cookie, 0, 0, self.dst_cid);
+        buf[8..8 + COOKIE_LEN].copy_from_slice(&self.cookie);
+        Ok(Self::LEN)
+    }
+}
+
+/// ACCEPT: the server created the connection.
+///
+/// | offset | size | field |
+/// |---|---|---|
+/// | 0 | 8 | common header, type `0x12`, `dst_cid` = the client's cid |
+/// | 8 | 4 | `src_cid`: the server's connection id |
+/// | 12 | 2 | `listen_port`: UDP port the server receives on |
+/// | 14 | 2 | `mtu`: the connection's MTU (the smaller of both) |
+/// | 16 | 1 | `max_paths`: the server's path count |
+/// | 17 | 3 | reserved |
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Accept {
+    /// The client's connection id.
+    pub dst_cid: u32,
+    /// The server's connection id.
+    pub src_cid: u32,
+    /// Server's receive port.
+    pub listen_port: u16,
+    /// Negotiated MTU.
+    pub mtu: u16,
+    /// Server's path count.
+    pub max_paths: u8,
+}
+
+impl Accept {
+    /// Length on the wire.
+    pub const LEN: usize = 20;
+
+    /// Parses an ACCEPT.
+    pub fn parse(buf: &[u8]) -> Result<Self, WireError> {
+        expect_type(buf, PacketType::Accept, Self::LEN)?;
+        let src_cid = get_u32(buf, 8);
+        if src_cid == 0 {
+            return Err(WireError::InvalidField("src_cid"));
+        }
+        let mtu = get_u16(buf, 14);
+        if !(MIN_MTU..=MAX_MTU).contains(&mtu) {
+            return Err(WireError::InvalidField("mtu"));
+        }
+        let max_paths = buf[16];
+        if max_paths == 0 || usize::from(max_paths) > MAX_PATHS {
+            return Err(WireError::InvalidField("max_paths"));
+        }
+        Ok(Accept {
+            dst_cid: get_u32(buf, 4),
+            src_cid,
+            listen_port: get_u16(buf, 12),
+            mtu,
+            max_paths,
+        })
+    }
+
+    /// Writes an ACCEPT.
+    pub fn emit(&self, buf: &mut [u8]) -> Result<usize, WireError> {
+        check_out(buf, Self::LEN)?;
+        buf[..Self::LEN].fill(0);
+        put_common(buf, PacketType::Accept, 0, 0, self.dst_cid);
+        put_u32(buf, 8, self.src_cid);
+        put_u16(buf, 12, self.listen_port);
+        put_u16(buf, 14, self.mtu);
+        buf[16] = self.max_paths;
+        Ok(Self::LEN)
+    }
+}
+
+/// Reason carried by a CLOSE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum CloseCode {
+    /// The application closed the connection.
+    Normal = 0,
+    /// The peer broke the protocol.
+    ProtocolViolation = 1,
+    /// The sender ran out of retries (retry exceeded).
+    RetryExceeded = 2,
+    /// The sender is shutting down.
+    Shutdown = 3,
+    /// The receiver knows no such connection (sent in answer to stray packets).
+    UnknownConnection = 4,
+}
+
+impl CloseCode {
+    /// Decodes a close code; an unknown code is an error.
+    pub fn from_u32(v: u32) -> Result<Self, WireError> {
+        Ok(match v {
+            0 => Self::Normal,
+            1 => Self::ProtocolViolation,
+            2 => Self::RetryExceeded,
+            3 => Self::Shutdown,
+            4 => Self::UnknownConnection,
+            _ => return Err(WireError::InvalidField("close code")),
+        })
+    }
+}
+
+/// CLOSE: the sender tears the connection down.
+///
+/// | offset | size | field |
+/// |---|---|---|
+/// | 0 | 8 | common header, type `0x13`, `dst_cid` |
+/// | 8 | 4 | `code` ([`CloseCode`]) |
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Close {
+    /// Receiver's connection id.
+    pub dst_cid: u32,
+    /// Why.
+    pub code: CloseCode,
+}
+
+impl Close {
+    /// Length on the wire.
+    pub const LEN: usize = 12;
+
+    /// Parses a CLOSE.
+    pub fn parse(buf: &[u8]) -> Result<Self, WireError> {
+        expect_type(buf, PacketType::Close, Self::LEN)?;
+        Ok(Close {
+            dst_cid: get_u32(buf, 4),
+            code: CloseCode::from_u32(get_u32(buf, 8))?,
+        })
+    }
+
+    /// Writes a CLOSE.
+    pub fn emit(&self, buf: &mut [u8]) -> Result<usize, WireError> {
+        check_out(buf, Self::LEN)?;
+        put_common(buf, PacketType::Close, 0, 0, self.dst_cid);
+        put_u32(buf, 8, self.code as u32);
+        Ok(Self::LEN)
+    }
+}
+
+/// VERSION_NEGOTIATION: answer to a HELLO of an unknown version.
+///
+/// | offset | size | field |
+/// |---|---|---|
+/// | 0 | 1 | `0` (version-independent) |
+/// | 1 | 1 | type `0x1f` |
+/// | 2 | 2 | reserved |
+/// | 4 | 4 | `dst_cid` = the HELLO's `src_cid` |
+/// | 8 | 1 | `count` |
+/// | 9 | count | supported versions |
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VersionNegotiation {
+    /// The client's connection id.
+    pub dst_cid: u32,
+    /// Whether the server speaks this implementation's [`VERSION`].
+    pub supports_ours: bool,
+    /// Highest version listed.
+    pub highest: u8,
+}
+
+impl VersionNegotiation {
+    /// Whether `buf` is a version negotiation packet (checked before the version byte).
+    pub fn is(buf: &[u8]) -> bool {
+        buf.len() >= 2 && buf[0] == 0 && buf[1] == PacketType::VersionNegotiation as u8
+    }
+
+    /// Parses a VERSION_NEGOTIATION.
+    pub fn parse(buf: &[u8]) -> Result<Self, WireError> {
+        check_len(buf, 9)?;
+        if !Self::is(buf) {
+            return Err(WireError::InvalidField("type"));
+        }
+        let count = usize::from(buf[8]);
+        check_len(buf, 9 + count)?;
+        if count == 0 {
+            return Err(WireError::InvalidField("count"));
+        }
+        let versions = &buf[9..9 + count];
+        Ok(VersionNegotiation {
+            dst_cid: get_u32(buf, 4),
+            supports_ours: versions.contains(&VERSION),
+            highest: versions.iter().copied().max().unwrap_or(0),
+        })
+    }
+
+    /// Writes a VERSION_NEGOTIATION listing this implementation's version.
+    pub fn emit(dst_cid: u32, buf: &mut [u8]) -> Result<usize, WireError> {
+        check_out(buf, 10)?;
+        buf[0] = 0;
+        buf[1] = PacketType::VersionNegotiation as u8;
+        buf[2] = 0;
+        buf[3] = 0;
+        put_u32(buf, 4, dst_cid);
+        buf[8] = 1;
+        buf[9] = VERSION;
+        Ok(10)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hello_round_trip_and_padding() {
+        let h = Hello { src_cid: 5, listen_port: 4792, mtu: 4160, max_paths: 8, cookie: Some([7; COOKIE_LEN]) };
+        let mut buf = [0xffu8; 100];
+        let n = h.emit(&mut buf).unwrap();
+        assert_eq!(n, HELLO_LEN);
+        assert_eq!(Hello::parse(&buf[..n]).unwrap(), h);
+        assert!(buf[36..HELLO_LEN].iter().all(|&b| b == 0));
+        assert!(Hello::parse(&buf[..n - 1]).is_err());
+        let h2 = Hello { cookie: None, ..h };
+        h2.emit(&mut buf).unwrap();
+        assert_eq!(Hello::parse(&buf[..n]).unwrap().cookie, None);
+    }
+
+    #[test]
+    fn hello_rejects_bad_fields() {
+        let h = Hello { src_cid: 5, listen_port: 1, mtu: 1500, max_paths: 8, cookie: None };
+        let mut buf = [0u8; HELLO_LEN];
+        h.emit(&mut buf).unwrap();
+        for (at, val, what) in [(8usize, 0u8, "src_cid"), (16, 0, "max_paths"), (16, 65, "max_paths")] {
+            let mut b = buf;
+            if what == "src_cid" {
+                b[8..12].fill(val);
+            } else {
+                b[at] = val;
+            }
+            assert_eq!(Hello::parse(&b), Err(WireError::InvalidField(what)));
+        }
+        let mut b = buf;
+        b[14..16].copy_from_slice(&10u16.to_be_bytes());
+        assert_eq!(Hello::parse(&b), Err(WireError::InvalidField("mtu")));
+    }
+
+    #[test]
+    fn cookie_accept_close_round_trip() {
+        let mut buf = [0u8; 64];
+        let c = CookieReply { dst_cid: 9, cookie: [3; COOKIE_LEN] };
+        let n = c.emit(&mut buf).unwrap();
+        assert_eq!(CookieReply::parse(&buf[..n]).unwrap(), c);
+        assert!(n <= HELLO_LEN);
+        let a = Accept { dst_cid: 9, src_cid: 10, listen_port: 4792, mtu: 1500, max_paths: 4 };
+        let n = a.emit(&mut buf).unwrap();
+        assert_eq!(Accept::parse(&buf[..n]).unwrap(), a);
+        assert!(n <= HELLO_LEN);
+        let cl = Close { dst_cid: 9, code: CloseCode::RetryExceeded };
+        let n = cl.emit(&mut buf).unwrap();
+        assert_eq!(Close::parse(&buf[..n]).unwrap(), cl);
+        buf[11] = 200;
+        assert!(Close::parse(&buf[..n]).is_err());
+    }
+
+    #[test]
+    fn version_negotiation() {
+        let mut buf = [0u8; 16];
+        let n = VersionNegotiation::emit(44, &mut buf).unwrap();
+        assert!(VersionNegotiation::is(&buf[..n]));
+        let v = VersionNegotiation::parse(&buf[..n]).unwrap();
+        assert_eq!(v, VersionNegotiation { dst_cid: 44, supports_ours: true, highest: VERSION });
+        buf[8] = 5;
+        assert!(VersionNegotiation::parse(&buf[..n]).is_err());
+    }
+}

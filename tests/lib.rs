@@ -1,0 +1,1 @@
+//! Cross-crate test helpers.
