@@ -21,9 +21,13 @@
 //! An option whose `kind` has the high bit set is critical: a receiver that
 //! does not know it rejects the packet. Others are skipped.
 
-use super::{check_len, check_out, expect_type, get_u16, get_u32, put_common, put_u16, put_u32, PacketType, WireError};
+use super::{
+    check_len, check_out, expect_type, get_u16, get_u32, put_common, put_u16, put_u32, PacketType,
+    WireError,
+};
 use crate::consts::{
-    ACK_HEADER_LEN, ACK_NAK_ENTRY_LEN, ACK_PATH_ENTRY_LEN, ACK_STREAM_ENTRY_LEN, MAX_OPTIONS_LEN, MAX_PATHS, SACK_BYTES,
+    ACK_HEADER_LEN, ACK_NAK_ENTRY_LEN, ACK_PATH_ENTRY_LEN, ACK_STREAM_ENTRY_LEN, MAX_OPTIONS_LEN,
+    MAX_PATHS, SACK_BYTES,
 };
 
 /// The fixed fields of an ACK.
@@ -170,8 +174,10 @@ impl<'a> AckPacket<'a> {
         if n_paths > MAX_PATHS {
             return Err(WireError::InvalidField("n_paths"));
         }
-        let entries_end =
-            ACK_HEADER_LEN + n_paths * ACK_PATH_ENTRY_LEN + n_streams * ACK_STREAM_ENTRY_LEN + n_naks * ACK_NAK_ENTRY_LEN;
+        let entries_end = ACK_HEADER_LEN
+            + n_paths * ACK_PATH_ENTRY_LEN
+            + n_streams * ACK_STREAM_ENTRY_LEN
+            + n_naks * ACK_NAK_ENTRY_LEN;
         check_len(buf, entries_end)?;
         let header = AckHeader {
             flags: buf[2],
@@ -343,7 +349,13 @@ impl<'b> AckBuilder<'b> {
         self.buf.len() - self.len
     }
 
-    fn advance(&mut self, stage: u8, count_at: usize, entry_len: usize, limit: u8) -> Result<usize, WireError> {
+    fn advance(
+        &mut self,
+        stage: u8,
+        count_at: usize,
+        entry_len: usize,
+        limit: u8,
+    ) -> Result<usize, WireError> {
         if self.stage > stage {
             return Err(WireError::InvalidField("entry order"));
         }
@@ -396,7 +408,8 @@ impl<'b> AckBuilder<'b> {
 
     /// Adds an option.
     pub fn push_option(&mut self, kind: u8, value: &[u8]) -> Result<(), WireError> {
-        let len = u8::try_from(value.len()).map_err(|_| WireError::InvalidField("option length"))?;
+        let len =
+            u8::try_from(value.len()).map_err(|_| WireError::InvalidField("option length"))?;
         check_out(&self.buf[self.len..], 2 + value.len())?;
         self.stage = 3;
         self.buf[self.len] = kind;
@@ -443,10 +456,35 @@ mod tests {
         let mut sack = [0u8; SACK_BYTES];
         sack[0] = 0b101;
         sack[31] = 0x80;
-        b.push_path(&AckPathEntry { path_id: 3, ack_psn: 10, sack, rx_packets: 20, ce_packets: 2 }).unwrap();
-        b.push_path(&AckPathEntry { path_id: 4, ack_psn: 11, sack: [0; 32], rx_packets: 1, ce_packets: 0 }).unwrap();
-        b.push_stream(&AckStreamEntry { qpn: 9, msn_done: 3 }).unwrap();
-        b.push_nak(&NakEntry { qpn: 9, msn: 3, code: NakCode::Rnr, gen: 1, rnr_timer_us: 100 }).unwrap();
+        b.push_path(&AckPathEntry {
+            path_id: 3,
+            ack_psn: 10,
+            sack,
+            rx_packets: 20,
+            ce_packets: 2,
+        })
+        .unwrap();
+        b.push_path(&AckPathEntry {
+            path_id: 4,
+            ack_psn: 11,
+            sack: [0; 32],
+            rx_packets: 1,
+            ce_packets: 0,
+        })
+        .unwrap();
+        b.push_stream(&AckStreamEntry {
+            qpn: 9,
+            msn_done: 3,
+        })
+        .unwrap();
+        b.push_nak(&NakEntry {
+            qpn: 9,
+            msn: 3,
+            code: NakCode::Rnr,
+            gen: 1,
+            rnr_timer_us: 100,
+        })
+        .unwrap();
         b.push_option(0x01, b"hi").unwrap();
         b.finish()
     }
@@ -464,14 +502,29 @@ mod tests {
         assert!(p[0].sack_bit(0) && !p[0].sack_bit(1) && p[0].sack_bit(2) && p[0].sack_bit(255));
         assert!(!p[0].sack_bit(256));
         assert_eq!(p[1].ack_psn, 11);
-        assert_eq!(a.streams().collect::<Vec<_>>(), vec![AckStreamEntry { qpn: 9, msn_done: 3 }]);
+        assert_eq!(
+            a.streams().collect::<Vec<_>>(),
+            vec![AckStreamEntry {
+                qpn: 9,
+                msn_done: 3
+            }]
+        );
         let naks: Vec<_> = a.naks().collect();
         assert_eq!(naks[0].code, NakCode::Rnr);
         assert_eq!(naks[0].rnr_timer_us, 100);
         let opts: Vec<_> = a.options().collect();
-        assert_eq!(opts, vec![AckOption { kind: 1, value: b"hi" }]);
+        assert_eq!(
+            opts,
+            vec![AckOption {
+                kind: 1,
+                value: b"hi"
+            }]
+        );
         for cut in 0..n - 4 {
-            assert!(AckPacket::parse(&buf[..cut], |_| false).is_err(), "cut {cut}");
+            assert!(
+                AckPacket::parse(&buf[..cut], |_| false).is_err(),
+                "cut {cut}"
+            );
         }
     }
 
@@ -479,11 +532,26 @@ mod tests {
     fn critical_options_and_order() {
         let mut buf = [0u8; 512];
         let mut b = AckBuilder::new(&mut buf, AckHeader::default()).unwrap();
-        b.push_stream(&AckStreamEntry { qpn: 1, msn_done: 1 }).unwrap();
-        assert!(b.push_path(&AckPathEntry { path_id: 0, ack_psn: 0, sack: [0; 32], rx_packets: 0, ce_packets: 0 }).is_err());
+        b.push_stream(&AckStreamEntry {
+            qpn: 1,
+            msn_done: 1,
+        })
+        .unwrap();
+        assert!(b
+            .push_path(&AckPathEntry {
+                path_id: 0,
+                ack_psn: 0,
+                sack: [0; 32],
+                rx_packets: 0,
+                ce_packets: 0
+            })
+            .is_err());
         b.push_option(0x81, &[]).unwrap();
         let n = b.finish();
-        assert_eq!(AckPacket::parse(&buf[..n], |_| false).unwrap_err(), WireError::UnknownCriticalOption(0x81));
+        assert_eq!(
+            AckPacket::parse(&buf[..n], |_| false).unwrap_err(),
+            WireError::UnknownCriticalOption(0x81)
+        );
         assert!(AckPacket::parse(&buf[..n], |k| k == 0x81).is_ok());
     }
 
@@ -493,6 +561,9 @@ mod tests {
         let n = build(&mut buf);
         let nak_code_at = ACK_HEADER_LEN + 2 * ACK_PATH_ENTRY_LEN + ACK_STREAM_ENTRY_LEN + 8;
         buf[nak_code_at] = 0;
-        assert_eq!(AckPacket::parse(&buf[..n], |_| false).unwrap_err(), WireError::InvalidField("nak code"));
+        assert_eq!(
+            AckPacket::parse(&buf[..n], |_| false).unwrap_err(),
+            WireError::InvalidField("nak code")
+        );
     }
 }

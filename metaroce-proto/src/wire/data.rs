@@ -20,7 +20,10 @@
 //! | 32 | 4 | `msg_len` | total length of the message in bytes |
 //! | 36 | 4 | `msg_offset` | offset of this payload inside the message |
 
-use super::{check_len, check_out, expect_type, get_u32, get_u64, put_common, put_u32, put_u64, PacketType, WireError};
+use super::{
+    check_len, check_out, expect_type, get_u32, get_u64, put_common, put_u32, put_u64, PacketType,
+    WireError,
+};
 use crate::consts::DATA_HEADER_LEN;
 
 /// Flag bits of a DATA packet (`flags` byte).
@@ -284,7 +287,13 @@ impl DataHeader {
         self.check_payload(payload_len)?;
         let hlen = self.header_len();
         check_out(buf, hlen + payload_len)?;
-        put_common(buf, PacketType::Data, self.opcode as u8, self.flags, self.dst_cid);
+        put_common(
+            buf,
+            PacketType::Data,
+            self.opcode as u8,
+            self.flags,
+            self.dst_cid,
+        );
         put_u32(buf, 8, self.dst_qpn);
         buf[12] = self.path_id;
         buf[13] = self.gen;
@@ -350,15 +359,33 @@ mod tests {
     fn every_opcode_round_trips() {
         let exts = [
             OpcodeExt::Send { recv_seq: 3 },
-            OpcodeExt::SendImm { recv_seq: 4, imm: 0x1234 },
-            OpcodeExt::Write { rkey: 5, remote_addr: u64::MAX - 8 },
-            OpcodeExt::WriteImm { rkey: 6, remote_addr: 7, recv_seq: 8, imm: 9 },
-            OpcodeExt::ReadReq { rkey: 10, remote_addr: 11 },
+            OpcodeExt::SendImm {
+                recv_seq: 4,
+                imm: 0x1234,
+            },
+            OpcodeExt::Write {
+                rkey: 5,
+                remote_addr: u64::MAX - 8,
+            },
+            OpcodeExt::WriteImm {
+                rkey: 6,
+                remote_addr: 7,
+                recv_seq: 8,
+                imm: 9,
+            },
+            OpcodeExt::ReadReq {
+                rkey: 10,
+                remote_addr: 11,
+            },
             OpcodeExt::ReadResp,
             OpcodeExt::Nop,
         ];
         for ext in exts {
-            let payload: &[u8] = if ext.opcode().carries_payload() { b"xyz" } else { b"" };
+            let payload: &[u8] = if ext.opcode().carries_payload() {
+                b"xyz"
+            } else {
+                b""
+            };
             let h = sample(ext, 100);
             let mut buf = [0u8; 256];
             let n = h.emit(&mut buf, payload).unwrap();
@@ -368,21 +395,36 @@ mod tests {
             assert_eq!(pl, payload);
             // Every truncation is rejected.
             for cut in 0..h.header_len() {
-                assert!(DataHeader::parse(&buf[..cut]).is_err(), "cut {cut} of {ext:?}");
+                assert!(
+                    DataHeader::parse(&buf[..cut]).is_err(),
+                    "cut {cut} of {ext:?}"
+                );
             }
         }
     }
 
     #[test]
     fn rejects_payload_outside_message() {
-        let mut h = sample(OpcodeExt::Write { rkey: 1, remote_addr: 0 }, 10);
+        let mut h = sample(
+            OpcodeExt::Write {
+                rkey: 1,
+                remote_addr: 0,
+            },
+            10,
+        );
         h.msg_offset = 8;
         let mut buf = [0u8; 128];
-        assert!(matches!(h.emit(&mut buf, b"abc"), Err(WireError::PayloadOutOfMessage { .. })));
+        assert!(matches!(
+            h.emit(&mut buf, b"abc"),
+            Err(WireError::PayloadOutOfMessage { .. })
+        ));
         let n = h.emit(&mut buf, b"ab").unwrap();
         // Grow the datagram behind the header's back: the decoder must notice.
         buf[n] = 0;
-        assert!(matches!(DataHeader::parse(&buf[..n + 1]), Err(WireError::PayloadOutOfMessage { .. })));
+        assert!(matches!(
+            DataHeader::parse(&buf[..n + 1]),
+            Err(WireError::PayloadOutOfMessage { .. })
+        ));
     }
 
     #[test]
@@ -392,18 +434,33 @@ mod tests {
         let n = h.emit(&mut buf, b"").unwrap();
         let mut bad = buf;
         bad[2] = 0x55;
-        assert_eq!(DataHeader::parse(&bad[..n]), Err(WireError::UnknownOpcode(0x55)));
+        assert_eq!(
+            DataHeader::parse(&bad[..n]),
+            Err(WireError::UnknownOpcode(0x55))
+        );
         let mut bad = buf;
         bad[12] = 64;
-        assert_eq!(DataHeader::parse(&bad[..n]), Err(WireError::InvalidField("path_id")));
+        assert_eq!(
+            DataHeader::parse(&bad[..n]),
+            Err(WireError::InvalidField("path_id"))
+        );
         let mut bad = buf;
         bad[1] = PacketType::Ack as u8;
-        assert_eq!(DataHeader::parse(&bad[..n]), Err(WireError::InvalidField("type")));
+        assert_eq!(
+            DataHeader::parse(&bad[..n]),
+            Err(WireError::InvalidField("type"))
+        );
     }
 
     #[test]
     fn read_request_carries_no_payload() {
-        let h = sample(OpcodeExt::ReadReq { rkey: 1, remote_addr: 2 }, 1 << 30);
+        let h = sample(
+            OpcodeExt::ReadReq {
+                rkey: 1,
+                remote_addr: 2,
+            },
+            1 << 30,
+        );
         let mut buf = [0u8; 128];
         assert!(h.emit(&mut buf, b"x").is_err());
         let n = h.emit(&mut buf, b"").unwrap();

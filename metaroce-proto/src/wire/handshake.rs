@@ -11,7 +11,10 @@
 //! bytes 4..8 `dst_cid`, and a HELLO carries its `src_cid` at bytes 8..12, in
 //! every version. A VERSION_NEGOTIATION packet has version byte 0.
 
-use super::{check_len, check_out, expect_type, get_u16, get_u32, put_common, put_u16, put_u32, PacketType, WireError};
+use super::{
+    check_len, check_out, expect_type, get_u16, get_u32, put_common, put_u16, put_u32, PacketType,
+    WireError,
+};
 use crate::consts::{COOKIE_LEN, HELLO_LEN, MAX_MTU, MAX_PATHS, MIN_MTU, VERSION};
 
 /// HELLO flag: a cookie is present.
@@ -79,7 +82,11 @@ impl Hello {
     pub fn emit(&self, buf: &mut [u8]) -> Result<usize, WireError> {
         check_out(buf, HELLO_LEN)?;
         buf[..HELLO_LEN].fill(0);
-        let flags = if self.cookie.is_some() { HELLO_HAS_COOKIE } else { 0 };
+        let flags = if self.cookie.is_some() {
+            HELLO_HAS_COOKIE
+        } else {
+            0
+        };
         put_common(buf, PacketType::Hello, flags, 0, 0);
         put_u32(buf, 8, self.src_cid);
         put_u16(buf, 12, self.listen_port);
@@ -326,7 +333,13 @@ mod tests {
 
     #[test]
     fn hello_round_trip_and_padding() {
-        let h = Hello { src_cid: 5, listen_port: 4792, mtu: 4160, max_paths: 8, cookie: Some([7; COOKIE_LEN]) };
+        let h = Hello {
+            src_cid: 5,
+            listen_port: 4792,
+            mtu: 4160,
+            max_paths: 8,
+            cookie: Some([7; COOKIE_LEN]),
+        };
         let mut buf = [0xffu8; 100];
         let n = h.emit(&mut buf).unwrap();
         assert_eq!(n, HELLO_LEN);
@@ -340,10 +353,20 @@ mod tests {
 
     #[test]
     fn hello_rejects_bad_fields() {
-        let h = Hello { src_cid: 5, listen_port: 1, mtu: 1500, max_paths: 8, cookie: None };
+        let h = Hello {
+            src_cid: 5,
+            listen_port: 1,
+            mtu: 1500,
+            max_paths: 8,
+            cookie: None,
+        };
         let mut buf = [0u8; HELLO_LEN];
         h.emit(&mut buf).unwrap();
-        for (at, val, what) in [(8usize, 0u8, "src_cid"), (16, 0, "max_paths"), (16, 65, "max_paths")] {
+        for (at, val, what) in [
+            (8usize, 0u8, "src_cid"),
+            (16, 0, "max_paths"),
+            (16, 65, "max_paths"),
+        ] {
             let mut b = buf;
             if what == "src_cid" {
                 b[8..12].fill(val);
@@ -360,15 +383,27 @@ mod tests {
     #[test]
     fn cookie_accept_close_round_trip() {
         let mut buf = [0u8; 64];
-        let c = CookieReply { dst_cid: 9, cookie: [3; COOKIE_LEN] };
+        let c = CookieReply {
+            dst_cid: 9,
+            cookie: [3; COOKIE_LEN],
+        };
         let n = c.emit(&mut buf).unwrap();
         assert_eq!(CookieReply::parse(&buf[..n]).unwrap(), c);
         assert!(n <= HELLO_LEN);
-        let a = Accept { dst_cid: 9, src_cid: 10, listen_port: 4792, mtu: 1500, max_paths: 4 };
+        let a = Accept {
+            dst_cid: 9,
+            src_cid: 10,
+            listen_port: 4792,
+            mtu: 1500,
+            max_paths: 4,
+        };
         let n = a.emit(&mut buf).unwrap();
         assert_eq!(Accept::parse(&buf[..n]).unwrap(), a);
         assert!(n <= HELLO_LEN);
-        let cl = Close { dst_cid: 9, code: CloseCode::RetryExceeded };
+        let cl = Close {
+            dst_cid: 9,
+            code: CloseCode::RetryExceeded,
+        };
         let n = cl.emit(&mut buf).unwrap();
         assert_eq!(Close::parse(&buf[..n]).unwrap(), cl);
         buf[11] = 200;
@@ -381,7 +416,14 @@ mod tests {
         let n = VersionNegotiation::emit(44, &mut buf).unwrap();
         assert!(VersionNegotiation::is(&buf[..n]));
         let v = VersionNegotiation::parse(&buf[..n]).unwrap();
-        assert_eq!(v, VersionNegotiation { dst_cid: 44, supports_ours: true, highest: VERSION });
+        assert_eq!(
+            v,
+            VersionNegotiation {
+                dst_cid: 44,
+                supports_ours: true,
+                highest: VERSION
+            }
+        );
         buf[8] = 5;
         assert!(VersionNegotiation::parse(&buf[..n]).is_err());
     }

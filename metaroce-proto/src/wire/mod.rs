@@ -39,8 +39,10 @@ mod data;
 mod handshake;
 pub mod seq;
 
-pub use ack::{AckBuilder, AckHeader, AckPacket, AckPathEntry, AckStreamEntry, AckOption, NakCode, NakEntry};
-pub use data::{DataHeader, Opcode, OpcodeExt, data_flags};
+pub use ack::{
+    AckBuilder, AckHeader, AckOption, AckPacket, AckPathEntry, AckStreamEntry, NakCode, NakEntry,
+};
+pub use data::{data_flags, DataHeader, Opcode, OpcodeExt};
 pub use handshake::{Accept, Close, CloseCode, CookieReply, Hello, VersionNegotiation};
 
 use crate::consts::{COMMON_HEADER_LEN, VERSION};
@@ -252,9 +254,18 @@ mod tests {
 
     #[test]
     fn common_header_rejects_bad_input() {
-        assert!(matches!(peek_common(&[1, 1, 0]), Err(WireError::Truncated { need: 8, have: 3 })));
-        assert_eq!(peek_common(&[9, 1, 0, 0, 0, 0, 0, 0]), Err(WireError::UnsupportedVersion(9)));
-        assert_eq!(peek_common(&[1, 0x77, 0, 0, 0, 0, 0, 0]), Err(WireError::UnknownType(0x77)));
+        assert!(matches!(
+            peek_common(&[1, 1, 0]),
+            Err(WireError::Truncated { need: 8, have: 3 })
+        ));
+        assert_eq!(
+            peek_common(&[9, 1, 0, 0, 0, 0, 0, 0]),
+            Err(WireError::UnsupportedVersion(9))
+        );
+        assert_eq!(
+            peek_common(&[1, 0x77, 0, 0, 0, 0, 0, 0]),
+            Err(WireError::UnknownType(0x77))
+        );
         let c = peek_common(&[1, 2, 0, 0, 0, 0, 1, 2]).unwrap();
         assert_eq!(c.ptype, PacketType::Ack);
         assert_eq!(c.dst_cid, 0x102);

@@ -1,0 +1,113 @@
+//! Endpoint configuration.
+
+use crate::consts::*;
+use core::time::Duration;
+
+/// How an endpoint behaves. Every field has a documented default
+/// ([`EndpointConfig::default`]), taken from [`crate::consts`].
+///
+/// ```
+/// use metaroce_proto::EndpointConfig;
+/// let c = EndpointConfig { paths: 4, ..EndpointConfig::default() };
+/// assert!(c.validate().is_ok());
+/// assert!(EndpointConfig { paths: 0, ..c }.validate().is_err());
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct EndpointConfig {
+    /// UDP port this endpoint receives on, advertised to peers.
+    pub listen_port: u16,
+    /// Largest UDP payload sent or accepted.
+    pub mtu: u16,
+    /// Paths each connection sprays over.
+    pub paths: u8,
+    /// Inclusive range of UDP source ports used as path entropy.
+    pub source_ports: (u16, u16),
+    /// Accept incoming connections.
+    pub accept_incoming: bool,
+    /// Largest number of connections.
+    pub max_connections: usize,
+    /// RTO before the first RTT sample.
+    pub initial_rto: Duration,
+    /// Lower bound of the RTO.
+    pub min_rto: Duration,
+    /// Upper bound of the RTO (backoff included).
+    pub max_rto: Duration,
+    /// Timeouts without progress before a connection fails (`retry_cnt`).
+    pub retry_cnt: u8,
+    /// Delayed-ACK timer.
+    pub ack_delay: Duration,
+    /// Packets received before an ACK goes out regardless of the timer.
+    pub ack_every: u32,
+    /// HELLO retransmission interval.
+    pub handshake_rto: Duration,
+    /// HELLO attempts before giving up.
+    pub handshake_retries: u8,
+    /// Initial congestion window, bytes.
+    pub initial_window: u64,
+    /// Smallest congestion window, bytes.
+    pub min_window: u64,
+    /// Largest congestion window, bytes.
+    pub max_window: u64,
+    /// Inbound capacity the receiver shares among its senders (kbit/s); `None`: grant no limit.
+    pub receiver_capacity_kbps: Option<u64>,
+}
+
+impl Default for EndpointConfig {
+    fn default() -> Self {
+        EndpointConfig {
+            listen_port: METAROCE_PORT,
+            mtu: DEFAULT_MTU,
+            paths: DEFAULT_PATHS,
+            source_ports: (49152, 65535),
+            accept_incoming: true,
+            max_connections: 65_536,
+            initial_rto: DEFAULT_INITIAL_RTO,
+            min_rto: DEFAULT_MIN_RTO,
+            max_rto: DEFAULT_MAX_RTO,
+            retry_cnt: DEFAULT_RETRY_CNT,
+            ack_delay: DEFAULT_ACK_DELAY,
+            ack_every: DEFAULT_ACK_EVERY,
+            handshake_rto: DEFAULT_HANDSHAKE_RTO,
+            handshake_retries: DEFAULT_HANDSHAKE_RETRIES,
+            initial_window: DEFAULT_INITIAL_WINDOW,
+            min_window: DEFAULT_MIN_WINDOW,
+            max_window: DEFAULT_MAX_WINDOW,
+            receiver_capacity_kbps: None,
+        }
+    }
+}
+
+/// A configuration value out of its allowed range.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid endpoint configuration: {0}")]
+pub struct ConfigError(pub &'static str);
+
+impl EndpointConfig {
+    /// Checks every field's range.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(MIN_MTU..=MAX_MTU).contains(&self.mtu) {
+            return Err(ConfigError("mtu must be within MIN_MTU..=MAX_MTU"));
+        }
+        if self.paths == 0 || usize::from(self.paths) > MAX_PATHS {
+            return Err(ConfigError("paths must be within 1..=MAX_PATHS"));
+        }
+        if self.source_ports.0 > self.source_ports.1 || self.source_ports.0 == 0 {
+            return Err(ConfigError(
+                "source_ports must be a non-empty range of non-zero ports",
+            ));
+        }
+        if self.min_rto.is_zero() || self.min_rto > self.max_rto {
+            return Err(ConfigError("need 0 < min_rto <= max_rto"));
+        }
+        if self.min_window == 0 || self.min_window > self.max_window {
+            return Err(ConfigError("need 0 < min_window <= max_window"));
+        }
+        if self.ack_every == 0 {
+            return Err(ConfigError("ack_every must be at least 1"));
+        }
+        if self.handshake_retries == 0 {
+            return Err(ConfigError("handshake_retries must be at least 1"));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,473 @@
+//! A connection: one peer, many streams (QPs) above, many paths below, one
+//! congestion controller.
+//!
+//! This module holds the transport state of a connection: handshake state,
+//! the paths, the connection sequence (CSN) send table and receive window,
+//! retransmission queue, RTO, and what the next ACK must say. The endpoint
+//! joins it with the QPs and memory regions.
+
+mod path;
+
+pub use path::PathStats;
+pub(crate) use path::{PathEvent, PathRx, PathTx};
+
+use crate::cc::{ReceiverCc, SenderCc};
+use crate::config::EndpointConfig;
+use crate::consts::{COOKIE_LEN, CSN_WINDOW};
+use crate::reliability::{RingBitmap, RttEstimator, SeqAccept};
+use crate::rng::Rng;
+use crate::time::Instant;
+use crate::verbs::Qpn;
+use crate::wire::seq::{seq_dist, seq_lt};
+use crate::wire::{CloseCode, NakEntry};
+use core::time::Duration;
+use std::collections::VecDeque;
+use std::net::{IpAddr, SocketAddr};
+
+/// Where a connection is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectionState {
+    /// Client: HELLO sent, waiting for COOKIE or ACCEPT.
+    Connecting,
+    /// Both ends know each other; data flows.
+    Established,
+    /// Closed by either side.
+    Closed,
+    /// Failed: handshake gave up, version mismatch, or retries exceeded.
+    Failed,
+}
+
+/// Why a connection ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ConnectionError {
+    /// The peer does not speak our protocol version.
+    #[error("protocol version mismatch (peer's highest version: {peer_highest})")]
+    VersionMismatch {
+        /// Highest version the peer listed.
+        peer_highest: u8,
+    },
+    /// No answer to the handshake.
+    #[error("handshake timed out")]
+    HandshakeTimeout,
+    /// The transport ran out of retries (`retry_cnt` timeouts without progress).
+    #[error("retry count exceeded: peer unreachable")]
+    RetryExceeded,
+    /// The peer closed the connection.
+    #[error("closed by peer ({0:?})")]
+    ClosedByPeer(CloseCode),
+    /// Closed locally.
+    #[error("closed locally")]
+    LocallyClosed,
+}
+
+/// What a CSN carried, so that it can be rebuilt for retransmission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CsnKind {
+    /// A request segment of QP `qp`.
+    Request {
+        qp: Qpn,
+        msn: u32,
+        gen: u8,
+        offset: u32,
+        len: u32,
+    },
+    /// A READ response segment of QP `qp`.
+    Response {
+        qp: Qpn,
+        msn: u32,
+        offset: u32,
+        len: u32,
+    },
+    /// Nothing but the CSN (probe or obsolete retransmission).
+    Nop,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CsnRecord {
+    pub(crate) kind: CsnKind,
+    pub(crate) acked: bool,
+    pub(crate) queued: bool,
+    pub(crate) last_path: u8,
+    pub(crate) transmissions: u16,
+}
+
+/// Control packet the connection owes its peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ctrl {
+    Hello,
+    Accept,
+    Close(CloseCode),
+}
+
+/// Public counters of a connection.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ConnectionStats {
+    /// DATA packets sent, retransmissions included.
+    pub data_packets_sent: u64,
+    /// DATA packets received.
+    pub data_packets_received: u64,
+    /// Retransmissions sent (SACK-gap and timeout).
+    pub retransmits: u64,
+    /// Retransmissions caused by a SACK gap.
+    pub fast_retransmits: u64,
+    /// Retransmission timeouts fired.
+    pub rto_fires: u64,
+    /// Packets declared lost.
+    pub packets_lost: u64,
+    /// Duplicate packets received (CSN already seen).
+    pub duplicates_received: u64,
+    /// ACKs sent and received.
+    pub acks_sent: u64,
+    /// ACKs received.
+    pub acks_received: u64,
+    /// NAKs sent.
+    pub naks_sent: u64,
+    /// NAKs received.
+    pub naks_received: u64,
+    /// Payload bytes of requests and responses sent for the first time.
+    pub payload_bytes_sent: u64,
+    /// Payload bytes placed at this end.
+    pub payload_bytes_received: u64,
+    /// Completion probes sent.
+    pub probes_sent: u64,
+    /// Current congestion window.
+    pub cwnd: u64,
+    /// Bytes in flight.
+    pub in_flight: u64,
+    /// Smoothed RTT of the connection in ns.
+    pub srtt_ns: u64,
+    /// Current RTO in ns, backoff included.
+    pub rto_ns: u64,
+    /// Latest rate hint received (kbit/s, 0 none).
+    pub rate_hint_kbps: u32,
+    /// Per-path counters.
+    pub paths: Vec<PathStats>,
+}
+
+/// A connection's transport state.
+#[derive(Debug)]
+pub(crate) struct Connection {
+    pub(crate) local_cid: u32,
+    pub(crate) remote_cid: u32,
+    pub(crate) state: ConnectionState,
+    pub(crate) error: Option<ConnectionError>,
+    /// Peer IP and the port it listens on.
+    pub(crate) peer: SocketAddr,
+    pub(crate) local_ip: Option<IpAddr>,
+    pub(crate) mtu: usize,
+
+    // Handshake.
+    pub(crate) cookie: Option<[u8; COOKIE_LEN]>,
+    pub(crate) hello_attempts: u8,
+    pub(crate) hello_deadline: Option<Instant>,
+    pub(crate) ctrl: Option<Ctrl>,
+
+    // Paths.
+    pub(crate) paths_tx: Vec<PathTx>,
+    pub(crate) paths_rx: Vec<PathRx>,
+    pub(crate) path_rr: usize,
+
+    // Send side.
+    pub(crate) next_csn: u32,
+    pub(crate) csn_una: u32,
+    pub(crate) sent: VecDeque<CsnRecord>,
+    pub(crate) retx: VecDeque<u32>,
+    pub(crate) in_flight: u64,
+    pub(crate) cc: SenderCc,
+    pub(crate) rtt: RttEstimator,
+    pub(crate) rto_backoff: u32,
+    pub(crate) consecutive_rto: u8,
+    pub(crate) retry_cnt: u8,
+    pub(crate) last_ack_at: Instant,
+    pub(crate) last_progress: Instant,
+    pub(crate) probe_pending: bool,
+    pub(crate) rate_hint_kbps: u32,
+
+    // Receive side.
+    pub(crate) rx_csn: RingBitmap<{ CSN_WINDOW as usize / 64 }>,
+    pub(crate) ack_needed: bool,
+    pub(crate) ack_now: bool,
+    pub(crate) ack_deadline: Option<Instant>,
+    pub(crate) since_ack: u32,
+    pub(crate) last_rx_ts: u32,
+    pub(crate) last_rx_path: u8,
+    pub(crate) last_rx_at: Instant,
+    pub(crate) full_report: bool,
+    pub(crate) naks: VecDeque<NakEntry>,
+    pub(crate) dirty_streams: Vec<Qpn>,
+    pub(crate) rcc: ReceiverCc,
+
+    // Streams.
+    pub(crate) qps: Vec<Qpn>,
+    pub(crate) qp_rr: usize,
+
+    // Endpoint bookkeeping.
+    pub(crate) timer_key: Option<Instant>,
+    pub(crate) in_ready: bool,
+    pub(crate) stats: ConnectionStats,
+}
+
+impl Connection {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        local_cid: u32,
+        peer: SocketAddr,
+        local_ip: Option<IpAddr>,
+        is_client: bool,
+        config: &EndpointConfig,
+        rng: &mut Rng,
+        now: Instant,
+    ) -> Self {
+        let rtt = RttEstimator::new(config.initial_rto, config.min_rto, config.max_rto);
+        let mut paths_tx = Vec::with_capacity(usize::from(config.paths));
+        for id in 0..config.paths {
+            let port = rng.range_u16(config.source_ports.0, config.source_ports.1);
+            paths_tx.push(PathTx::new(id, port, rtt));
+        }
+        Connection {
+            local_cid,
+            remote_cid: 0,
+            state: if is_client {
+                ConnectionState::Connecting
+            } else {
+                ConnectionState::Established
+            },
+            error: None,
+            peer,
+            local_ip,
+            mtu: usize::from(config.mtu),
+            cookie: None,
+            hello_attempts: 0,
+            hello_deadline: None,
+            ctrl: if is_client {
+                Some(Ctrl::Hello)
+            } else {
+                Some(Ctrl::Accept)
+            },
+            paths_tx,
+            paths_rx: Vec::new(),
+            path_rr: 0,
+            next_csn: 0,
+            csn_una: 0,
+            sent: VecDeque::new(),
+            retx: VecDeque::new(),
+            in_flight: 0,
+            cc: SenderCc::new(
+                config.initial_window,
+                config.min_window,
+                config.max_window,
+                u64::from(config.mtu),
+            ),
+            rtt,
+            rto_backoff: 0,
+            consecutive_rto: 0,
+            retry_cnt: config.retry_cnt,
+            last_ack_at: now,
+            last_progress: now,
+            probe_pending: false,
+            rate_hint_kbps: 0,
+            rx_csn: RingBitmap::new(0),
+            ack_needed: false,
+            ack_now: false,
+            ack_deadline: None,
+            since_ack: 0,
+            last_rx_ts: 0,
+            last_rx_path: 0,
+            last_rx_at: now,
+            full_report: false,
+            naks: VecDeque::new(),
+            dirty_streams: Vec::new(),
+            rcc: ReceiverCc::new(config.receiver_capacity_kbps),
+            qps: Vec::new(),
+            qp_rr: 0,
+            timer_key: None,
+            in_ready: false,
+            stats: ConnectionStats::default(),
+        }
+    }
+
+    /// Sets up the receive side for a peer spraying over `peer_paths` paths.
+    pub(crate) fn set_peer_paths(&mut self, peer_paths: u8) {
+        self.paths_rx = (0..peer_paths).map(|_| PathRx::new()).collect();
+    }
+
+    pub(crate) fn is_established(&self) -> bool {
+        self.state == ConnectionState::Established
+    }
+
+    pub(crate) fn is_open(&self) -> bool {
+        matches!(
+            self.state,
+            ConnectionState::Connecting | ConnectionState::Established
+        )
+    }
+
+    /// The current RTO, backoff included.
+    pub(crate) fn rto(&self) -> Duration {
+        let base = self.rtt.rto();
+        let shift = self.rto_backoff.min(16);
+        (base * (1u32 << shift)).min(self.rtt.max_rto())
+    }
+
+    /// Whether a new CSN may be assigned (window of the peer's duplicate filter).
+    pub(crate) fn csn_room(&self) -> bool {
+        seq_dist(self.csn_una, self.next_csn) < CSN_WINDOW - 1
+    }
+
+    /// Whether the congestion window lets `bytes` more go out.
+    pub(crate) fn cwnd_room(&self, bytes: u64) -> bool {
+        self.in_flight == 0 || self.in_flight + bytes <= self.cc.window()
+    }
+
+    /// Picks a path with room, round robin, avoiding `avoid` when another has room.
+    pub(crate) fn pick_path(&mut self, avoid: Option<u8>) -> Option<usize> {
+        let n = self.paths_tx.len();
+        let mut fallback = None;
+        for k in 0..n {
+            let i = (self.path_rr + k) % n;
+            if !self.paths_tx[i].has_room() {
+                continue;
+            }
+            if Some(self.paths_tx[i].id) == avoid && n > 1 {
+                fallback.get_or_insert(i);
+                continue;
+            }
+            self.path_rr = (i + 1) % n;
+            return Some(i);
+        }
+        if fallback.is_some() {
+            self.path_rr = (self.path_rr + 1) % n;
+        }
+        fallback
+    }
+
+    /// Assigns the next CSN to `kind`.
+    pub(crate) fn new_csn(&mut self, kind: CsnKind) -> u32 {
+        let csn = self.next_csn;
+        self.next_csn = csn.wrapping_add(1);
+        self.sent.push_back(CsnRecord {
+            kind,
+            acked: false,
+            queued: false,
+            last_path: 0,
+            transmissions: 0,
+        });
+        csn
+    }
+
+    pub(crate) fn record_mut(&mut self, csn: u32) -> Option<&mut CsnRecord> {
+        if seq_lt(csn, self.csn_una) {
+            return None;
+        }
+        self.sent.get_mut(seq_dist(self.csn_una, csn) as usize)
+    }
+
+    /// Marks `csn` delivered. Returns its kind if this is news.
+    pub(crate) fn ack_csn(&mut self, csn: u32) -> Option<CsnKind> {
+        let rec = self.record_mut(csn)?;
+        if rec.acked {
+            return None;
+        }
+        rec.acked = true;
+        let kind = rec.kind;
+        while self.sent.front().is_some_and(|r| r.acked) {
+            self.sent.pop_front();
+            self.csn_una = self.csn_una.wrapping_add(1);
+        }
+        Some(kind)
+    }
+
+    /// Queues `csn` for retransmission unless it is delivered or queued already.
+    pub(crate) fn queue_retransmit(&mut self, csn: u32) -> bool {
+        match self.record_mut(csn) {
+            Some(r) if !r.acked && !r.queued => {
+                r.queued = true;
+                self.retx.push_back(csn);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether any packet is outstanding on any path.
+    pub(crate) fn oldest_outstanding(&self) -> Option<Instant> {
+        self.paths_tx
+            .iter()
+            .filter_map(|p| p.oldest_outstanding())
+            .min()
+    }
+
+    /// Notes a received DATA packet for the ACK machinery.
+    pub(crate) fn note_rx(
+        &mut self,
+        now: Instant,
+        path: u8,
+        tx_ts: u32,
+        immediate: bool,
+        ack_every: u32,
+        delay: Duration,
+    ) {
+        self.last_rx_ts = tx_ts;
+        self.last_rx_path = path;
+        self.last_rx_at = now;
+        self.ack_needed = true;
+        self.since_ack += 1;
+        if immediate || self.since_ack >= ack_every {
+            self.ack_now = true;
+        } else if self.ack_deadline.is_none() {
+            self.ack_deadline = Some(now + delay);
+        }
+    }
+
+    /// Queues a NAK (once per message and code).
+    pub(crate) fn push_nak(&mut self, nak: NakEntry) {
+        if !self
+            .naks
+            .iter()
+            .any(|n| n.qpn == nak.qpn && n.msn == nak.msn && n.code == nak.code)
+        {
+            self.naks.push_back(nak);
+        }
+        self.ack_needed = true;
+        self.ack_now = true;
+    }
+
+    /// Marks a stream's progress as owed to the peer.
+    pub(crate) fn mark_stream(&mut self, qpn: Qpn) {
+        if !self.dirty_streams.contains(&qpn) {
+            self.dirty_streams.push(qpn);
+        }
+        self.ack_needed = true;
+        self.ack_now = true;
+    }
+
+    /// Whether an ACK must go out now.
+    pub(crate) fn ack_due(&self, now: Instant) -> bool {
+        self.ack_needed && (self.ack_now || self.ack_deadline.is_some_and(|d| d <= now))
+    }
+
+    pub(crate) fn source(&self, path: usize) -> (Option<IpAddr>, u16) {
+        (self.local_ip, self.paths_tx[path].src_port)
+    }
+
+    pub(crate) fn snapshot(&self) -> ConnectionStats {
+        let mut s = self.stats.clone();
+        s.cwnd = self.cc.window();
+        s.in_flight = self.in_flight;
+        s.srtt_ns = self.rtt.srtt().map_or(0, crate::time::nanos);
+        s.rto_ns = crate::time::nanos(self.rto());
+        s.rate_hint_kbps = self.rate_hint_kbps;
+        s.paths = self.paths_tx.iter().map(|p| p.snapshot()).collect();
+        s
+    }
+
+    /// Records a CSN in the receive window. Out-of-window CSNs are refused
+    /// before anything else is touched.
+    pub(crate) fn csn_in_window(&self, csn: u32) -> bool {
+        seq_lt(csn, self.rx_csn.cum()) || seq_dist(self.rx_csn.cum(), csn) < CSN_WINDOW
+    }
+
+    pub(crate) fn accept_csn(&mut self, csn: u32) -> SeqAccept {
+        self.rx_csn.insert(csn)
+    }
+}

@@ -1,0 +1,396 @@
+//! One path of a connection: the sender's per-path sequence and send record
+//! ring, and the receiver's per-path sequence tracking.
+
+use crate::consts::{SACK_BITS, SACK_BYTES};
+use crate::reliability::{RingBitmap, RttEstimator, SeqAccept};
+use crate::time::Instant;
+use crate::wire::seq::{seq_dist, seq_lt};
+use crate::wire::AckPathEntry;
+
+/// A packet sent on a path and not yet released.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct SentPkt {
+    pub(crate) csn: u32,
+    pub(crate) sent_at: Instant,
+    pub(crate) bytes: u32,
+    pub(crate) acked: bool,
+    pub(crate) lost: bool,
+}
+
+/// What an ACK or a timeout did to a path's packets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PathEvent {
+    /// The packet carrying `csn` arrived.
+    Acked { csn: u32, bytes: u32 },
+    /// The packet carrying `csn` is lost.
+    Lost { csn: u32 },
+}
+
+/// Why a path entry of an ACK was ignored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BogusAck;
+
+/// Public counters of one path.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PathStats {
+    /// Path id.
+    pub id: u8,
+    /// UDP source port (entropy) in use.
+    pub src_port: u16,
+    /// DATA packets sent (including retransmissions).
+    pub packets_sent: u64,
+    /// Payload-carrying bytes sent (whole datagrams).
+    pub bytes_sent: u64,
+    /// Packets acknowledged.
+    pub packets_acked: u64,
+    /// Packets declared lost (SACK gap or timeout).
+    pub packets_lost: u64,
+    /// Retransmissions sent on this path.
+    pub retransmits: u64,
+    /// CE marks the peer echoed for this path.
+    pub ce_marks: u64,
+    /// Smoothed RTT in ns (0 before a sample).
+    pub srtt_ns: u64,
+    /// Bytes in flight.
+    pub in_flight: u64,
+}
+
+/// Sender side of a path.
+#[derive(Debug)]
+pub(crate) struct PathTx {
+    pub(crate) id: u8,
+    pub(crate) src_port: u16,
+    pub(crate) next_psn: u32,
+    pub(crate) una: u32,
+    ring: Box<[SentPkt]>,
+    pub(crate) in_flight: u64,
+    pub(crate) rtt: RttEstimator,
+    last_rx_echo: u32,
+    last_ce_echo: u32,
+    pub(crate) stats: PathStats,
+}
+
+impl PathTx {
+    pub(crate) fn new(id: u8, src_port: u16, rtt: RttEstimator) -> Self {
+        PathTx {
+            id,
+            src_port,
+            next_psn: 0,
+            una: 0,
+            ring: vec![SentPkt::default(); SACK_BITS as usize].into_boxed_slice(),
+            in_flight: 0,
+            rtt,
+            last_rx_echo: 0,
+            last_ce_echo: 0,
+            stats: PathStats {
+                id,
+                src_port,
+                ..Default::default()
+            },
+        }
+    }
+
+    /// Whether another packet fits in the SACK span.
+    pub(crate) fn has_room(&self) -> bool {
+        seq_dist(self.una, self.next_psn) < SACK_BITS
+    }
+
+    fn slot(psn: u32) -> usize {
+        (psn % SACK_BITS) as usize
+    }
+
+    /// Records a packet; returns its PSN.
+    pub(crate) fn record_send(
+        &mut self,
+        csn: u32,
+        now: Instant,
+        bytes: u32,
+        retransmit: bool,
+    ) -> u32 {
+        debug_assert!(self.has_room());
+        let psn = self.next_psn;
+        self.ring[Self::slot(psn)] = SentPkt {
+            csn,
+            sent_at: now,
+            bytes,
+            acked: false,
+            lost: false,
+        };
+        self.next_psn = psn.wrapping_add(1);
+        self.in_flight += u64::from(bytes);
+        self.stats.packets_sent += 1;
+        self.stats.bytes_sent += u64::from(bytes);
+        if retransmit {
+            self.stats.retransmits += 1;
+        }
+        psn
+    }
+
+    /// Applies one path entry of an ACK. Returns the ECN echo delta
+    /// `(packets, marked)`.
+    pub(crate) fn on_ack(
+        &mut self,
+        e: &AckPathEntry,
+        mut out: impl FnMut(PathEvent),
+    ) -> Result<(u64, u64), BogusAck> {
+        // The peer cannot acknowledge what was never sent.
+        if seq_lt(self.next_psn, e.ack_psn) {
+            return Err(BogusAck);
+        }
+        let mut highest: Option<u32> = None;
+        let mut psn = self.una;
+        while psn != self.next_psn {
+            let acked = seq_lt(psn, e.ack_psn)
+                || (psn != e.ack_psn && e.sack_bit(seq_dist(e.ack_psn, psn) - 1));
+            if acked {
+                highest = Some(psn);
+                let p = &mut self.ring[Self::slot(psn)];
+                if !p.acked {
+                    p.acked = true;
+                    self.stats.packets_acked += 1;
+                    if !p.lost {
+                        self.in_flight -= u64::from(p.bytes);
+                    }
+                    out(PathEvent::Acked {
+                        csn: p.csn,
+                        bytes: p.bytes,
+                    });
+                }
+            }
+            psn = psn.wrapping_add(1);
+        }
+        // A path delivers in order: anything before an acknowledged packet that
+        // is still missing was lost.
+        if let Some(h) = highest {
+            let mut psn = self.una;
+            while psn != h {
+                let p = &mut self.ring[Self::slot(psn)];
+                if !p.acked && !p.lost {
+                    p.lost = true;
+                    self.in_flight -= u64::from(p.bytes);
+                    self.stats.packets_lost += 1;
+                    out(PathEvent::Lost { csn: p.csn });
+                }
+                psn = psn.wrapping_add(1);
+            }
+        }
+        self.advance_una();
+        // ECN echo: cumulative counters, newer when rx_packets moved forward.
+        let mut echo = (0, 0);
+        if seq_lt(self.last_rx_echo, e.rx_packets) {
+            let pkts = seq_dist(self.last_rx_echo, e.rx_packets);
+            let marked = seq_dist(self.last_ce_echo, e.ce_packets).min(pkts);
+            self.last_rx_echo = e.rx_packets;
+            self.last_ce_echo = e.ce_packets;
+            self.stats.ce_marks += u64::from(marked);
+            echo = (u64::from(pkts), u64::from(marked));
+        }
+        Ok(echo)
+    }
+
+    fn advance_una(&mut self) {
+        while self.una != self.next_psn {
+            let p = &self.ring[Self::slot(self.una)];
+            if !(p.acked || p.lost) {
+                break;
+            }
+            self.una = self.una.wrapping_add(1);
+        }
+    }
+
+    /// Send time of the oldest packet neither acknowledged nor declared lost.
+    pub(crate) fn oldest_outstanding(&self) -> Option<Instant> {
+        let mut psn = self.una;
+        while psn != self.next_psn {
+            let p = &self.ring[Self::slot(psn)];
+            if !p.acked && !p.lost {
+                return Some(p.sent_at);
+            }
+            psn = psn.wrapping_add(1);
+        }
+        None
+    }
+
+    /// Declares lost every outstanding packet sent at or before `cutoff`.
+    pub(crate) fn expire(&mut self, cutoff: Instant, mut out: impl FnMut(PathEvent)) -> usize {
+        let mut n = 0;
+        let mut psn = self.una;
+        while psn != self.next_psn {
+            let p = &mut self.ring[Self::slot(psn)];
+            if !p.acked && !p.lost && p.sent_at <= cutoff {
+                p.lost = true;
+                self.in_flight -= u64::from(p.bytes);
+                self.stats.packets_lost += 1;
+                n += 1;
+                out(PathEvent::Lost { csn: p.csn });
+            }
+            psn = psn.wrapping_add(1);
+        }
+        self.advance_una();
+        n
+    }
+
+    pub(crate) fn snapshot(&self) -> PathStats {
+        PathStats {
+            srtt_ns: self.rtt.srtt().map_or(0, |d| crate::time::nanos(d)),
+            in_flight: self.in_flight,
+            src_port: self.src_port,
+            ..self.stats
+        }
+    }
+}
+
+/// Receiver side of a path: which PSNs arrived, and the ECN counters.
+#[derive(Debug)]
+pub(crate) struct PathRx {
+    seen: RingBitmap<{ SACK_BITS as usize / 64 }>,
+    pub(crate) rx_packets: u32,
+    pub(crate) ce_packets: u32,
+    pub(crate) dirty: bool,
+}
+
+impl PathRx {
+    pub(crate) fn new() -> Self {
+        PathRx {
+            seen: RingBitmap::new(0),
+            rx_packets: 0,
+            ce_packets: 0,
+            dirty: false,
+        }
+    }
+
+    /// Whether `psn` is inside the receive window (not necessarily new).
+    pub(crate) fn in_window(&self, psn: u32) -> bool {
+        seq_lt(psn, self.seen.cum()) || seq_dist(self.seen.cum(), psn) < SACK_BITS
+    }
+
+    /// Records `psn`. Returns the outcome and whether it arrived out of order
+    /// (left a hole before it).
+    pub(crate) fn on_packet(&mut self, psn: u32, ce: bool) -> (SeqAccept, bool) {
+        let out_of_order = psn != self.seen.cum();
+        let r = self.seen.insert(psn);
+        if r != SeqAccept::OutOfWindow {
+            self.rx_packets = self.rx_packets.wrapping_add(1);
+            if ce {
+                self.ce_packets = self.ce_packets.wrapping_add(1);
+            }
+            self.dirty = true;
+        }
+        (r, out_of_order)
+    }
+
+    /// This path's ACK entry.
+    pub(crate) fn entry(&self, path_id: u8) -> AckPathEntry {
+        let mut sack = [0u8; SACK_BYTES];
+        self.seen.sack_into(&mut sack);
+        AckPathEntry {
+            path_id,
+            ack_psn: self.seen.cum(),
+            sack,
+            rx_packets: self.rx_packets,
+            ce_packets: self.ce_packets,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::time::Duration;
+
+    fn tx() -> PathTx {
+        PathTx::new(
+            0,
+            1000,
+            RttEstimator::new(
+                Duration::from_millis(1),
+                Duration::from_micros(10),
+                Duration::from_secs(1),
+            ),
+        )
+    }
+
+    #[test]
+    fn sack_gap_is_loss_and_only_the_gap() {
+        let mut t = tx();
+        let mut r = PathRx::new();
+        for csn in 0..6 {
+            t.record_send(100 + csn, Instant::ZERO, 1000, false);
+        }
+        // Packet 2 is lost on the wire.
+        for psn in [0, 1, 3, 4, 5] {
+            r.on_packet(psn, psn == 4);
+        }
+        let mut ev = Vec::new();
+        let echo = t.on_ack(&r.entry(0), |e| ev.push(e)).unwrap();
+        assert_eq!(echo, (5, 1));
+        let lost: Vec<_> = ev
+            .iter()
+            .filter_map(|e| {
+                if let PathEvent::Lost { csn } = e {
+                    Some(*csn)
+                } else {
+                    None
+                }
+            })
+            .collect();
+        assert_eq!(lost, vec![102]);
+        assert_eq!(
+            ev.iter()
+                .filter(|e| matches!(e, PathEvent::Acked { .. }))
+                .count(),
+            5
+        );
+        assert_eq!(t.in_flight, 0);
+        assert_eq!(t.una, 6);
+        // The same ACK again changes nothing.
+        let mut again = Vec::new();
+        assert_eq!(t.on_ack(&r.entry(0), |e| again.push(e)).unwrap(), (0, 0));
+        assert!(again.is_empty());
+    }
+
+    #[test]
+    fn bogus_ack_beyond_sent_is_refused() {
+        let mut t = tx();
+        t.record_send(0, Instant::ZERO, 10, false);
+        let mut e = PathRx::new().entry(0);
+        e.ack_psn = 5;
+        assert_eq!(t.on_ack(&e, |_| {}), Err(BogusAck));
+    }
+
+    #[test]
+    fn span_is_bounded_by_sack_bits() {
+        let mut t = tx();
+        for i in 0..SACK_BITS {
+            assert!(t.has_room());
+            t.record_send(i, Instant::ZERO, 1, false);
+        }
+        assert!(!t.has_room());
+    }
+
+    #[test]
+    fn expire_marks_old_packets() {
+        let mut t = tx();
+        t.record_send(1, Instant::from_nanos(10), 5, false);
+        t.record_send(2, Instant::from_nanos(20), 5, false);
+        assert_eq!(t.oldest_outstanding(), Some(Instant::from_nanos(10)));
+        let mut ev = Vec::new();
+        assert_eq!(t.expire(Instant::from_nanos(15), |e| ev.push(e)), 1);
+        assert_eq!(ev, vec![PathEvent::Lost { csn: 1 }]);
+        assert_eq!(t.oldest_outstanding(), Some(Instant::from_nanos(20)));
+        assert_eq!(t.in_flight, 5);
+    }
+
+    #[test]
+    fn receiver_window() {
+        let mut r = PathRx::new();
+        assert_eq!(r.on_packet(0, false), (SeqAccept::New, false));
+        assert_eq!(r.on_packet(2, false), (SeqAccept::New, true));
+        assert_eq!(r.on_packet(2, false).0, SeqAccept::Duplicate);
+        assert!(!r.in_window(1 + SACK_BITS));
+        assert_eq!(r.on_packet(1 + SACK_BITS, false).0, SeqAccept::OutOfWindow);
+        let e = r.entry(3);
+        assert_eq!(e.ack_psn, 1);
+        assert!(e.sack_bit(0));
+    }
+}

@@ -1,0 +1,863 @@
+//! The endpoint: one per host (or per set of sockets), owning the verbs
+//! objects and the connections, driven by datagrams and time.
+//!
+//! The driver loop, after quinn-proto:
+//!
+//! - [`Endpoint::handle_datagram`] for every datagram received,
+//! - [`Endpoint::poll_transmit`] until it returns `None`, sending each transmit,
+//! - [`Endpoint::poll_timeout`] to know when to call [`Endpoint::handle_timeout`],
+//! - [`Endpoint::poll_event`] for connection events, and
+//!   [`Endpoint::poll_cq`] for work completions.
+//!
+//! ```
+//! use metaroce_proto::{Endpoint, EndpointConfig, Instant, Event};
+//! use metaroce_proto::verbs::*;
+//! use std::net::SocketAddr;
+//!
+//! let a_addr: SocketAddr = "10.0.0.1:4792".parse().unwrap();
+//! let b_addr: SocketAddr = "10.0.0.2:4792".parse().unwrap();
+//! let mut a = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+//! let mut b = Endpoint::new(EndpointConfig::default(), 2).unwrap();
+//!
+//! // Verbs objects on both sides.
+//! let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
+//! let (ca, cb) = (a.create_cq(64), b.create_cq(64));
+//! let src = a.reg_mr(pa, vec![7u8; 10_000].into_boxed_slice(), 0, AccessFlags::NONE).unwrap();
+//! let dst = b.reg_mr(pb, vec![0u8; 10_000].into_boxed_slice(), 0x9000, AccessFlags::REMOTE_WRITE).unwrap();
+//! let qa = a.create_qp(QpInit::new(pa, ca, ca)).unwrap();
+//! let qb = b.create_qp(QpInit::new(pb, cb, cb)).unwrap();
+//!
+//! // Connect, exchanging QP numbers out of band.
+//! let mut now = Instant::ZERO;
+//! let conn_a = a.connect(now, b_addr).unwrap();
+//! let mut buf = vec![0u8; 9000];
+//! let mut conn_b = None;
+//! let mut pump = |a: &mut Endpoint, b: &mut Endpoint, now: Instant, conn_b: &mut Option<_>| {
+//!     for _ in 0..100 {
+//!         let mut moved = false;
+//!         while let Some(t) = a.poll_transmit(now, &mut buf) {
+//!             b.handle_datagram(now, a_addr, t.ecn, &buf[..t.size]);
+//!             moved = true;
+//!         }
+//!         while let Some(t) = b.poll_transmit(now, &mut buf) {
+//!             a.handle_datagram(now, b_addr, t.ecn, &buf[..t.size]);
+//!             moved = true;
+//!         }
+//!         while let Some(e) = b.poll_event() {
+//!             if let Event::Incoming { conn, .. } = e { *conn_b = Some(conn); }
+//!         }
+//!         if !moved { break; }
+//!     }
+//! };
+//! pump(&mut a, &mut b, now, &mut conn_b);
+//! a.connect_qp(qa, conn_a, qb).unwrap();
+//! b.connect_qp(qb, conn_b.unwrap(), qa).unwrap();
+//!
+//! // WRITE 10 000 bytes and wait for the completion.
+//! let wr = SendWr::new(1, SendOp::Write(RemoteAddr { rkey: dst.rkey, addr: dst.addr }),
+//!                      Sge { lkey: src.lkey, addr: 0, len: 10_000 });
+//! a.post_send(now, qa, wr).unwrap();
+//! now = Instant::from_nanos(1_000);
+//! pump(&mut a, &mut b, now, &mut conn_b);
+//! let mut wcs = Vec::new();
+//! a.poll_cq(ca, 16, &mut wcs).unwrap();
+//! assert_eq!(wcs[0].status, WcStatus::Success);
+//! assert!(b.mr(dst.lkey).unwrap().iter().all(|&x| x == 7));
+//! ```
+
+mod cookie;
+mod qp_ops;
+mod recv;
+mod transmit;
+
+use crate::config::{ConfigError, EndpointConfig};
+use crate::connection::{Connection, ConnectionError, ConnectionState, ConnectionStats, Ctrl};
+use crate::rng::Rng;
+use crate::stats::{EndpointStats, RejectReason};
+use crate::time::Instant;
+use crate::verbs::qp::{consumes_recv, Qp, SendWqe};
+use crate::verbs::{
+    AccessFlags, CompletionQueue, ConnectionHandle, CqHandle, MrInfo, MrTable, PdHandle, QpAttrs,
+    QpInit, QpState, Qpn, RecvWr, SendOp, SendWr, VerbsError, WcStatus, WorkCompletion,
+};
+use crate::wire::CloseCode;
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::hash::BuildHasherDefault;
+use std::net::{IpAddr, SocketAddr};
+
+/// A deterministic hasher for the lookup tables (iteration order never leaks
+/// into behaviour, but determinism is cheap to keep).
+type Map<K, V> = HashMap<K, V, BuildHasherDefault<DefaultHasher>>;
+
+/// ECN codepoint of an IP packet (RFC 3168).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Ecn {
+    /// Not ECN-capable.
+    #[default]
+    NotEct,
+    /// ECN-capable, codepoint 1.
+    Ect1,
+    /// ECN-capable, codepoint 0.
+    Ect0,
+    /// Congestion experienced.
+    Ce,
+}
+
+impl Ecn {
+    /// From the two low bits of the IP TOS / traffic class byte.
+    pub fn from_bits(bits: u8) -> Ecn {
+        match bits & 0b11 {
+            0b00 => Ecn::NotEct,
+            0b01 => Ecn::Ect1,
+            0b10 => Ecn::Ect0,
+            _ => Ecn::Ce,
+        }
+    }
+
+    /// The two ECN bits.
+    pub fn bits(self) -> u8 {
+        match self {
+            Ecn::NotEct => 0b00,
+            Ecn::Ect1 => 0b01,
+            Ecn::Ect0 => 0b10,
+            Ecn::Ce => 0b11,
+        }
+    }
+}
+
+/// A datagram (or a GSO batch of them) for the driver to send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transmit {
+    /// Destination address.
+    pub dst: SocketAddr,
+    /// Local address to send from (`None`: the driver's default).
+    pub src_ip: Option<IpAddr>,
+    /// UDP source port: the path's ECMP entropy.
+    pub src_port: u16,
+    /// ECN codepoint to set.
+    pub ecn: Ecn,
+    /// Bytes written to the buffer.
+    pub size: usize,
+    /// With several datagrams batched: the size of each but the last (UDP GSO).
+    pub segment_size: Option<usize>,
+}
+
+/// Something the application should know about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// A connection we opened is established.
+    Connected(ConnectionHandle),
+    /// A peer opened a connection to us.
+    Incoming {
+        /// The new connection.
+        conn: ConnectionHandle,
+        /// Peer address (IP and listening port).
+        peer: SocketAddr,
+    },
+    /// A connection ended; its QPs are in the error state.
+    ConnectionLost {
+        /// The connection.
+        conn: ConnectionHandle,
+        /// Why.
+        error: ConnectionError,
+    },
+    /// A QP moved to the error state.
+    QpError {
+        /// The QP.
+        qpn: Qpn,
+        /// Status of the request that caused it.
+        status: WcStatus,
+    },
+    /// A completion queue holds more completions than its capacity.
+    CqOverrun(CqHandle),
+}
+
+/// Why `Endpoint::new` failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EndpointError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}
+
+const QPN_INDEX_BITS: u32 = 20;
+const QPN_INDEX_MASK: u32 = (1 << QPN_INDEX_BITS) - 1;
+/// Stateless replies (COOKIE, VERSION_NEGOTIATION) queued at most.
+const MAX_STATELESS_QUEUE: usize = 1024;
+
+/// A stateless reply waiting to be sent.
+#[derive(Debug, Clone, Copy)]
+struct StatelessReply {
+    dst: SocketAddr,
+    buf: [u8; crate::consts::HELLO_LEN],
+    len: usize,
+}
+
+/// A metaroce endpoint. See the [module documentation](self) for the driver loop.
+#[derive(Debug)]
+pub struct Endpoint {
+    config: EndpointConfig,
+    rng: Rng,
+    cookie_key: (u64, u64),
+    conns: Vec<Option<Connection>>,
+    by_cid: Map<u32, usize>,
+    by_peer: Map<(IpAddr, u16, u32), usize>,
+    pds: Vec<bool>,
+    mrs: MrTable,
+    cqs: Vec<CompletionQueue>,
+    qps: Vec<Option<Qp>>,
+    qp_gens: Vec<u32>,
+    events: VecDeque<Event>,
+    timers: BTreeSet<(Instant, usize)>,
+    ready: VecDeque<usize>,
+    stateless: VecDeque<StatelessReply>,
+    stats: EndpointStats,
+    local_ip: Option<IpAddr>,
+    /// The latest `now` the driver has given.
+    last_now: Instant,
+}
+
+impl Endpoint {
+    /// A new endpoint. `seed` drives every random choice (connection ids,
+    /// keys, source ports, cookie secret): the same seed gives the same behaviour.
+    pub fn new(config: EndpointConfig, seed: u64) -> Result<Self, EndpointError> {
+        config.validate()?;
+        let mut rng = Rng::new(seed);
+        let cookie_key = (rng.next_u64(), rng.next_u64());
+        Ok(Endpoint {
+            config,
+            rng,
+            cookie_key,
+            conns: Vec::new(),
+            by_cid: Map::default(),
+            by_peer: Map::default(),
+            pds: Vec::new(),
+            mrs: MrTable::default(),
+            cqs: Vec::new(),
+            qps: Vec::new(),
+            qp_gens: Vec::new(),
+            events: VecDeque::new(),
+            timers: BTreeSet::new(),
+            ready: VecDeque::new(),
+            stateless: VecDeque::new(),
+            stats: EndpointStats::default(),
+            local_ip: None,
+            last_now: Instant::ZERO,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EndpointConfig {
+        &self.config
+    }
+
+    /// Sets the local address put in every [`Transmit::src_ip`] (for drivers
+    /// with several local addresses; `None` lets the driver choose).
+    pub fn set_local_ip(&mut self, ip: Option<IpAddr>) {
+        self.local_ip = ip;
+    }
+
+    /// Endpoint-wide counters.
+    pub fn stats(&self) -> EndpointStats {
+        self.stats
+    }
+
+    /// A connection's counters, paths included.
+    pub fn connection_stats(&self, conn: ConnectionHandle) -> Option<ConnectionStats> {
+        self.conn(conn).map(|c| c.snapshot())
+    }
+
+    /// A connection's state.
+    pub fn connection_state(&self, conn: ConnectionHandle) -> Option<ConnectionState> {
+        self.conn(conn).map(|c| c.state)
+    }
+
+    /// Every connection handle, in creation order.
+    pub fn connections(&self) -> impl Iterator<Item = ConnectionHandle> + '_ {
+        self.conns
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.is_some())
+            .map(|(i, _)| ConnectionHandle(i as u32))
+    }
+
+    fn conn(&self, h: ConnectionHandle) -> Option<&Connection> {
+        self.conns.get(h.0 as usize)?.as_ref()
+    }
+
+    fn reject(&mut self, reason: RejectReason, from: SocketAddr) {
+        self.stats.rejects.bump(reason);
+        tracing::debug!(?reason, %from, "rejected packet");
+    }
+
+    // ------------------------------------------------------------------
+    // Verbs: protection domains, memory regions, completion queues, QPs.
+    // ------------------------------------------------------------------
+
+    /// Allocates a protection domain (`ibv_alloc_pd`).
+    pub fn alloc_pd(&mut self) -> PdHandle {
+        self.pds.push(true);
+        PdHandle((self.pds.len() - 1) as u32)
+    }
+
+    /// Frees a protection domain that holds no memory region or QP (`ibv_dealloc_pd`).
+    pub fn dealloc_pd(&mut self, pd: PdHandle) -> Result<(), VerbsError> {
+        self.check_pd(pd)?;
+        if self.mrs.count_in_pd(pd) > 0 || self.qps.iter().flatten().any(|q| q.pd == pd) {
+            return Err(VerbsError::PdInUse);
+        }
+        self.pds[pd.0 as usize] = false;
+        Ok(())
+    }
+
+    fn check_pd(&self, pd: PdHandle) -> Result<(), VerbsError> {
+        match self.pds.get(pd.0 as usize) {
+            Some(true) => Ok(()),
+            _ => Err(VerbsError::InvalidPd),
+        }
+    }
+
+    /// Registers `buf` as a memory region whose byte 0 has virtual address
+    /// `addr` (`ibv_reg_mr` with an iova). The endpoint owns the buffer
+    /// until [`dereg_mr`](Self::dereg_mr) returns it.
+    pub fn reg_mr(
+        &mut self,
+        pd: PdHandle,
+        buf: Box<[u8]>,
+        addr: u64,
+        access: AccessFlags,
+    ) -> Result<MrInfo, VerbsError> {
+        self.check_pd(pd)?;
+        let salt = self.rng.next_u32();
+        self.mrs.register(pd, buf, addr, access, salt)
+    }
+
+    /// Deregisters a region and hands its buffer back. Fails while work
+    /// requests or READ responses still reference it.
+    pub fn dereg_mr(&mut self, lkey: u32) -> Result<Box<[u8]>, VerbsError> {
+        self.mrs.deregister(lkey)
+    }
+
+    /// The bytes of a region, for the application to read.
+    pub fn mr(&self, lkey: u32) -> Option<&[u8]> {
+        self.mrs.by_lkey(lkey).map(|m| &m.buf[..])
+    }
+
+    /// The bytes of a region, for the application to write. Bytes that an
+    /// outstanding SEND/WRITE reads, or that a peer may WRITE, must not be
+    /// changed until the request completes.
+    pub fn mr_mut(&mut self, lkey: u32) -> Option<&mut [u8]> {
+        self.mrs.by_lkey_mut(lkey).map(|m| &mut m.buf[..])
+    }
+
+    /// Information about a registered region.
+    pub fn mr_info(&self, lkey: u32) -> Option<MrInfo> {
+        self.mrs.by_lkey(lkey).map(|m| m.info)
+    }
+
+    /// Creates a completion queue of `capacity` entries (`ibv_create_cq`).
+    pub fn create_cq(&mut self, capacity: usize) -> CqHandle {
+        self.cqs.push(CompletionQueue::new(capacity));
+        CqHandle((self.cqs.len() - 1) as u32)
+    }
+
+    /// Moves up to `max` completions into `out` (`ibv_poll_cq`); returns how many.
+    pub fn poll_cq(
+        &mut self,
+        cq: CqHandle,
+        max: usize,
+        out: &mut Vec<WorkCompletion>,
+    ) -> Result<usize, VerbsError> {
+        let q = self
+            .cqs
+            .get_mut(cq.0 as usize)
+            .ok_or(VerbsError::InvalidCq)?;
+        let n = max.min(q.entries.len());
+        out.extend(q.entries.drain(..n));
+        if q.entries.len() <= q.capacity {
+            q.overrun_reported = false;
+        }
+        Ok(n)
+    }
+
+    /// Completions waiting in a queue.
+    pub fn cq_len(&self, cq: CqHandle) -> Result<usize, VerbsError> {
+        self.cqs
+            .get(cq.0 as usize)
+            .map(|q| q.entries.len())
+            .ok_or(VerbsError::InvalidCq)
+    }
+
+    /// Creates a queue pair in the RESET state (`ibv_create_qp`).
+    pub fn create_qp(&mut self, init: QpInit) -> Result<Qpn, VerbsError> {
+        self.check_pd(init.pd)?;
+        for cq in [init.send_cq, init.recv_cq] {
+            if cq.0 as usize >= self.cqs.len() {
+                return Err(VerbsError::InvalidCq);
+            }
+        }
+        let idx = match self.qps.iter().position(|q| q.is_none()) {
+            Some(i) => i,
+            None => {
+                if self.qps.len() as u32 >= QPN_INDEX_MASK {
+                    return Err(VerbsError::QueueFull(QPN_INDEX_MASK));
+                }
+                self.qps.push(None);
+                self.qp_gens.push(0);
+                self.qps.len() - 1
+            }
+        };
+        self.qp_gens[idx] = (self.qp_gens[idx] + 1) % (1 << (32 - QPN_INDEX_BITS));
+        if self.qp_gens[idx] == 0 {
+            self.qp_gens[idx] = 1;
+        }
+        let qpn = Qpn((self.qp_gens[idx] << QPN_INDEX_BITS) | idx as u32);
+        self.qps[idx] = Some(Qp::new(
+            qpn,
+            init.pd,
+            init.send_cq,
+            init.recv_cq,
+            init.max_send_wr,
+            init.max_recv_wr,
+        ));
+        Ok(qpn)
+    }
+
+    fn qp_index(&self, qpn: Qpn) -> Option<usize> {
+        let idx = (qpn.0 & QPN_INDEX_MASK) as usize;
+        match self.qps.get(idx) {
+            Some(Some(q)) if q.qpn == qpn => Some(idx),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn qp_mut(&mut self, qpn: Qpn) -> Option<&mut Qp> {
+        let idx = self.qp_index(qpn)?;
+        self.qps[idx].as_mut()
+    }
+
+    /// A QP's state.
+    pub fn qp_state(&self, qpn: Qpn) -> Option<QpState> {
+        self.qp_index(qpn)
+            .and_then(|i| self.qps[i].as_ref())
+            .map(|q| q.state)
+    }
+
+    /// Destroys a QP (`ibv_destroy_qp`); outstanding requests are flushed first.
+    pub fn destroy_qp(&mut self, qpn: Qpn) -> Result<(), VerbsError> {
+        let idx = self.qp_index(qpn).ok_or(VerbsError::InvalidQp(qpn))?;
+        self.fail_qp(qpn, None, false);
+        if let Some(qp) = self.qps[idx].take() {
+            if let Some(c) = qp.conn {
+                if let Some(conn) = self.conns.get_mut(c.0 as usize).and_then(|c| c.as_mut()) {
+                    conn.qps.retain(|&q| q != qpn);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves a QP to state `to` with `attrs` (`ibv_modify_qp`). Illegal
+    /// transitions and missing attributes are typed errors.
+    pub fn modify_qp(&mut self, qpn: Qpn, to: QpState, attrs: QpAttrs) -> Result<(), VerbsError> {
+        let idx = self.qp_index(qpn).ok_or(VerbsError::InvalidQp(qpn))?;
+        let from = self.qps[idx]
+            .as_ref()
+            .map(|q| q.state)
+            .ok_or(VerbsError::InvalidQp(qpn))?;
+        if !from.can_move_to(to) {
+            return Err(VerbsError::IllegalTransition { from, to });
+        }
+        match (from, to) {
+            (_, QpState::Reset) => {
+                self.fail_qp(qpn, None, false);
+                self.unbind_qp(qpn);
+                if let Some(q) = self.qps[idx].as_mut() {
+                    q.reset();
+                }
+                return Ok(());
+            }
+            (_, QpState::Error) => {
+                self.fail_qp(qpn, None, true);
+                return Ok(());
+            }
+            (QpState::Init, QpState::Rtr) => {
+                let conn = attrs.conn.ok_or(VerbsError::MissingAttribute("conn"))?;
+                let remote = attrs
+                    .remote_qpn
+                    .ok_or(VerbsError::MissingAttribute("remote_qpn"))?;
+                let ci = conn.0 as usize;
+                match self.conns.get_mut(ci).and_then(|c| c.as_mut()) {
+                    Some(c) if c.is_open() => {
+                        if !c.qps.contains(&qpn) {
+                            c.qps.push(qpn);
+                        }
+                    }
+                    _ => return Err(VerbsError::InvalidConnection),
+                }
+                let q = self.qps[idx].as_mut().ok_or(VerbsError::InvalidQp(qpn))?;
+                q.conn = Some(conn);
+                q.remote_qpn = remote.0;
+                if let Some(v) = attrs.max_dest_rd_atomic {
+                    q.max_dest_rd_atomic = v.max(1);
+                }
+                if let Some(v) = attrs.min_rnr_timer {
+                    q.min_rnr_timer = v;
+                }
+            }
+            _ => {}
+        }
+        let q = self.qps[idx].as_mut().ok_or(VerbsError::InvalidQp(qpn))?;
+        if let Some(a) = attrs.access {
+            q.access = a;
+        }
+        if let Some(v) = attrs.rnr_retry {
+            q.rnr_retry = v.min(7);
+        }
+        if let Some(v) = attrs.max_rd_atomic {
+            q.max_rd_atomic = v.max(1);
+        }
+        q.state = to;
+        let conn = q.conn;
+        if let Some(c) = conn {
+            self.touch(c.0 as usize, None);
+        }
+        Ok(())
+    }
+
+    fn unbind_qp(&mut self, qpn: Qpn) {
+        let Some(idx) = self.qp_index(qpn) else {
+            return;
+        };
+        let Some(conn) = self.qps[idx].as_ref().and_then(|q| q.conn) else {
+            return;
+        };
+        if let Some(c) = self.conns.get_mut(conn.0 as usize).and_then(|c| c.as_mut()) {
+            c.qps.retain(|&q| q != qpn);
+        }
+    }
+
+    /// RESET→INIT→RTR→RTS in one call, with every remote access allowed and
+    /// default attributes: the usual way to bring up an RC QP once the
+    /// connection exists and the peer's QP number is known.
+    pub fn connect_qp(
+        &mut self,
+        qpn: Qpn,
+        conn: ConnectionHandle,
+        remote_qpn: Qpn,
+    ) -> Result<(), VerbsError> {
+        self.modify_qp(
+            qpn,
+            QpState::Init,
+            QpAttrs {
+                access: Some(AccessFlags::ALL),
+                ..Default::default()
+            },
+        )?;
+        self.modify_qp(
+            qpn,
+            QpState::Rtr,
+            QpAttrs {
+                conn: Some(conn),
+                remote_qpn: Some(remote_qpn),
+                ..Default::default()
+            },
+        )?;
+        self.modify_qp(qpn, QpState::Rts, QpAttrs::default())
+    }
+
+    /// Posts a receive (`ibv_post_recv`). In the error state it completes at
+    /// once with `WrFlushError`.
+    pub fn post_recv(&mut self, qpn: Qpn, wr: RecvWr) -> Result<(), VerbsError> {
+        let idx = self.qp_index(qpn).ok_or(VerbsError::InvalidQp(qpn))?;
+        let Endpoint {
+            qps,
+            mrs,
+            cqs,
+            events,
+            ..
+        } = self;
+        let q = qps[idx].as_mut().ok_or(VerbsError::InvalidQp(qpn))?;
+        if q.state == QpState::Error {
+            let wc = q.recv_flush_wc(&wr);
+            qp_ops::push_wc(cqs, events, q.recv_cq, wc);
+            return Ok(());
+        }
+        if !q.state.takes_recv() {
+            return Err(VerbsError::InvalidState(q.state));
+        }
+        if q.rq.len() as u32 >= q.max_recv_wr {
+            return Err(VerbsError::QueueFull(q.max_recv_wr));
+        }
+        if !mrs.check_local(
+            q.pd,
+            wr.sge.lkey,
+            wr.sge.addr,
+            wr.sge.len,
+            AccessFlags::LOCAL_WRITE,
+        ) {
+            return Err(VerbsError::InvalidKey(wr.sge.lkey));
+        }
+        if wr.sge.len > 0 {
+            mrs.add_ref(wr.sge.lkey, 1);
+        }
+        q.rq.push_back(wr);
+        Ok(())
+    }
+
+    /// Posts a send work request (`ibv_post_send`).
+    ///
+    /// Refused at once (typed error) when the QP's state does not take sends
+    /// or its queue is full. A request whose local buffer is invalid is
+    /// accepted and completes with `LocalProtectionError` when its turn comes,
+    /// moving the QP to the error state, as with verbs.
+    pub fn post_send(&mut self, now: Instant, qpn: Qpn, wr: SendWr) -> Result<(), VerbsError> {
+        let idx = self.qp_index(qpn).ok_or(VerbsError::InvalidQp(qpn))?;
+        let Endpoint {
+            qps,
+            mrs,
+            cqs,
+            events,
+            ..
+        } = self;
+        let q = qps[idx].as_mut().ok_or(VerbsError::InvalidQp(qpn))?;
+        if q.state == QpState::Error {
+            let w = SendWqe {
+                wr,
+                msn: 0,
+                recv_seq: 0,
+                gen: 0,
+                rnr_retries: 0,
+                read_received: 0,
+                read_seen: false,
+                local_error: None,
+                has_ref: false,
+            };
+            let wc = q.send_wc(&w, WcStatus::WrFlushError);
+            qp_ops::push_wc(cqs, events, q.send_cq, wc);
+            return Ok(());
+        }
+        if !q.state.takes_send() {
+            return Err(VerbsError::InvalidState(q.state));
+        }
+        if q.sq.len() as u32 >= q.max_send_wr {
+            return Err(VerbsError::QueueFull(q.max_send_wr));
+        }
+        let need = if matches!(wr.op, SendOp::Read(_)) {
+            AccessFlags::LOCAL_WRITE
+        } else {
+            AccessFlags::NONE
+        };
+        let ok = mrs.check_local(q.pd, wr.local.lkey, wr.local.addr, wr.local.len, need);
+        let has_ref = ok && wr.local.len > 0;
+        if has_ref {
+            mrs.add_ref(wr.local.lkey, 1);
+        }
+        let msn = q.next_msn;
+        q.next_msn = msn.wrapping_add(1);
+        let recv_seq = q.next_recv_seq;
+        if consumes_recv(&wr.op) {
+            q.next_recv_seq = recv_seq.wrapping_add(1);
+        }
+        q.sq.push_back(SendWqe {
+            wr,
+            msn,
+            recv_seq,
+            gen: 0,
+            rnr_retries: 0,
+            read_received: 0,
+            read_seen: false,
+            local_error: if ok {
+                None
+            } else {
+                Some(WcStatus::LocalProtectionError)
+            },
+            has_ref,
+        });
+        if let Some(c) = q.conn {
+            self.touch(c.0 as usize, Some(now));
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------
+    // Connections.
+    // ------------------------------------------------------------------
+
+    /// Opens a connection to the endpoint listening at `peer`. The
+    /// [`Event::Connected`] event says when it is established; QPs may be
+    /// bound to it at once.
+    pub fn connect(
+        &mut self,
+        now: Instant,
+        peer: SocketAddr,
+    ) -> Result<ConnectionHandle, VerbsError> {
+        let ci = self.new_connection(now, peer, true)?;
+        self.touch(ci, Some(now));
+        Ok(ConnectionHandle(ci as u32))
+    }
+
+    fn new_connection(
+        &mut self,
+        now: Instant,
+        peer: SocketAddr,
+        is_client: bool,
+    ) -> Result<usize, VerbsError> {
+        if self.by_cid.len() >= self.config.max_connections {
+            return Err(VerbsError::TooManyConnections);
+        }
+        let cid = loop {
+            let c = self.rng.next_u32();
+            if c != 0 && !self.by_cid.contains_key(&c) {
+                break c;
+            }
+        };
+        let ci = self
+            .conns
+            .iter()
+            .position(|c| c.is_none())
+            .unwrap_or_else(|| {
+                self.conns.push(None);
+                self.conns.len() - 1
+            });
+        let conn = Connection::new(
+            cid,
+            peer,
+            self.local_ip,
+            is_client,
+            &self.config,
+            &mut self.rng,
+            now,
+        );
+        self.conns[ci] = Some(conn);
+        self.by_cid.insert(cid, ci);
+        self.stats.connections_opened += 1;
+        Ok(ci)
+    }
+
+    /// Closes a connection: a CLOSE goes to the peer, every QP bound to it
+    /// moves to the error state.
+    pub fn close(&mut self, now: Instant, conn: ConnectionHandle) -> Result<(), VerbsError> {
+        let ci = conn.0 as usize;
+        let c = self
+            .conns
+            .get_mut(ci)
+            .and_then(|c| c.as_mut())
+            .ok_or(VerbsError::InvalidConnection)?;
+        if !c.is_open() {
+            return Ok(());
+        }
+        let was_established = c.is_established();
+        c.ctrl = if was_established {
+            Some(Ctrl::Close(CloseCode::Normal))
+        } else {
+            None
+        };
+        self.end_connection(ci, ConnectionState::Closed, ConnectionError::LocallyClosed);
+        self.touch(ci, Some(now));
+        Ok(())
+    }
+
+    /// Frees a closed or failed connection's slot.
+    pub fn release_connection(&mut self, conn: ConnectionHandle) -> Result<(), VerbsError> {
+        let ci = conn.0 as usize;
+        let c = self
+            .conns
+            .get(ci)
+            .and_then(|c| c.as_ref())
+            .ok_or(VerbsError::InvalidConnection)?;
+        if c.is_open() || c.ctrl.is_some() {
+            return Err(VerbsError::InvalidConnection);
+        }
+        let c = self.conns[ci].take().ok_or(VerbsError::InvalidConnection)?;
+        self.by_cid.remove(&c.local_cid);
+        self.by_peer.retain(|_, v| *v != ci);
+        if let Some(k) = c.timer_key {
+            self.timers.remove(&(k, ci));
+        }
+        self.ready.retain(|&r| r != ci);
+        Ok(())
+    }
+
+    /// Ends a connection: state, event, QPs to error.
+    fn end_connection(&mut self, ci: usize, state: ConnectionState, error: ConnectionError) {
+        let Some(c) = self.conns[ci].as_mut() else {
+            return;
+        };
+        c.state = state;
+        c.error = Some(error);
+        c.retx.clear();
+        c.probe_pending = false;
+        let qps = c.qps.clone();
+        let status = match error {
+            ConnectionError::RetryExceeded => WcStatus::RetryExceeded,
+            _ => WcStatus::WrFlushError,
+        };
+        for qpn in qps {
+            // The oldest outstanding request gets the reason; the rest are flushed.
+            let first = self.qp_mut(qpn).and_then(|q| q.sq.front().map(|w| w.msn));
+            self.fail_qp(qpn, first.map(|m| (m, status)), true);
+        }
+        self.events.push_back(Event::ConnectionLost {
+            conn: ConnectionHandle(ci as u32),
+            error,
+        });
+    }
+
+    // ------------------------------------------------------------------
+    // Driver loop.
+    // ------------------------------------------------------------------
+
+    /// The next event, if any.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) must be called next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.timers.iter().next().map(|&(t, _)| t)
+    }
+
+    /// Runs every timer due at `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        while let Some(&(t, ci)) = self.timers.iter().next() {
+            if t > now {
+                break;
+            }
+            self.timers.remove(&(t, ci));
+            if let Some(c) = self.conns[ci].as_mut() {
+                c.timer_key = None;
+            }
+            self.on_conn_timeout(ci, now);
+            self.touch(ci, Some(now));
+        }
+    }
+
+    /// Recomputes a connection's timer and readiness after anything changed it.
+    pub(crate) fn touch(&mut self, ci: usize, now: Option<Instant>) {
+        let next = self.conn_deadline(ci);
+        let Some(c) = self.conns[ci].as_mut() else {
+            return;
+        };
+        if c.timer_key != next {
+            if let Some(k) = c.timer_key.take() {
+                self.timers.remove(&(k, ci));
+            }
+            if let Some(k) = next {
+                self.timers.insert((k, ci));
+                c.timer_key = Some(k);
+            }
+        }
+        if let Some(n) = now {
+            self.last_now = self.last_now.max(n);
+        }
+        let wants = self.wants_send(ci, self.last_now);
+        if let Some(c) = self.conns[ci].as_mut() {
+            if wants && !c.in_ready {
+                c.in_ready = true;
+                self.ready.push_back(ci);
+            }
+        }
+    }
+}

@@ -1,0 +1,405 @@
+//! QP work shared by the receive and transmit paths: completing requests in
+//! order, failing a QP, executing retired messages, connection timers.
+
+use super::{Endpoint, Event};
+use crate::connection::{ConnectionError, ConnectionState, CsnKind, Ctrl, PathEvent};
+use crate::time::Instant;
+use crate::verbs::qp::{max_payload, Accepted, Incoming, ReadResp};
+use crate::verbs::{CompletionQueue, CqHandle, Qpn, WcOpcode, WcStatus, WorkCompletion};
+use crate::wire::seq::seq_lt;
+use crate::wire::{NakCode, NakEntry, Opcode};
+use std::collections::VecDeque;
+
+/// Adds a completion to its queue; reports an overrun once.
+pub(crate) fn push_wc(
+    cqs: &mut [CompletionQueue],
+    events: &mut VecDeque<Event>,
+    cq: CqHandle,
+    wc: WorkCompletion,
+) {
+    if let Some(q) = cqs.get_mut(cq.0 as usize) {
+        if q.push(wc) {
+            events.push_back(Event::CqOverrun(cq));
+        }
+    }
+}
+
+impl Endpoint {
+    /// Moves a QP to ERROR: the request `failing` (by MSN) completes with its
+    /// status, every other outstanding request and receive is flushed.
+    /// `event` says whether to report the error.
+    pub(crate) fn fail_qp(&mut self, qpn: Qpn, failing: Option<(u32, WcStatus)>, event: bool) {
+        let Some(idx) = self.qp_index(qpn) else {
+            return;
+        };
+        let Endpoint {
+            qps,
+            mrs,
+            cqs,
+            events,
+            ..
+        } = self;
+        let Some(q) = qps[idx].as_mut() else { return };
+        let was_error = q.state == QpState::Error;
+        let sq: Vec<_> = q.sq.drain(..).collect();
+        for w in &sq {
+            let status = match failing {
+                Some((msn, st)) if msn == w.msn => st,
+                _ => WcStatus::WrFlushError,
+            };
+            if w.has_ref {
+                mrs.add_ref(w.wr.local.lkey, -1);
+            }
+            let wc = q.send_wc(w, status);
+            push_wc(cqs, events, q.send_cq, wc);
+        }
+        let rq: Vec<_> = q.rq.drain(..).collect();
+        for r in &rq {
+            if r.sge.len > 0 {
+                mrs.add_ref(r.sge.lkey, -1);
+            }
+            let wc = q.recv_flush_wc(r);
+            push_wc(cqs, events, q.recv_cq, wc);
+        }
+        for r in q.read_resps.drain(..) {
+            mrs.add_ref_rkey(r.rkey, -1);
+        }
+        q.sq_base_msn = q.next_msn;
+        q.rq_base_seq = q.rq_base_seq.wrapping_add(rq.len() as u32);
+        q.send_idx = 0;
+        q.send_offset = 0;
+        q.resend.clear();
+        q.resend_offset = 0;
+        q.reads_outstanding = 0;
+        q.rnr_wait_until = None;
+        q.incoming.clear();
+        q.state = QpState::Error;
+        if event && !was_error {
+            let status = failing.map_or(WcStatus::WrFlushError, |f| f.1);
+            events.push_back(Event::QpError { qpn, status });
+            tracing::debug!(?qpn, ?status, "QP moved to the error state");
+        }
+    }
+
+    /// Requester: completes, in order, every request at the head of the send
+    /// queue that is done.
+    pub(crate) fn complete_in_order(&mut self, qpn: Qpn) {
+        let Some(idx) = self.qp_index(qpn) else {
+            return;
+        };
+        let Endpoint {
+            qps,
+            mrs,
+            cqs,
+            events,
+            ..
+        } = self;
+        let Some(q) = qps[idx].as_mut() else { return };
+        while let Some(w) = q.sq.front() {
+            // Not yet (fully) sent for the first time: cannot be done.
+            if q.send_idx == 0 {
+                break;
+            }
+            let done = if w.is_read() {
+                w.read_seen && w.read_received >= u64::from(w.wr.local.len)
+            } else {
+                seq_lt(w.msn, q.remote_msn_done)
+            };
+            if !done {
+                break;
+            }
+            let Some(w) = q.sq.pop_front() else { break };
+            q.sq_base_msn = q.sq_base_msn.wrapping_add(1);
+            q.send_idx -= 1;
+            if w.is_read() {
+                q.reads_outstanding = q.reads_outstanding.saturating_sub(1);
+            }
+            q.resend.retain(|&m| m != w.msn);
+            if w.has_ref {
+                mrs.add_ref(w.wr.local.lkey, -1);
+            }
+            if w.wr.signaled {
+                let wc = q.send_wc(&w, WcStatus::Success);
+                push_wc(cqs, events, q.send_cq, wc);
+            }
+        }
+    }
+
+    /// Responder: retires complete messages in order, generating receive
+    /// completions and queueing READ responses.
+    pub(crate) fn retire_messages(&mut self, qpn: Qpn, ci: usize) {
+        let Some(idx) = self.qp_index(qpn) else {
+            return;
+        };
+        let mtu = self.conns[ci].as_ref().map_or(1024, |c| c.mtu);
+        let Endpoint {
+            qps,
+            mrs,
+            cqs,
+            events,
+            conns,
+            ..
+        } = self;
+        let Some(q) = qps[idx].as_mut() else { return };
+        let retired = q.retire_in_order(|q, a: Accepted| match a.opcode {
+            Opcode::Send | Opcode::SendImm | Opcode::WriteImm => {
+                if let Some(r) = q.rq.pop_front() {
+                    q.rq_base_seq = q.rq_base_seq.wrapping_add(1);
+                    if r.sge.len > 0 {
+                        mrs.add_ref(r.sge.lkey, -1);
+                    }
+                    let wc = WorkCompletion {
+                        wr_id: r.wr_id,
+                        status: WcStatus::Success,
+                        opcode: if a.opcode == Opcode::WriteImm {
+                            WcOpcode::RecvRdmaWithImm
+                        } else {
+                            WcOpcode::Recv
+                        },
+                        byte_len: a.len,
+                        imm: a.imm,
+                        qpn: q.qpn,
+                    };
+                    push_wc(cqs, events, q.recv_cq, wc);
+                }
+            }
+            Opcode::ReadReq => {
+                let per = max_payload(mtu, Opcode::ReadResp);
+                let pkts_total = a.len.div_ceil(per).max(1);
+                mrs.add_ref_rkey(a.rkey, 1);
+                q.read_resps.push_back(ReadResp {
+                    msn: q.msn_done.wrapping_sub(1),
+                    rkey: a.rkey,
+                    addr: a.addr,
+                    len: a.len,
+                    next_offset: 0,
+                    sent_all: false,
+                    pkts_total,
+                    pkts_acked: 0,
+                });
+            }
+            Opcode::Write | Opcode::ReadResp | Opcode::Nop => {}
+        });
+        if retired > 0 {
+            if let Some(c) = conns[ci].as_mut() {
+                c.mark_stream(qpn);
+            }
+        }
+    }
+
+    /// A READ response packet of `qpn`/`msn` was delivered.
+    pub(crate) fn response_acked(&mut self, qpn: Qpn, msn: u32) {
+        let Some(idx) = self.qp_index(qpn) else {
+            return;
+        };
+        let Endpoint { qps, mrs, .. } = self;
+        let Some(q) = qps[idx].as_mut() else { return };
+        if let Some(pos) = q.read_resps.iter().position(|r| r.msn == msn) {
+            let r = &mut q.read_resps[pos];
+            r.pkts_acked += 1;
+            if r.sent_all && r.pkts_acked >= r.pkts_total {
+                let rkey = r.rkey;
+                q.read_resps.remove(pos);
+                mrs.add_ref_rkey(rkey, -1);
+            }
+        }
+    }
+
+    /// The NAKs a full report repeats for `qpn`: a refused message at the
+    /// head, or the error state.
+    pub(crate) fn standing_nak(&mut self, qpn: Qpn) -> Option<NakEntry> {
+        let idx = self.qp_index(qpn)?;
+        let q = self.qps[idx].as_ref()?;
+        if q.state == QpState::Error {
+            return Some(NakEntry {
+                qpn: Qpn(q.remote_qpn).0,
+                msn: q.msn_done,
+                code: NakCode::RemoteOperation,
+                gen: 0,
+                rnr_timer_us: 0,
+            });
+        }
+        match q.incoming.front() {
+            Some(Incoming::Refused { gen }) => Some(NakEntry {
+                qpn: q.remote_qpn,
+                msn: q.msn_done,
+                code: NakCode::Rnr,
+                gen: *gen,
+                rnr_timer_us: rnr_us(q.min_rnr_timer),
+            }),
+            _ => None,
+        }
+    }
+
+    /// Runs a connection's expired timers.
+    pub(crate) fn on_conn_timeout(&mut self, ci: usize, now: Instant) {
+        let Some(c) = self.conns[ci].as_mut() else {
+            return;
+        };
+        match c.state {
+            ConnectionState::Connecting => {
+                if c.hello_deadline.is_some_and(|d| d <= now) {
+                    c.hello_deadline = None;
+                    if c.hello_attempts >= self.config.handshake_retries {
+                        self.end_connection(
+                            ci,
+                            ConnectionState::Failed,
+                            ConnectionError::HandshakeTimeout,
+                        );
+                    } else {
+                        c.ctrl = Some(Ctrl::Hello);
+                    }
+                }
+                return;
+            }
+            ConnectionState::Established => {}
+            _ => return,
+        }
+        if c.ack_deadline.is_some_and(|d| d <= now) {
+            c.ack_now = true;
+            c.ack_deadline = None;
+        }
+        // Retransmission timeout.
+        if let Some(oldest) = c.oldest_outstanding() {
+            let rto = c.rto();
+            if oldest + rto <= now {
+                let cutoff =
+                    Instant::from_nanos(now.as_nanos().saturating_sub(crate::time::nanos(rto)));
+                let mut lost = Vec::new();
+                for p in c.paths_tx.iter_mut() {
+                    p.expire(cutoff, |e| {
+                        if let PathEvent::Lost { csn } = e {
+                            lost.push(csn);
+                        }
+                    });
+                }
+                c.in_flight = c.paths_tx.iter().map(|p| p.in_flight).sum();
+                c.stats.rto_fires += 1;
+                c.stats.packets_lost += lost.len() as u64;
+                for csn in lost {
+                    c.queue_retransmit(csn);
+                }
+                c.rto_backoff += 1;
+                c.consecutive_rto = c.consecutive_rto.saturating_add(1);
+                tracing::debug!(
+                    conn = ci,
+                    rto_ns = crate::time::nanos(rto),
+                    n = c.consecutive_rto,
+                    "RTO fired"
+                );
+                if c.consecutive_rto > c.retry_cnt {
+                    c.ctrl = Some(Ctrl::Close(crate::wire::CloseCode::RetryExceeded));
+                    self.end_connection(
+                        ci,
+                        ConnectionState::Failed,
+                        ConnectionError::RetryExceeded,
+                    );
+                    return;
+                }
+            }
+        }
+        // Completion probe: requests wait for the peer's progress report and
+        // nothing is in flight that would bring one.
+        if let Some(d) = self.probe_deadline(ci) {
+            if d <= now {
+                if let Some(c) = self.conns[ci].as_mut() {
+                    c.probe_pending = true;
+                    c.last_progress = now;
+                }
+            }
+        }
+    }
+
+    /// When a completion probe is due, if one would be.
+    fn probe_deadline(&self, ci: usize) -> Option<Instant> {
+        let c = self.conns[ci].as_ref()?;
+        if !c.is_established() || c.probe_pending || c.in_flight > 0 || !c.retx.is_empty() {
+            return None;
+        }
+        let waiting = c.qps.iter().any(|&qpn| {
+            self.qp_index(qpn)
+                .and_then(|i| self.qps[i].as_ref())
+                .is_some_and(|q| q.send_idx > 0 && !q.sq.is_empty())
+        });
+        if !waiting {
+            return None;
+        }
+        Some(c.last_progress.max(c.last_ack_at) + c.rto())
+    }
+
+    /// The connection's next deadline.
+    pub(crate) fn conn_deadline(&self, ci: usize) -> Option<Instant> {
+        let c = self.conns[ci].as_ref()?;
+        let mut next: Option<Instant> = None;
+        let mut consider = |t: Option<Instant>| {
+            if let Some(t) = t {
+                next = Some(next.map_or(t, |n| n.min(t)));
+            }
+        };
+        match c.state {
+            ConnectionState::Connecting => consider(c.hello_deadline),
+            ConnectionState::Established => {
+                if c.ack_needed && !c.ack_now {
+                    consider(c.ack_deadline);
+                }
+                consider(c.oldest_outstanding().map(|t| t + c.rto()));
+                consider(self.probe_deadline(ci));
+                for &qpn in &c.qps {
+                    if let Some(q) = self.qp_index(qpn).and_then(|i| self.qps[i].as_ref()) {
+                        consider(q.next_timer());
+                    }
+                }
+            }
+            _ => {}
+        }
+        next
+    }
+
+    /// Whether the connection has a packet to send now.
+    pub(crate) fn wants_send(&self, ci: usize, now: Instant) -> bool {
+        let Some(c) = self.conns[ci].as_ref() else {
+            return false;
+        };
+        if c.ctrl.is_some() {
+            return true;
+        }
+        if !c.is_established() {
+            return false;
+        }
+        if c.ack_due(now) {
+            return true;
+        }
+        let path_room = c.paths_tx.iter().any(|p| p.has_room());
+        if !path_room {
+            return false;
+        }
+        if !c.retx.is_empty() && c.cwnd_room(c.mtu as u64) {
+            return true;
+        }
+        if c.probe_pending {
+            return true;
+        }
+        if !c.csn_room() || !c.cwnd_room(c.mtu as u64) {
+            return false;
+        }
+        c.qps.iter().any(|&qpn| {
+            self.qp_index(qpn)
+                .and_then(|i| self.qps[i].as_ref())
+                .is_some_and(|q| q.has_send_work(now))
+        })
+    }
+
+    /// A CSN was delivered: do what its contents need.
+    pub(crate) fn csn_delivered(&mut self, kind: CsnKind) {
+        if let CsnKind::Response { qp, msn, .. } = kind {
+            self.response_acked(qp, msn);
+        }
+    }
+}
+
+use crate::verbs::QpState;
+
+/// An RNR timer in whole microseconds for the wire.
+pub(crate) fn rnr_us(d: core::time::Duration) -> u16 {
+    u16::try_from(d.as_micros()).unwrap_or(u16::MAX).max(1)
+}

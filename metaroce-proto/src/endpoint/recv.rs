@@ -1,0 +1,868 @@
+//! The receive path: datagram → decode → connection → path and CSN
+//! bookkeeping → stream (QP) placement → completions and ACK state.
+
+use super::{cookie, qp_ops::rnr_us, Endpoint, Event, StatelessReply, MAX_STATELESS_QUEUE};
+use crate::connection::{ConnectionError, ConnectionState, Ctrl, PathEvent};
+use crate::consts::HELLO_LEN;
+use crate::reliability::SeqAccept;
+use crate::stats::RejectReason;
+use crate::time::Instant;
+use crate::verbs::qp::{Accepted, Incoming, IncomingReject};
+use crate::verbs::{AccessFlags, ConnectionHandle, QpState, Qpn, WcStatus};
+use crate::wire::seq::{seq_dist, seq_le, seq_lt};
+use crate::wire::{
+    self, data_flags, Accept, AckPacket, Close, CloseCode, CookieReply, DataHeader, Hello, NakCode,
+    NakEntry, Opcode, OpcodeExt, PacketType, VersionNegotiation, WireError,
+};
+use std::net::SocketAddr;
+
+impl Endpoint {
+    /// Feeds one received datagram. `from` is its source address (the peer's
+    /// IP and the path's source port), `ecn` the ECN codepoint of its IP header.
+    ///
+    /// Every datagram is untrusted: anything malformed, unauthorised,
+    /// duplicated or out of window is dropped and counted in
+    /// [`stats().rejects`](crate::EndpointStats::rejects), never trusted.
+    pub fn handle_datagram(
+        &mut self,
+        now: Instant,
+        from: SocketAddr,
+        ecn: super::Ecn,
+        data: &[u8],
+    ) {
+        self.last_now = self.last_now.max(now);
+        self.stats.datagrams_received += 1;
+        self.stats.bytes_received += data.len() as u64;
+        if VersionNegotiation::is(data) {
+            return self.on_version_negotiation(now, from, data);
+        }
+        let common = match wire::peek_common(data) {
+            Ok(c) => c,
+            Err(WireError::UnsupportedVersion(_))
+                if data.len() >= 12 && data[1] == PacketType::Hello as u8 =>
+            {
+                // A HELLO of another version: say which version we speak.
+                let cid = u32::from_be_bytes([data[8], data[9], data[10], data[11]]);
+                let mut buf = [0u8; HELLO_LEN];
+                if let Ok(len) = VersionNegotiation::emit(cid, &mut buf) {
+                    let port = if data.len() >= 14 {
+                        u16::from_be_bytes([data[12], data[13]])
+                    } else {
+                        from.port()
+                    };
+                    self.queue_stateless(SocketAddr::new(from.ip(), port), buf, len);
+                }
+                return self.reject(RejectReason::BadVersion, from);
+            }
+            Err(e) => return self.reject(e.into(), from),
+        };
+        match common.ptype {
+            PacketType::Data => self.on_data(now, from, ecn, data),
+            PacketType::Ack => self.on_ack(now, from, data),
+            PacketType::Hello => self.on_hello(now, from, data),
+            PacketType::Cookie => self.on_cookie(now, from, data),
+            PacketType::Accept => self.on_accept(now, from, data),
+            PacketType::Close => self.on_close(now, from, data),
+            PacketType::VersionNegotiation => self.reject(RejectReason::InvalidField, from),
+        }
+    }
+
+    fn queue_stateless(&mut self, dst: SocketAddr, buf: [u8; HELLO_LEN], len: usize) {
+        if self.stateless.len() < MAX_STATELESS_QUEUE {
+            self.stateless.push_back(StatelessReply { dst, buf, len });
+        }
+    }
+
+    /// The connection index a packet names, if it exists and `from` is its peer.
+    fn conn_for(&mut self, dst_cid: u32, from: SocketAddr) -> Option<usize> {
+        let Some(&ci) = self.by_cid.get(&dst_cid) else {
+            self.reject(RejectReason::UnknownConnection, from);
+            return None;
+        };
+        let ok = self.conns[ci]
+            .as_ref()
+            .is_some_and(|c| c.peer.ip() == from.ip());
+        if !ok {
+            self.reject(RejectReason::WrongSource, from);
+            return None;
+        }
+        Some(ci)
+    }
+
+    // ------------------------------------------------------------------
+    // Handshake.
+    // ------------------------------------------------------------------
+
+    fn on_hello(&mut self, now: Instant, from: SocketAddr, data: &[u8]) {
+        let hello = match Hello::parse(data) {
+            Ok(h) => h,
+            Err(e) => return self.reject(e.into(), from),
+        };
+        if !self.config.accept_incoming {
+            return self.reject(RejectReason::Refused, from);
+        }
+        let key = (from.ip(), hello.listen_port, hello.src_cid);
+        let valid = hello.cookie.is_some_and(|c| {
+            cookie::check(
+                self.cookie_key,
+                now,
+                from.ip(),
+                hello.listen_port,
+                hello.src_cid,
+                &c,
+            )
+        });
+        if !valid {
+            if hello.cookie.is_some() {
+                self.stats.rejects.bump(RejectReason::BadCookie);
+            }
+            let c = CookieReply {
+                dst_cid: hello.src_cid,
+                cookie: cookie::make(
+                    self.cookie_key,
+                    now,
+                    from.ip(),
+                    hello.listen_port,
+                    hello.src_cid,
+                ),
+            };
+            let mut buf = [0u8; HELLO_LEN];
+            if let Ok(len) = c.emit(&mut buf) {
+                self.stats.cookies_sent += 1;
+                self.queue_stateless(SocketAddr::new(from.ip(), hello.listen_port), buf, len);
+            }
+            return;
+        }
+        if let Some(&ci) = self.by_peer.get(&key) {
+            // The client missed our ACCEPT: send it again, create nothing.
+            if let Some(c) = self.conns[ci].as_mut() {
+                if c.is_established() {
+                    c.ctrl = Some(Ctrl::Accept);
+                }
+            }
+            return self.touch(ci, Some(now));
+        }
+        let peer = SocketAddr::new(from.ip(), hello.listen_port);
+        let ci = match self.new_connection(now, peer, false) {
+            Ok(ci) => ci,
+            Err(_) => return self.reject(RejectReason::Refused, from),
+        };
+        if let Some(c) = self.conns[ci].as_mut() {
+            c.remote_cid = hello.src_cid;
+            c.mtu = c.mtu.min(usize::from(hello.mtu));
+            c.set_peer_paths(hello.max_paths);
+        }
+        self.by_peer.insert(key, ci);
+        self.events.push_back(Event::Incoming {
+            conn: ConnectionHandle(ci as u32),
+            peer,
+        });
+        self.touch(ci, Some(now));
+    }
+
+    fn on_cookie(&mut self, now: Instant, from: SocketAddr, data: &[u8]) {
+        let c = match CookieReply::parse(data) {
+            Ok(c) => c,
+            Err(e) => return self.reject(e.into(), from),
+        };
+        let Some(ci) = self.conn_for(c.dst_cid, from) else {
+            return;
+        };
+        let Some(conn) = self.conns[ci].as_mut() else {
+            return;
+        };
+        if conn.state != ConnectionState::Connecting {
+            return self.reject(RejectReason::WrongState, from);
+        }
+        conn.cookie = Some(c.cookie);
+        conn.ctrl = Some(Ctrl::Hello);
+        self.touch(ci, Some(now));
+    }
+
+    fn on_accept(&mut self, now: Instant, from: SocketAddr, data: &[u8]) {
+        let a = match Accept::parse(data) {
+            Ok(a) => a,
+            Err(e) => return self.reject(e.into(), from),
+        };
+        let Some(ci) = self.conn_for(a.dst_cid, from) else {
+            return;
+        };
+        let Some(conn) = self.conns[ci].as_mut() else {
+            return;
+        };
+        if conn.state != ConnectionState::Connecting {
+            // A repeated ACCEPT after we got the first one.
+            return self.reject(RejectReason::Duplicate, from);
+        }
+        conn.remote_cid = a.src_cid;
+        conn.peer = SocketAddr::new(conn.peer.ip(), a.listen_port);
+        conn.mtu = conn.mtu.min(usize::from(a.mtu));
+        conn.set_peer_paths(a.max_paths);
+        conn.state = ConnectionState::Established;
+        conn.ctrl = None;
+        conn.hello_deadline = None;
+        conn.last_progress = now;
+        conn.last_ack_at = now;
+        self.events
+            .push_back(Event::Connected(ConnectionHandle(ci as u32)));
+        self.touch(ci, Some(now));
+    }
+
+    fn on_close(&mut self, now: Instant, from: SocketAddr, data: &[u8]) {
+        let c = match Close::parse(data) {
+            Ok(c) => c,
+            Err(e) => return self.reject(e.into(), from),
+        };
+        let Some(ci) = self.conn_for(c.dst_cid, from) else {
+            return;
+        };
+        if !self.conns[ci].as_ref().is_some_and(|c| c.is_open()) {
+            return self.reject(RejectReason::WrongState, from);
+        }
+        let state = if c.code == CloseCode::Normal || c.code == CloseCode::Shutdown {
+            ConnectionState::Closed
+        } else {
+            ConnectionState::Failed
+        };
+        self.end_connection(ci, state, ConnectionError::ClosedByPeer(c.code));
+        self.touch(ci, Some(now));
+    }
+
+    fn on_version_negotiation(&mut self, now: Instant, from: SocketAddr, data: &[u8]) {
+        let v = match VersionNegotiation::parse(data) {
+            Ok(v) => v,
+            Err(e) => return self.reject(e.into(), from),
+        };
+        let Some(ci) = self.conn_for(v.dst_cid, from) else {
+            return;
+        };
+        if !self.conns[ci]
+            .as_ref()
+            .is_some_and(|c| c.state == ConnectionState::Connecting)
+            || v.supports_ours
+        {
+            // Only meaningful during our handshake, and only if it excludes us.
+            return self.reject(RejectReason::WrongState, from);
+        }
+        self.end_connection(
+            ci,
+            ConnectionState::Failed,
+            ConnectionError::VersionMismatch {
+                peer_highest: v.highest,
+            },
+        );
+        self.touch(ci, Some(now));
+    }
+
+    // ------------------------------------------------------------------
+    // DATA.
+    // ------------------------------------------------------------------
+
+    fn on_data(&mut self, now: Instant, from: SocketAddr, ecn: super::Ecn, data: &[u8]) {
+        let (hdr, payload) = match DataHeader::parse(data) {
+            Ok(x) => x,
+            Err(e) => return self.reject(e.into(), from),
+        };
+        let Some(ci) = self.conn_for(hdr.dst_cid, from) else {
+            return;
+        };
+        let ack_every = self.config.ack_every;
+        let ack_delay = self.config.ack_delay;
+        let Some(c) = self.conns[ci].as_mut() else {
+            return;
+        };
+        if !c.is_established() {
+            return self.reject(RejectReason::WrongState, from);
+        }
+        let pid = usize::from(hdr.path_id);
+        if pid >= c.paths_rx.len() {
+            return self.reject(RejectReason::InvalidField, from);
+        }
+        // Window checks come first, so that a refused packet leaves no trace.
+        if !c.csn_in_window(hdr.csn) {
+            return self.reject(RejectReason::CsnOutOfWindow, from);
+        }
+        if !c.paths_rx[pid].in_window(hdr.psn) {
+            return self.reject(RejectReason::PathOutOfWindow, from);
+        }
+        let (path_res, out_of_order) = c.paths_rx[pid].on_packet(hdr.psn, ecn == super::Ecn::Ce);
+        c.stats.data_packets_received += 1;
+        let wants_ack = hdr.flags & data_flags::ACK_REQ != 0;
+        if wants_ack {
+            c.full_report = true;
+        }
+        if path_res == SeqAccept::Duplicate {
+            c.note_rx(now, hdr.path_id, hdr.tx_ts, true, ack_every, ack_delay);
+            self.reject(RejectReason::Duplicate, from);
+            return self.touch(ci, Some(now));
+        }
+        let fresh = c.accept_csn(hdr.csn) == SeqAccept::New;
+        c.note_rx(
+            now,
+            hdr.path_id,
+            hdr.tx_ts,
+            wants_ack || out_of_order || !fresh,
+            ack_every,
+            ack_delay,
+        );
+        if !fresh {
+            c.stats.duplicates_received += 1;
+            self.reject(RejectReason::Duplicate, from);
+            return self.touch(ci, Some(now));
+        }
+        match hdr.opcode {
+            Opcode::Nop => {}
+            Opcode::ReadResp => self.on_read_response(ci, from, &hdr, payload),
+            _ => self.on_request(ci, from, &hdr, payload),
+        }
+        self.touch(ci, Some(now));
+    }
+
+    /// Finds the QP a packet is for: it must exist and be bound to `ci`.
+    fn qp_for(&mut self, ci: usize, qpn: u32, from: SocketAddr) -> Option<usize> {
+        let idx = self.qp_index(Qpn(qpn));
+        let ok = idx
+            .and_then(|i| self.qps[i].as_ref())
+            .is_some_and(|q| q.conn == Some(ConnectionHandle(ci as u32)));
+        if !ok {
+            self.reject(RejectReason::BadQp, from);
+            return None;
+        }
+        idx
+    }
+
+    /// Requester: a READ response segment arrived.
+    fn on_read_response(&mut self, ci: usize, from: SocketAddr, hdr: &DataHeader, payload: &[u8]) {
+        let Some(idx) = self.qp_for(ci, hdr.dst_qpn, from) else {
+            return;
+        };
+        let Endpoint {
+            qps, mrs, conns, ..
+        } = self;
+        let Some(q) = qps[idx].as_mut() else { return };
+        if !q.state.takes_send() {
+            // Flushed or reset meanwhile: nothing to place into.
+            self.stats.rejects.bump(RejectReason::BadQp);
+            return;
+        }
+        let Some(w) = q.wqe_mut(hdr.msn) else {
+            return self.reject(RejectReason::Duplicate, from);
+        };
+        if !w.is_read() || hdr.msg_len != w.wr.local.len || w.local_error.is_some() {
+            return self.reject(RejectReason::Inconsistent, from);
+        }
+        if !payload.is_empty() {
+            let dst = w.wr.local.addr.checked_add(u64::from(hdr.msg_offset));
+            let range =
+                dst.and_then(|a| mrs.by_lkey(w.wr.local.lkey)?.range(a, payload.len() as u64));
+            match (range, mrs.by_lkey_mut(w.wr.local.lkey)) {
+                (Some(r), Some(mr)) => mr.buf[r].copy_from_slice(payload),
+                _ => return self.reject(RejectReason::Inconsistent, from),
+            }
+        }
+        w.read_received += payload.len() as u64;
+        w.read_seen = true;
+        if let Some(c) = conns[ci].as_mut() {
+            c.stats.payload_bytes_received += payload.len() as u64;
+        }
+        let qpn = q.qpn;
+        self.complete_in_order(qpn);
+    }
+
+    /// Responder: a request segment arrived.
+    fn on_request(&mut self, ci: usize, from: SocketAddr, hdr: &DataHeader, payload: &[u8]) {
+        let Some(idx) = self.qp_for(ci, hdr.dst_qpn, from) else {
+            return;
+        };
+        let Some(q) = self.qps[idx].as_mut() else {
+            return;
+        };
+        let qpn = q.qpn;
+        let remote_qpn = q.remote_qpn;
+        if !q.state.responds() {
+            if q.state == QpState::Error {
+                let nak = NakEntry {
+                    qpn: remote_qpn,
+                    msn: hdr.msn,
+                    code: NakCode::RemoteOperation,
+                    gen: hdr.gen,
+                    rnr_timer_us: 0,
+                };
+                if let Some(c) = self.conns[ci].as_mut() {
+                    c.push_nak(nak);
+                }
+            }
+            return self.reject(RejectReason::BadQp, from);
+        }
+        let rnr_timer = q.min_rnr_timer;
+        let slot = match q.incoming_slot(hdr.msn) {
+            Ok(s) => *s,
+            Err(IncomingReject::Duplicate) => {
+                // Executed already: make sure the requester hears about it.
+                if let Some(c) = self.conns[ci].as_mut() {
+                    c.mark_stream(qpn);
+                }
+                return self.reject(RejectReason::Duplicate, from);
+            }
+            Err(IncomingReject::OutOfWindow) => {
+                return self.reject(RejectReason::MsgOutOfWindow, from)
+            }
+        };
+        let accepted = match slot {
+            Incoming::Refused { gen } if !gen_newer(hdr.gen, gen) => {
+                return self.reject(RejectReason::StaleGeneration, from);
+            }
+            Incoming::Accepted(a) => {
+                if gen_newer(a.gen, hdr.gen) {
+                    return self.reject(RejectReason::StaleGeneration, from);
+                }
+                if !same_message(&a, hdr) {
+                    return self.reject(RejectReason::Inconsistent, from);
+                }
+                a
+            }
+            Incoming::Empty | Incoming::Refused { .. } => match self.admit(ci, idx, hdr, rnr_timer)
+            {
+                Some(a) => a,
+                None => return,
+            },
+        };
+        // Place the payload where the packet says.
+        let mut a = accepted;
+        if !payload.is_empty() && !self.place(idx, &a, hdr.msg_offset, payload) {
+            // The target vanished (region deregistered mid-message).
+            let nak = NakEntry {
+                qpn: remote_qpn,
+                msn: hdr.msn,
+                code: NakCode::RemoteAccess,
+                gen: hdr.gen,
+                rnr_timer_us: 0,
+            };
+            if let Some(c) = self.conns[ci].as_mut() {
+                c.push_nak(nak);
+            }
+            self.fail_qp(qpn, None, true);
+            return self.reject(RejectReason::Inconsistent, from);
+        }
+        a.received += payload.len() as u64;
+        a.complete = a.received >= u64::from(a.len);
+        if let Some(c) = self.conns[ci].as_mut() {
+            c.stats.payload_bytes_received += payload.len() as u64;
+        }
+        let Some(q) = self.qps[idx].as_mut() else {
+            return;
+        };
+        if let Ok(s) = q.incoming_slot(hdr.msn) {
+            *s = Incoming::Accepted(a);
+        }
+        if a.complete {
+            self.retire_messages(qpn, ci);
+        }
+    }
+
+    /// Validates the first packet of a message (generation) and creates its
+    /// record, or refuses it with a NAK.
+    fn admit(
+        &mut self,
+        ci: usize,
+        idx: usize,
+        hdr: &DataHeader,
+        rnr_timer: core::time::Duration,
+    ) -> Option<Accepted> {
+        let q = self.qps[idx].as_ref()?;
+        let (qpn, remote_qpn, qp_access, pd, rq_base, recv_cq) = (
+            q.qpn,
+            q.remote_qpn,
+            q.access,
+            q.pd,
+            q.rq_base_seq,
+            q.recv_cq,
+        );
+        let pending_reads = q.read_resps.len()
+            + q.incoming
+                .iter()
+                .filter(|i| matches!(i, Incoming::Accepted(a) if a.opcode == Opcode::ReadReq))
+                .count();
+        let max_reads = usize::from(q.max_dest_rd_atomic);
+        let mut rec = Accepted {
+            opcode: hdr.opcode,
+            gen: hdr.gen,
+            len: hdr.msg_len,
+            received: 0,
+            complete: false,
+            recv_seq: 0,
+            imm: None,
+            rkey: 0,
+            addr: 0,
+        };
+        let remote_ok = |rkey: u32, addr: u64, need: AccessFlags| -> bool {
+            qp_access.contains(need)
+                && self.mrs.by_rkey(rkey).is_some_and(|m| {
+                    m.pd == pd
+                        && m.info.access.contains(need)
+                        && m.range(addr, u64::from(hdr.msg_len)).is_some()
+                })
+        };
+        // Which receive the message lands in, if it consumes one.
+        let recv_seq = match hdr.ext {
+            OpcodeExt::Send { recv_seq }
+            | OpcodeExt::SendImm { recv_seq, .. }
+            | OpcodeExt::WriteImm { recv_seq, .. } => Some(recv_seq),
+            _ => None,
+        };
+        let mut fatal: Option<NakCode> = None;
+        match hdr.ext {
+            OpcodeExt::Write { rkey, remote_addr }
+            | OpcodeExt::WriteImm {
+                rkey, remote_addr, ..
+            } => {
+                rec.rkey = rkey;
+                rec.addr = remote_addr;
+                if !remote_ok(rkey, remote_addr, AccessFlags::REMOTE_WRITE) {
+                    fatal = Some(NakCode::RemoteAccess);
+                }
+            }
+            OpcodeExt::ReadReq { rkey, remote_addr } => {
+                rec.rkey = rkey;
+                rec.addr = remote_addr;
+                if !remote_ok(rkey, remote_addr, AccessFlags::REMOTE_READ) {
+                    fatal = Some(NakCode::RemoteAccess);
+                } else if pending_reads >= max_reads {
+                    fatal = Some(NakCode::InvalidRequest);
+                }
+            }
+            _ => {}
+        }
+        if let OpcodeExt::SendImm { imm, .. } | OpcodeExt::WriteImm { imm, .. } = hdr.ext {
+            rec.imm = Some(imm);
+        }
+        let mut refuse = false;
+        let mut too_small: Option<usize> = None;
+        if let (None, Some(rs)) = (fatal, recv_seq) {
+            rec.recv_seq = rs;
+            if seq_lt(rs, rq_base) {
+                self.stats.rejects.bump(RejectReason::Inconsistent);
+                return None;
+            }
+            let d = seq_dist(rq_base, rs) as usize;
+            let q = self.qps[idx].as_ref()?;
+            match q.rq.get(d) {
+                None => refuse = true,
+                Some(r) if hdr.opcode != Opcode::WriteImm && hdr.msg_len > r.sge.len => {
+                    fatal = Some(NakCode::InvalidRequest);
+                    too_small = Some(d);
+                }
+                Some(_) => {}
+            }
+        }
+        let nak = NakEntry {
+            qpn: remote_qpn,
+            msn: hdr.msn,
+            code: fatal.unwrap_or(NakCode::Rnr),
+            gen: hdr.gen,
+            rnr_timer_us: if fatal.is_none() {
+                rnr_us(rnr_timer)
+            } else {
+                0
+            },
+        };
+        if let Some(code) = fatal {
+            if let Some(d) = too_small {
+                // The receive is too small: it completes with a local length
+                // error (the requester sees an invalid request).
+                if let Some(r) = self.qps[idx].as_mut().and_then(|q| q.rq.remove(d)) {
+                    if r.sge.len > 0 {
+                        self.mrs.add_ref(r.sge.lkey, -1);
+                    }
+                    let wc = crate::verbs::WorkCompletion {
+                        wr_id: r.wr_id,
+                        status: WcStatus::LocalLengthError,
+                        opcode: crate::verbs::WcOpcode::Recv,
+                        byte_len: 0,
+                        imm: None,
+                        qpn,
+                    };
+                    super::qp_ops::push_wc(&mut self.cqs, &mut self.events, recv_cq, wc);
+                }
+            }
+            if let Some(c) = self.conns[ci].as_mut() {
+                c.push_nak(nak);
+            }
+            tracing::debug!(?qpn, ?code, msn = hdr.msn, "request refused; QP to error");
+            let status = match code {
+                NakCode::RemoteAccess => WcStatus::RemoteAccessError,
+                _ => WcStatus::RemoteInvalidRequest,
+            };
+            self.fail_qp(qpn, None, false);
+            self.events.push_back(Event::QpError { qpn, status });
+            return None;
+        }
+        if refuse {
+            if let Some(q) = self.qps[idx].as_mut() {
+                if let Ok(s) = q.incoming_slot(hdr.msn) {
+                    *s = Incoming::Refused { gen: hdr.gen };
+                }
+            }
+            if let Some(c) = self.conns[ci].as_mut() {
+                c.push_nak(nak);
+            }
+            return None;
+        }
+        Some(rec)
+    }
+
+    /// Copies a payload to where it belongs. False if the target is gone.
+    fn place(&mut self, idx: usize, a: &Accepted, offset: u32, payload: &[u8]) -> bool {
+        let Some(q) = self.qps[idx].as_ref() else {
+            return false;
+        };
+        let (key_is_local, key, base) = match a.opcode {
+            Opcode::Send | Opcode::SendImm => {
+                let d = seq_dist(q.rq_base_seq, a.recv_seq) as usize;
+                match q.rq.get(d) {
+                    Some(r) => (true, r.sge.lkey, r.sge.addr),
+                    None => return false,
+                }
+            }
+            _ => (false, a.rkey, a.addr),
+        };
+        let Some(addr) = base.checked_add(u64::from(offset)) else {
+            return false;
+        };
+        let mr = if key_is_local {
+            self.mrs.by_lkey_mut(key)
+        } else {
+            self.mrs.by_rkey_mut(key)
+        };
+        match mr.and_then(|m| m.range(addr, payload.len() as u64).map(|r| (m, r))) {
+            Some((m, r)) => {
+                m.buf[r].copy_from_slice(payload);
+                true
+            }
+            None => false,
+        }
+    }
+
+    // ------------------------------------------------------------------
+    // ACK.
+    // ------------------------------------------------------------------
+
+    fn on_ack(&mut self, now: Instant, from: SocketAddr, data: &[u8]) {
+        let ack = match AckPacket::parse(data, |_| false) {
+            Ok(a) => a,
+            Err(e) => return self.reject(e.into(), from),
+        };
+        let h = *ack.header();
+        let Some(ci) = self.conn_for(h.dst_cid, from) else {
+            return;
+        };
+        let Some(c) = self.conns[ci].as_mut() else {
+            return;
+        };
+        if !c.is_established() {
+            return self.reject(RejectReason::WrongState, from);
+        }
+        c.stats.acks_received += 1;
+        c.rate_hint_kbps = h.rate_hint_kbps;
+        // RTT from the timestamp echo: unambiguous, every transmission has its own.
+        let rtt_ns = now
+            .wire_ts()
+            .wrapping_sub(h.ts_echo)
+            .saturating_sub(h.ack_delay_ns);
+        let rtt = core::time::Duration::from_nanos(u64::from(rtt_ns));
+        let plausible = rtt < core::time::Duration::from_secs(1) && h.ts_echo != 0;
+        let mut delivered = Vec::new();
+        let mut lost = Vec::new();
+        let (mut acked_bytes, mut echo_pkts, mut echo_marked) = (0u64, 0u64, 0u64);
+        let mut bogus = false;
+        for e in ack.paths() {
+            let Some(p) = c.paths_tx.get_mut(usize::from(e.path_id)) else {
+                bogus = true;
+                continue;
+            };
+            match p.on_ack(&e, |ev| match ev {
+                PathEvent::Acked { csn, bytes } => {
+                    acked_bytes += u64::from(bytes);
+                    delivered.push(csn);
+                }
+                PathEvent::Lost { csn } => lost.push(csn),
+            }) {
+                Ok((pk, mk)) => {
+                    echo_pkts += pk;
+                    echo_marked += mk;
+                }
+                Err(_) => bogus = true,
+            }
+            if plausible && e.path_id == h.echo_path {
+                p.rtt.sample(rtt);
+            }
+        }
+        if plausible {
+            c.rtt.sample(rtt);
+        }
+        c.in_flight = c.paths_tx.iter().map(|p| p.in_flight).sum();
+        // The connection-level point covers whatever path a CSN went on.
+        if seq_le(h.cum_csn, c.next_csn) {
+            let mut csn = c.csn_una;
+            while seq_lt(csn, h.cum_csn) {
+                delivered.push(csn);
+                csn = csn.wrapping_add(1);
+            }
+        } else {
+            bogus = true;
+        }
+        let mut kinds = Vec::with_capacity(delivered.len());
+        for csn in delivered {
+            if let Some(k) = c.ack_csn(csn) {
+                kinds.push(k);
+            }
+        }
+        let progress = !kinds.is_empty();
+        if progress {
+            c.consecutive_rto = 0;
+            c.rto_backoff = 0;
+            c.last_progress = now;
+        }
+        c.last_ack_at = now;
+        c.stats.packets_lost += lost.len() as u64;
+        for csn in lost {
+            if c.queue_retransmit(csn) {
+                c.stats.fast_retransmits += 1;
+            }
+        }
+        let srtt = c.rtt.srtt().unwrap_or(rtt);
+        let elapsed = now.saturating_since(c.last_progress.min(now));
+        c.cc.on_ack(
+            acked_bytes,
+            echo_pkts,
+            echo_marked,
+            srtt,
+            elapsed.max(core::time::Duration::from_nanos(1)),
+        );
+        if bogus {
+            self.stats.rejects.bump(RejectReason::BogusAck);
+        }
+        for k in kinds {
+            self.csn_delivered(k);
+        }
+        // Stream progress: requests executed by the peer.
+        for s in ack.streams() {
+            let Some(idx) = self.qp_index(Qpn(s.qpn)) else {
+                self.stats.rejects.bump(RejectReason::BadQp);
+                continue;
+            };
+            let Some(q) = self.qps[idx].as_mut() else {
+                continue;
+            };
+            if q.conn != Some(ConnectionHandle(ci as u32)) {
+                self.stats.rejects.bump(RejectReason::BadQp);
+                continue;
+            }
+            if !seq_le(s.msn_done, q.next_msn) {
+                self.stats.rejects.bump(RejectReason::BogusAck);
+                continue;
+            }
+            if seq_lt(q.remote_msn_done, s.msn_done) {
+                q.remote_msn_done = s.msn_done;
+                let qpn = q.qpn;
+                self.complete_in_order(qpn);
+            }
+        }
+        for n in ack.naks() {
+            self.on_nak(now, ci, n);
+        }
+        self.touch(ci, Some(now));
+    }
+
+    fn on_nak(&mut self, now: Instant, ci: usize, n: NakEntry) {
+        if let Some(c) = self.conns[ci].as_mut() {
+            c.stats.naks_received += 1;
+        }
+        let Some(idx) = self.qp_index(Qpn(n.qpn)) else {
+            return self.stats.rejects.bump(RejectReason::BadQp);
+        };
+        let Some(q) = self.qps[idx].as_mut() else {
+            return;
+        };
+        if q.conn != Some(ConnectionHandle(ci as u32)) {
+            return self.stats.rejects.bump(RejectReason::BadQp);
+        }
+        let qpn = q.qpn;
+        let rnr_retry = q.rnr_retry;
+        let send_idx = q.send_idx;
+        let send_offset = q.send_offset;
+        let base = q.sq_base_msn;
+        let Some(w) = q.wqe_mut(n.msn) else { return };
+        let status = match n.code {
+            NakCode::Rnr => {
+                if w.gen != n.gen {
+                    return; // stale: that generation was retried already
+                }
+                w.rnr_retries = w.rnr_retries.saturating_add(1);
+                if rnr_retry != 7 && w.rnr_retries > rnr_retry {
+                    WcStatus::RnrRetryExceeded
+                } else {
+                    w.gen = w.gen.wrapping_add(1);
+                    let delay = core::time::Duration::from_micros(u64::from(n.rnr_timer_us.max(1)));
+                    let pos = seq_dist(base, n.msn) as usize;
+                    // Stop the first transmission of this request where it is.
+                    if send_idx == pos && send_offset > 0 {
+                        q.send_idx += 1;
+                        q.send_offset = 0;
+                    }
+                    if q.resend.front() == Some(&n.msn) {
+                        q.resend_offset = 0;
+                    }
+                    if !q.resend.contains(&n.msn) {
+                        let at = q
+                            .resend
+                            .iter()
+                            .position(|&m| seq_lt(n.msn, m))
+                            .unwrap_or(q.resend.len());
+                        q.resend.insert(at, n.msn);
+                    }
+                    let until = now + delay;
+                    q.rnr_wait_until = Some(q.rnr_wait_until.map_or(until, |u| u.max(until)));
+                    return;
+                }
+            }
+            NakCode::RemoteAccess => WcStatus::RemoteAccessError,
+            NakCode::InvalidRequest => WcStatus::RemoteInvalidRequest,
+            NakCode::RemoteOperation => WcStatus::RemoteOperationError,
+        };
+        tracing::debug!(
+            ?qpn,
+            ?status,
+            msn = n.msn,
+            "request failed at the responder"
+        );
+        self.fail_qp(qpn, Some((n.msn, status)), true);
+    }
+}
+
+/// Whether generation `a` is newer than `b` (serial order on 8 bits).
+fn gen_newer(a: u8, b: u8) -> bool {
+    (a.wrapping_sub(b) as i8) > 0
+}
+
+/// Whether a packet agrees with the message record its first packet made.
+fn same_message(a: &Accepted, h: &DataHeader) -> bool {
+    if a.opcode != h.opcode || a.len != h.msg_len || a.gen != h.gen {
+        return false;
+    }
+    match h.ext {
+        OpcodeExt::Send { recv_seq } | OpcodeExt::SendImm { recv_seq, .. } => {
+            recv_seq == a.recv_seq
+        }
+        OpcodeExt::Write { rkey, remote_addr } | OpcodeExt::ReadReq { rkey, remote_addr } => {
+            rkey == a.rkey && remote_addr == a.addr
+        }
+        OpcodeExt::WriteImm {
+            rkey,
+            remote_addr,
+            recv_seq,
+            ..
+        } => rkey == a.rkey && remote_addr == a.addr && recv_seq == a.recv_seq,
+        OpcodeExt::ReadResp | OpcodeExt::Nop => false,
+    }
+}

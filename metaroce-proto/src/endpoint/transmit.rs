@@ -1,0 +1,484 @@
+//! The transmit path: work request → stream → path scheduler → encode → transmit.
+//!
+//! Priorities within a connection: control packets (handshake, close), ACKs,
+//! retransmissions, a completion probe, then new data from the connection's
+//! QPs in round robin.
+
+use super::{Ecn, Endpoint, Transmit};
+use crate::connection::{CsnKind, Ctrl};
+use crate::consts::ACK_PATH_ENTRY_LEN;
+use crate::time::Instant;
+use crate::verbs::qp::Segment;
+use crate::verbs::Qpn;
+use crate::wire::{
+    data_flags, Accept, AckBuilder, AckHeader, AckStreamEntry, Close, DataHeader, Hello, Opcode,
+    OpcodeExt,
+};
+
+impl Endpoint {
+    /// Writes the next datagram to send into `buf` and says where it goes.
+    /// Call until it returns `None`. `buf` should hold at least one MTU.
+    pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+        self.last_now = self.last_now.max(now);
+        if let Some(r) = self.stateless.pop_front() {
+            if buf.len() >= r.len {
+                buf[..r.len].copy_from_slice(&r.buf[..r.len]);
+                return Some(self.sent(Transmit {
+                    dst: r.dst,
+                    src_ip: self.local_ip,
+                    src_port: self.config.listen_port,
+                    ecn: Ecn::NotEct,
+                    size: r.len,
+                    segment_size: None,
+                }));
+            }
+        }
+        while let Some(ci) = self.ready.pop_front() {
+            if let Some(c) = self.conns[ci].as_mut() {
+                c.in_ready = false;
+            }
+            let t = self.transmit_conn(ci, now, buf);
+            match t {
+                Some(t) => {
+                    self.touch(ci, Some(now));
+                    return Some(self.sent(t));
+                }
+                None => {
+                    // Nothing after all: refresh the timer, but do not requeue.
+                    let next = self.conn_deadline(ci);
+                    self.set_timer(ci, next);
+                }
+            }
+        }
+        None
+    }
+
+    fn sent(&mut self, t: Transmit) -> Transmit {
+        self.stats.datagrams_sent += 1;
+        self.stats.bytes_sent += t.size as u64;
+        t
+    }
+
+    pub(crate) fn set_timer(&mut self, ci: usize, next: Option<Instant>) {
+        let Some(c) = self.conns[ci].as_mut() else {
+            return;
+        };
+        if c.timer_key != next {
+            if let Some(k) = c.timer_key.take() {
+                self.timers.remove(&(k, ci));
+            }
+            if let Some(k) = next {
+                self.timers.insert((k, ci));
+                c.timer_key = Some(k);
+            }
+        }
+    }
+
+    fn transmit_conn(&mut self, ci: usize, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+        let handshake_rto = self.config.handshake_rto;
+        let max_paths = self.config.paths;
+        let listen_port = self.config.listen_port;
+        let c = self.conns[ci].as_mut()?;
+        let mtu = c.mtu.min(buf.len());
+        let (src_ip, src_port) = c.source(0);
+        let dst = c.peer;
+        if let Some(ctrl) = c.ctrl.take() {
+            let len = match ctrl {
+                Ctrl::Hello => {
+                    c.hello_attempts += 1;
+                    c.hello_deadline = Some(now + handshake_rto);
+                    Hello {
+                        src_cid: c.local_cid,
+                        listen_port,
+                        mtu: c.mtu as u16,
+                        max_paths,
+                        cookie: c.cookie,
+                    }
+                    .emit(buf)
+                }
+                Ctrl::Accept => Accept {
+                    dst_cid: c.remote_cid,
+                    src_cid: c.local_cid,
+                    listen_port,
+                    mtu: c.mtu as u16,
+                    max_paths,
+                }
+                .emit(buf),
+                Ctrl::Close(code) => Close {
+                    dst_cid: c.remote_cid,
+                    code,
+                }
+                .emit(buf),
+            };
+            return len.ok().map(|size| Transmit {
+                dst,
+                src_ip,
+                src_port,
+                ecn: Ecn::NotEct,
+                size,
+                segment_size: None,
+            });
+        }
+        if !c.is_established() {
+            return None;
+        }
+        if c.ack_due(now) {
+            return self.emit_ack(ci, now, &mut buf[..mtu]);
+        }
+        // Retransmissions: same CSN, new PSN, preferably another path.
+        while c.cwnd_room(mtu as u64) {
+            let Some(csn) = c.retx.pop_front() else { break };
+            let Some(rec) = c.record_mut(csn) else {
+                continue;
+            };
+            rec.queued = false;
+            if rec.acked {
+                continue;
+            }
+            let (kind, avoid) = (rec.kind, rec.last_path);
+            let Some(path) = c.pick_path(Some(avoid)) else {
+                c.retx.push_front(csn);
+                if let Some(r) = c.record_mut(csn) {
+                    r.queued = true;
+                }
+                return None;
+            };
+            c.stats.retransmits += 1;
+            return self.emit_data(ci, path, csn, kind, now, &mut buf[..mtu], true, false);
+        }
+        let c = self.conns[ci].as_mut()?;
+        if c.probe_pending && c.csn_room() {
+            if let Some(path) = c.pick_path(None) {
+                c.probe_pending = false;
+                c.stats.probes_sent += 1;
+                let csn = c.new_csn(CsnKind::Nop);
+                return self.emit_data(
+                    ci,
+                    path,
+                    csn,
+                    CsnKind::Nop,
+                    now,
+                    &mut buf[..mtu],
+                    false,
+                    true,
+                );
+            }
+        }
+        // New data, QPs in round robin.
+        if !c.csn_room() || !c.cwnd_room(mtu as u64) || !c.paths_tx.iter().any(|p| p.has_room()) {
+            return None;
+        }
+        let nq = c.qps.len();
+        let start = c.qp_rr;
+        for k in 0..nq {
+            let c = self.conns[ci].as_mut()?;
+            let qpn = c.qps[(start + k) % nq];
+            let Some(idx) = self.qp_index(qpn) else {
+                continue;
+            };
+            let q = self.qps[idx].as_mut()?;
+            // A request whose local buffer was invalid fails when its turn comes.
+            if q.send_offset == 0 && q.state.takes_send() {
+                if let Some(w) = q.sq.get(q.send_idx) {
+                    if let Some(st) = w.local_error {
+                        let msn = w.msn;
+                        self.fail_qp(qpn, Some((msn, st)), true);
+                        continue;
+                    }
+                }
+            }
+            if !q.has_send_work(now) {
+                continue;
+            }
+            let Some(seg) = q.next_segment(now, mtu) else {
+                continue;
+            };
+            let kind = match seg {
+                Segment::Request {
+                    msn,
+                    gen,
+                    offset,
+                    len,
+                } => CsnKind::Request {
+                    qp: qpn,
+                    msn,
+                    gen,
+                    offset,
+                    len,
+                },
+                Segment::Response { msn, offset, len } => CsnKind::Response {
+                    qp: qpn,
+                    msn,
+                    offset,
+                    len,
+                },
+            };
+            let c = self.conns[ci].as_mut()?;
+            c.qp_rr = (start + k + 1) % nq;
+            let path = c.pick_path(None)?;
+            let csn = c.new_csn(kind);
+            return self.emit_data(ci, path, csn, kind, now, &mut buf[..mtu], false, false);
+        }
+        None
+    }
+
+    /// Encodes one DATA packet for `csn` on `path` and records it.
+    #[allow(clippy::too_many_arguments)]
+    fn emit_data(
+        &mut self,
+        ci: usize,
+        path: usize,
+        csn: u32,
+        kind: CsnKind,
+        now: Instant,
+        buf: &mut [u8],
+        retransmit: bool,
+        ack_req: bool,
+    ) -> Option<Transmit> {
+        let Endpoint {
+            conns, qps, mrs, ..
+        } = self;
+        let c = conns[ci].as_mut()?;
+        let p = &c.paths_tx[path];
+        let mut hdr = DataHeader {
+            opcode: Opcode::Nop,
+            flags: data_flags::ECT,
+            dst_cid: c.remote_cid,
+            dst_qpn: 0,
+            path_id: p.id,
+            gen: 0,
+            psn: p.next_psn,
+            csn,
+            tx_ts: now.wire_ts(),
+            msn: 0,
+            msg_len: 0,
+            msg_offset: 0,
+            ext: OpcodeExt::Nop,
+        };
+        if retransmit {
+            hdr.flags |= data_flags::RETRANSMIT;
+        }
+        if ack_req {
+            hdr.flags |= data_flags::ACK_REQ;
+        }
+        let qp_of = |qpn: Qpn| {
+            let idx = (qpn.0 & super::QPN_INDEX_MASK) as usize;
+            qps.get(idx)
+                .and_then(|q| q.as_ref())
+                .filter(|q| q.qpn == qpn)
+        };
+        // Where the payload comes from: (region found by lkey?, key, address, length).
+        let mut source: Option<(bool, u32, u64, u32)> = None;
+        match kind {
+            CsnKind::Request {
+                qp,
+                msn,
+                gen,
+                offset,
+                len,
+            } => {
+                if let Some(q) = qp_of(qp).filter(|q| q.state.takes_send()) {
+                    if let Some(w) = q.wqe(msn).filter(|w| w.gen == gen) {
+                        hdr.opcode = w.opcode();
+                        hdr.ext = w.ext();
+                        hdr.dst_qpn = q.remote_qpn;
+                        hdr.gen = gen;
+                        hdr.msn = msn;
+                        hdr.msg_len = w.wr.local.len;
+                        hdr.msg_offset = offset;
+                        if len > 0 {
+                            source = Some((
+                                true,
+                                w.wr.local.lkey,
+                                w.wr.local.addr.wrapping_add(u64::from(offset)),
+                                len,
+                            ));
+                        }
+                    }
+                }
+            }
+            CsnKind::Response {
+                qp,
+                msn,
+                offset,
+                len,
+            } => {
+                if let Some(q) = qp_of(qp).filter(|q| q.state.responds()) {
+                    if let Some(r) = q.read_resps.iter().find(|r| r.msn == msn) {
+                        hdr.opcode = Opcode::ReadResp;
+                        hdr.ext = OpcodeExt::ReadResp;
+                        hdr.dst_qpn = q.remote_qpn;
+                        hdr.msn = msn;
+                        hdr.msg_len = r.len;
+                        hdr.msg_offset = offset;
+                        if len > 0 {
+                            source =
+                                Some((false, r.rkey, r.addr.wrapping_add(u64::from(offset)), len));
+                        }
+                    }
+                }
+            }
+            CsnKind::Nop => {}
+        }
+        let payload: &[u8] = match source {
+            Some((local, key, addr, len)) => {
+                let mr = if local {
+                    mrs.by_lkey(key)
+                } else {
+                    mrs.by_rkey(key)
+                };
+                match mr.and_then(|m| m.range(addr, u64::from(len)).map(|r| &m.buf[r])) {
+                    Some(b) => b,
+                    None => {
+                        // The source vanished: keep the CSN alive as a NOP.
+                        hdr = nop_of(&hdr);
+                        &[]
+                    }
+                }
+            }
+            // Zero-length segments, and CSNs whose request is gone (already a NOP).
+            None => &[],
+        };
+        let hlen = hdr.emit_header(buf, payload.len()).ok()?;
+        buf[hlen..hlen + payload.len()].copy_from_slice(payload);
+        let size = hlen + payload.len();
+        let p = &mut c.paths_tx[path];
+        p.record_send(csn, now, size as u32, retransmit);
+        let src_port = p.src_port;
+        let path_id = p.id;
+        c.in_flight += size as u64;
+        c.stats.data_packets_sent += 1;
+        if !retransmit {
+            c.stats.payload_bytes_sent += payload.len() as u64;
+        }
+        if let Some(r) = c.record_mut(csn) {
+            r.last_path = path_id;
+            r.transmissions = r.transmissions.saturating_add(1);
+        }
+        Some(Transmit {
+            dst: c.peer,
+            src_ip: c.local_ip,
+            src_port,
+            ecn: Ecn::Ect0,
+            size,
+            segment_size: None,
+        })
+    }
+
+    /// Encodes an ACK with everything the peer is owed that fits.
+    fn emit_ack(&mut self, ci: usize, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+        let active = self
+            .conns
+            .iter()
+            .flatten()
+            .filter(|c| c.is_established())
+            .count();
+        let c = self.conns[ci].as_mut()?;
+        let hdr = AckHeader {
+            flags: 0,
+            dst_cid: c.remote_cid,
+            cum_csn: c.rx_csn.cum(),
+            ts_echo: c.last_rx_ts,
+            ack_delay_ns: u32::try_from(now.saturating_since(c.last_rx_at).as_nanos())
+                .unwrap_or(u32::MAX),
+            rate_hint_kbps: c.rcc.hint_kbps(active),
+            echo_path: c.last_rx_path,
+        };
+        let full = c.full_report;
+        let streams: Vec<Qpn> = if full {
+            c.qps.clone()
+        } else {
+            std::mem::take(&mut c.dirty_streams)
+        };
+        let mut entries = Vec::with_capacity(streams.len());
+        let mut standing = Vec::new();
+        for &qpn in &streams {
+            if let Some(idx) = self.qp_index(qpn) {
+                if let Some(q) = self.qps[idx].as_mut() {
+                    entries.push(AckStreamEntry {
+                        qpn: q.remote_qpn,
+                        msn_done: q.msn_done,
+                    });
+                    q.reported_msn_done = q.msn_done;
+                }
+            }
+            if full {
+                if let Some(n) = self.standing_nak(qpn) {
+                    standing.push(n);
+                }
+            }
+        }
+        let c = self.conns[ci].as_mut()?;
+        let mut b = AckBuilder::new(buf, hdr).ok()?;
+        let mut more = false;
+        for (i, p) in c.paths_rx.iter_mut().enumerate() {
+            if !p.dirty {
+                continue;
+            }
+            if b.fits(ACK_PATH_ENTRY_LEN) && b.push_path(&p.entry(i as u8)).is_ok() {
+                p.dirty = false;
+            } else {
+                more = true;
+            }
+        }
+        let mut unsent_streams = Vec::new();
+        for (e, qpn) in entries.iter().zip(&streams) {
+            if b.push_stream(e).is_err() {
+                unsent_streams.push(*qpn);
+            }
+        }
+        if !full {
+            more |= !unsent_streams.is_empty();
+            c.dirty_streams.extend(unsent_streams);
+        }
+        for n in standing {
+            if !c.naks.iter().any(|x| x.qpn == n.qpn && x.msn == n.msn) {
+                c.naks.push_back(n);
+            }
+        }
+        while let Some(n) = c.naks.front() {
+            if b.push_nak(n).is_err() {
+                more = true;
+                break;
+            }
+            c.naks.pop_front();
+            c.stats.naks_sent += 1;
+        }
+        let size = b.finish();
+        c.stats.acks_sent += 1;
+        if more {
+            c.ack_now = true;
+        } else {
+            c.ack_needed = false;
+            c.ack_now = false;
+            c.ack_deadline = None;
+            c.since_ack = 0;
+            c.full_report = false;
+        }
+        let n = c.paths_tx.len();
+        let pi = c.path_rr % n;
+        c.path_rr = (c.path_rr + 1) % n;
+        Some(Transmit {
+            dst: c.peer,
+            src_ip: c.local_ip,
+            src_port: c.paths_tx[pi].src_port,
+            ecn: Ecn::NotEct,
+            size,
+            segment_size: None,
+        })
+    }
+}
+
+/// The NOP that keeps `h`'s CSN alive when its contents are gone.
+fn nop_of(h: &DataHeader) -> DataHeader {
+    DataHeader {
+        opcode: Opcode::Nop,
+        ext: OpcodeExt::Nop,
+        dst_qpn: 0,
+        gen: 0,
+        msn: 0,
+        msg_len: 0,
+        msg_offset: 0,
+        ..*h
+    }
+}

@@ -1,0 +1,113 @@
+//! Round-trip time estimation and the retransmission timeout (RFC 6298 style).
+
+use core::time::Duration;
+
+/// Smoothed RTT, RTT variance and the RTO derived from them.
+///
+/// ```
+/// use core::time::Duration;
+/// use metaroce_proto::reliability::RttEstimator;
+/// let mut r = RttEstimator::new(Duration::from_millis(1), Duration::from_micros(100), Duration::from_secs(1));
+/// r.sample(Duration::from_micros(10));
+/// assert_eq!(r.srtt(), Some(Duration::from_micros(10)));
+/// assert_eq!(r.rto(), Duration::from_micros(100)); // clamped to the minimum
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct RttEstimator {
+    srtt: Option<Duration>,
+    rttvar: Duration,
+    min_rtt: Option<Duration>,
+    latest: Duration,
+    initial_rto: Duration,
+    min_rto: Duration,
+    max_rto: Duration,
+}
+
+impl RttEstimator {
+    /// A new estimator with no samples.
+    pub fn new(initial_rto: Duration, min_rto: Duration, max_rto: Duration) -> Self {
+        RttEstimator {
+            srtt: None,
+            rttvar: Duration::ZERO,
+            min_rtt: None,
+            latest: Duration::ZERO,
+            initial_rto,
+            min_rto,
+            max_rto,
+        }
+    }
+
+    /// Feeds one RTT sample.
+    pub fn sample(&mut self, rtt: Duration) {
+        self.latest = rtt;
+        self.min_rtt = Some(self.min_rtt.map_or(rtt, |m| m.min(rtt)));
+        match self.srtt {
+            None => {
+                self.srtt = Some(rtt);
+                self.rttvar = rtt / 2;
+            }
+            Some(s) => {
+                let err = s.abs_diff(rtt);
+                self.rttvar = (self.rttvar * 3 + err) / 4;
+                self.srtt = Some((s * 7 + rtt) / 8);
+            }
+        }
+    }
+
+    /// Smoothed RTT, once a sample exists.
+    pub fn srtt(&self) -> Option<Duration> {
+        self.srtt
+    }
+
+    /// Smallest RTT seen.
+    pub fn min_rtt(&self) -> Option<Duration> {
+        self.min_rtt
+    }
+
+    /// Latest sample.
+    pub fn latest(&self) -> Duration {
+        self.latest
+    }
+
+    /// RTT variance.
+    pub fn rttvar(&self) -> Duration {
+        self.rttvar
+    }
+
+    /// The retransmission timeout before backoff.
+    pub fn rto(&self) -> Duration {
+        match self.srtt {
+            None => self.initial_rto,
+            Some(s) => (s + self.rttvar * 4).clamp(self.min_rto, self.max_rto),
+        }
+    }
+
+    /// Upper bound of the timeout, for backoff.
+    pub fn max_rto(&self) -> Duration {
+        self.max_rto
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn converges_and_clamps() {
+        let mut r = RttEstimator::new(
+            Duration::from_millis(1),
+            Duration::from_micros(50),
+            Duration::from_millis(10),
+        );
+        assert_eq!(r.rto(), Duration::from_millis(1));
+        for _ in 0..50 {
+            r.sample(Duration::from_micros(100));
+        }
+        let s = r.srtt().unwrap();
+        assert!(s >= Duration::from_micros(99) && s <= Duration::from_micros(101));
+        assert!(r.rto() >= Duration::from_micros(100) && r.rto() < Duration::from_micros(150));
+        r.sample(Duration::from_secs(5));
+        assert_eq!(r.rto(), Duration::from_millis(10));
+        assert_eq!(r.min_rtt(), Some(Duration::from_micros(100)));
+    }
+}

@@ -1,0 +1,293 @@
+//! RDMA verbs semantics, after rdma-core/ibverbs: protection domains, memory
+//! regions with lkey/rkey and access flags, completion queues, queue pairs
+//! with the RC state machine, work requests and work completions.
+//!
+//! The objects live inside an [`Endpoint`](crate::Endpoint); the handles here
+//! name them. Memory regions are owned by the endpoint (so that the core can
+//! place incoming bytes and read outgoing ones without unsafe code) and the
+//! application reads and writes them with [`Endpoint::mr`](crate::Endpoint::mr)
+//! and [`Endpoint::mr_mut`](crate::Endpoint::mr_mut).
+
+mod cq;
+mod mr;
+pub(crate) mod qp;
+
+pub(crate) use cq::CompletionQueue;
+pub use mr::MrInfo;
+pub(crate) use mr::MrTable;
+pub use qp::{QpAttrs, QpState};
+
+use core::time::Duration;
+
+/// Access rights of a memory region (`IBV_ACCESS_*`).
+///
+/// ```
+/// use metaroce_proto::verbs::AccessFlags;
+/// let a = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+/// assert!(a.contains(AccessFlags::REMOTE_WRITE));
+/// assert!(!a.contains(AccessFlags::REMOTE_READ));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct AccessFlags(u8);
+
+impl AccessFlags {
+    /// No rights beyond local read.
+    pub const NONE: AccessFlags = AccessFlags(0);
+    /// The local side may write (receive buffers, READ destinations).
+    pub const LOCAL_WRITE: AccessFlags = AccessFlags(1);
+    /// A peer may RDMA WRITE into the region.
+    pub const REMOTE_WRITE: AccessFlags = AccessFlags(2);
+    /// A peer may RDMA READ from the region.
+    pub const REMOTE_READ: AccessFlags = AccessFlags(4);
+    /// Every right.
+    pub const ALL: AccessFlags = AccessFlags(7);
+
+    /// Whether every right in `other` is present.
+    pub fn contains(self, other: AccessFlags) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// The raw bits.
+    pub fn bits(self) -> u8 {
+        self.0
+    }
+}
+
+impl core::ops::BitOr for AccessFlags {
+    type Output = AccessFlags;
+    fn bitor(self, rhs: AccessFlags) -> AccessFlags {
+        AccessFlags(self.0 | rhs.0)
+    }
+}
+
+/// A protection domain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PdHandle(pub(crate) u32);
+
+/// A completion queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CqHandle(pub(crate) u32);
+
+/// A queue pair, named by its QP number (what the peer puts in `dst_qpn`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Qpn(pub u32);
+
+/// A connection to a peer endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnectionHandle(pub(crate) u32);
+
+impl ConnectionHandle {
+    /// The index, for logs and metrics.
+    pub fn index(self) -> u32 {
+        self.0
+    }
+}
+
+/// A local buffer: `len` bytes at virtual address `addr` of the region `lkey`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Sge {
+    /// Local key of the region.
+    pub lkey: u32,
+    /// Virtual address inside the region (region `addr` plus offset).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u32,
+}
+
+/// A remote buffer: virtual address `addr` in the peer's region `rkey`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RemoteAddr {
+    /// Remote key of the peer's region.
+    pub rkey: u32,
+    /// Virtual address in the peer's region.
+    pub addr: u64,
+}
+
+/// The operation of a send work request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendOp {
+    /// SEND: the bytes of `local` land in the peer's next posted receive.
+    Send,
+    /// SEND with immediate data.
+    SendImm(u32),
+    /// RDMA WRITE of `local` to `remote`.
+    Write(RemoteAddr),
+    /// RDMA WRITE with immediate: also consumes a receive at the peer.
+    WriteImm(RemoteAddr, u32),
+    /// RDMA READ of `local.len` bytes from `remote` into `local`.
+    Read(RemoteAddr),
+}
+
+/// A send work request (`ibv_send_wr`, one scatter/gather element).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendWr {
+    /// Caller's id, returned in the completion.
+    pub wr_id: u64,
+    /// What to do.
+    pub op: SendOp,
+    /// Local buffer: source for SEND/WRITE, destination for READ.
+    pub local: Sge,
+    /// Generate a completion on success (errors always complete).
+    pub signaled: bool,
+    /// Do not start before every earlier READ of this QP has completed.
+    pub fence: bool,
+}
+
+impl SendWr {
+    /// A signaled, unfenced work request.
+    pub fn new(wr_id: u64, op: SendOp, local: Sge) -> Self {
+        SendWr {
+            wr_id,
+            op,
+            local,
+            signaled: true,
+            fence: false,
+        }
+    }
+}
+
+/// A receive work request (`ibv_recv_wr`, one scatter/gather element).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvWr {
+    /// Caller's id, returned in the completion.
+    pub wr_id: u64,
+    /// Where an incoming SEND lands.
+    pub sge: Sge,
+}
+
+/// Status of a work completion (`ibv_wc_status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WcStatus {
+    /// Completed successfully.
+    Success,
+    /// A receive buffer was too small for the incoming message.
+    LocalLengthError,
+    /// A local buffer's lkey, bounds or access rights are wrong.
+    LocalProtectionError,
+    /// The peer refused the remote address, rkey or access.
+    RemoteAccessError,
+    /// The peer could not carry the request out (e.g. its receive buffer was too small).
+    RemoteInvalidRequest,
+    /// The peer's QP is in the error state.
+    RemoteOperationError,
+    /// The transport gave up after `retry_cnt` timeouts without progress.
+    RetryExceeded,
+    /// The peer had no receive posted after `rnr_retry` retries.
+    RnrRetryExceeded,
+    /// The QP moved to the error state before this request completed.
+    WrFlushError,
+}
+
+/// What a completion completes (`ibv_wc_opcode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WcOpcode {
+    /// A SEND or SEND with immediate.
+    Send,
+    /// An RDMA WRITE (with or without immediate).
+    Write,
+    /// An RDMA READ.
+    Read,
+    /// A receive consumed by a SEND.
+    Recv,
+    /// A receive consumed by a WRITE with immediate.
+    RecvRdmaWithImm,
+}
+
+/// A work completion (`ibv_wc`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkCompletion {
+    /// The work request's id.
+    pub wr_id: u64,
+    /// Outcome.
+    pub status: WcStatus,
+    /// Kind of request.
+    pub opcode: WcOpcode,
+    /// Bytes transferred (receives: bytes received).
+    pub byte_len: u32,
+    /// Immediate data, for SEND_IMM/WRITE_IMM receives.
+    pub imm: Option<u32>,
+    /// QP the request was posted on.
+    pub qpn: Qpn,
+}
+
+/// Why a verbs call was refused. These are immediate errors of the call
+/// itself; failures of a request after it was posted are reported as
+/// [`WorkCompletion`]s with a [`WcStatus`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum VerbsError {
+    /// No such protection domain.
+    #[error("no such protection domain")]
+    InvalidPd,
+    /// No such completion queue.
+    #[error("no such completion queue")]
+    InvalidCq,
+    /// No such queue pair.
+    #[error("no such queue pair {0:?}")]
+    InvalidQp(Qpn),
+    /// No such memory region.
+    #[error("no such memory region (key {0:#x})")]
+    InvalidKey(u32),
+    /// No such connection, or it is closed.
+    #[error("no such connection")]
+    InvalidConnection,
+    /// The QP's current state does not allow this transition.
+    #[error("illegal QP transition {from:?} -> {to:?}")]
+    IllegalTransition {
+        /// Current state.
+        from: QpState,
+        /// Requested state.
+        to: QpState,
+    },
+    /// A transition was asked for without the attributes it needs.
+    #[error("missing attribute `{0}` for this transition")]
+    MissingAttribute(&'static str),
+    /// The QP's state does not allow posting this request.
+    #[error("QP is in state {0:?}, which does not take this request")]
+    InvalidState(QpState),
+    /// The work queue is full.
+    #[error("work queue full ({0} entries)")]
+    QueueFull(u32),
+    /// The memory region is referenced by outstanding work requests.
+    #[error("memory region still in use by {0} work requests")]
+    MrInUse(u32),
+    /// The memory region is too large or empty.
+    #[error("invalid memory region length {0}")]
+    InvalidLength(usize),
+    /// The protection domain still has objects in it.
+    #[error("protection domain still in use")]
+    PdInUse,
+    /// Too many connections.
+    #[error("connection limit reached")]
+    TooManyConnections,
+}
+
+/// Capacities and parameters given when a QP is created (`ibv_qp_init_attr`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpInit {
+    /// Protection domain of the QP.
+    pub pd: PdHandle,
+    /// Completion queue for send work requests.
+    pub send_cq: CqHandle,
+    /// Completion queue for receive work requests.
+    pub recv_cq: CqHandle,
+    /// Largest number of outstanding send work requests (at most `MSG_WINDOW`).
+    pub max_send_wr: u32,
+    /// Largest number of outstanding receive work requests.
+    pub max_recv_wr: u32,
+}
+
+impl QpInit {
+    /// Defaults of 1024 send and 1024 receive work requests.
+    pub fn new(pd: PdHandle, send_cq: CqHandle, recv_cq: CqHandle) -> Self {
+        QpInit {
+            pd,
+            send_cq,
+            recv_cq,
+            max_send_wr: 1024,
+            max_recv_wr: 1024,
+        }
+    }
+}
+
+/// Default RNR timer as a duration, for [`QpAttrs`].
+pub const DEFAULT_MIN_RNR_TIMER: Duration = crate::consts::DEFAULT_RNR_TIMER;

@@ -1,0 +1,735 @@
+//! Queue pairs: the RC state machine, the requester's send queue and the
+//! responder's message tracking.
+//!
+//! A QP is one stream of a connection. As a requester it segments work
+//! requests into packets and completes them in order; as a responder it
+//! places incoming packets where they say, counts each message's bytes, and
+//! executes messages in order (receive completions, READ responses).
+
+use super::{
+    AccessFlags, ConnectionHandle, CqHandle, PdHandle, Qpn, RecvWr, SendOp, SendWr, WcOpcode,
+    WcStatus, WorkCompletion,
+};
+use crate::consts::{
+    DATA_HEADER_LEN, DEFAULT_MAX_RD_ATOMIC, DEFAULT_RNR_RETRY, DEFAULT_RNR_TIMER, MSG_WINDOW,
+};
+use crate::time::Instant;
+use crate::wire::seq::{seq_dist, seq_lt};
+use crate::wire::{Opcode, OpcodeExt};
+use core::time::Duration;
+use std::collections::VecDeque;
+
+/// RC queue pair states (`ibv_qp_state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QpState {
+    /// Created; nothing allowed.
+    Reset,
+    /// Initialised: receives may be posted.
+    Init,
+    /// Ready to receive: bound to a connection and remote QP.
+    Rtr,
+    /// Ready to send.
+    Rts,
+    /// Send queue drained: requests in progress finish, new ones wait.
+    Sqd,
+    /// Send queue error (kept for the verbs state set; RC errors go to `Error`).
+    Sqe,
+    /// Error: every outstanding request is flushed.
+    Error,
+}
+
+impl QpState {
+    /// Whether the verbs state machine allows `self -> to`.
+    pub fn can_move_to(self, to: QpState) -> bool {
+        use QpState::*;
+        matches!(
+            (self, to),
+            (_, Reset)
+                | (_, Error)
+                | (Reset, Init)
+                | (Init, Init)
+                | (Init, Rtr)
+                | (Rtr, Rts)
+                | (Rts, Rts)
+                | (Rts, Sqd)
+                | (Sqd, Sqd)
+                | (Sqd, Rts)
+                | (Sqe, Rts)
+        )
+    }
+
+    pub(crate) fn takes_recv(self) -> bool {
+        matches!(
+            self,
+            QpState::Init | QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe
+        )
+    }
+
+    pub(crate) fn takes_send(self) -> bool {
+        matches!(self, QpState::Rts | QpState::Sqd)
+    }
+
+    /// Whether incoming requests are processed.
+    pub(crate) fn responds(self) -> bool {
+        matches!(
+            self,
+            QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe
+        )
+    }
+}
+
+/// Attributes for [`Endpoint::modify_qp`](crate::Endpoint::modify_qp), after
+/// `ibv_qp_attr`. Each transition reads the ones it needs:
+///
+/// - RESET→INIT: `access` (remote rights the QP allows; default none beyond local).
+/// - INIT→RTR: `conn` and `remote_qpn` (required), `max_dest_rd_atomic`, `min_rnr_timer`.
+/// - RTR→RTS: `rnr_retry`, `max_rd_atomic`.
+///
+/// Timeout and `retry_cnt` are properties of the connection (reliability is
+/// per connection, shared by its QPs): see [`EndpointConfig`](crate::EndpointConfig).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QpAttrs {
+    /// Remote access rights the QP allows (`qp_access_flags`).
+    pub access: Option<AccessFlags>,
+    /// Connection carrying this QP's stream.
+    pub conn: Option<ConnectionHandle>,
+    /// The peer's QP number.
+    pub remote_qpn: Option<Qpn>,
+    /// Largest number of READs the peer may have outstanding on us.
+    pub max_dest_rd_atomic: Option<u8>,
+    /// RNR delay we ask the peer to wait.
+    pub min_rnr_timer: Option<Duration>,
+    /// RNR retries before failing (7 = forever).
+    pub rnr_retry: Option<u8>,
+    /// Largest number of our READs outstanding at once.
+    pub max_rd_atomic: Option<u8>,
+}
+
+/// A send work request in the send queue.
+#[derive(Debug, Clone)]
+pub(crate) struct SendWqe {
+    pub(crate) wr: SendWr,
+    pub(crate) msn: u32,
+    /// For receive-consuming operations: which receive it lands in.
+    pub(crate) recv_seq: u32,
+    pub(crate) gen: u8,
+    pub(crate) rnr_retries: u8,
+    /// READ: response bytes placed.
+    pub(crate) read_received: u64,
+    /// READ: at least one response packet placed (for zero-length READs).
+    pub(crate) read_seen: bool,
+    /// Set when the request failed locally before it was sent.
+    pub(crate) local_error: Option<WcStatus>,
+    /// Whether the request holds a reference on its local region.
+    pub(crate) has_ref: bool,
+}
+
+impl SendWqe {
+    pub(crate) fn opcode(&self) -> Opcode {
+        match self.wr.op {
+            SendOp::Send => Opcode::Send,
+            SendOp::SendImm(_) => Opcode::SendImm,
+            SendOp::Write(_) => Opcode::Write,
+            SendOp::WriteImm(..) => Opcode::WriteImm,
+            SendOp::Read(_) => Opcode::ReadReq,
+        }
+    }
+
+    pub(crate) fn ext(&self) -> OpcodeExt {
+        match self.wr.op {
+            SendOp::Send => OpcodeExt::Send {
+                recv_seq: self.recv_seq,
+            },
+            SendOp::SendImm(imm) => OpcodeExt::SendImm {
+                recv_seq: self.recv_seq,
+                imm,
+            },
+            SendOp::Write(r) => OpcodeExt::Write {
+                rkey: r.rkey,
+                remote_addr: r.addr,
+            },
+            SendOp::WriteImm(r, imm) => OpcodeExt::WriteImm {
+                rkey: r.rkey,
+                remote_addr: r.addr,
+                recv_seq: self.recv_seq,
+                imm,
+            },
+            SendOp::Read(r) => OpcodeExt::ReadReq {
+                rkey: r.rkey,
+                remote_addr: r.addr,
+            },
+        }
+    }
+
+    pub(crate) fn is_read(&self) -> bool {
+        matches!(self.wr.op, SendOp::Read(_))
+    }
+
+    pub(crate) fn wc_opcode(&self) -> WcOpcode {
+        match self.wr.op {
+            SendOp::Send | SendOp::SendImm(_) => WcOpcode::Send,
+            SendOp::Write(_) | SendOp::WriteImm(..) => WcOpcode::Write,
+            SendOp::Read(_) => WcOpcode::Read,
+        }
+    }
+
+    /// Bytes carried in request packets (zero for READ, whose data comes back).
+    pub(crate) fn request_len(&self) -> u32 {
+        if self.is_read() {
+            0
+        } else {
+            self.wr.local.len
+        }
+    }
+}
+
+/// Whether an operation consumes a receive at the responder.
+pub(crate) fn consumes_recv(op: &SendOp) -> bool {
+    matches!(op, SendOp::Send | SendOp::SendImm(_) | SendOp::WriteImm(..))
+}
+
+/// A message being received by the responder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Incoming {
+    /// Nothing seen yet.
+    Empty,
+    /// Refused (RNR) at generation `gen`; packets of `gen` or older are dropped.
+    Refused { gen: u8 },
+    /// Accepted and being placed.
+    Accepted(Accepted),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Accepted {
+    pub(crate) opcode: Opcode,
+    pub(crate) gen: u8,
+    pub(crate) len: u32,
+    pub(crate) received: u64,
+    pub(crate) complete: bool,
+    pub(crate) recv_seq: u32,
+    pub(crate) imm: Option<u32>,
+    pub(crate) rkey: u32,
+    pub(crate) addr: u64,
+}
+
+/// A READ response the responder owes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ReadResp {
+    pub(crate) msn: u32,
+    pub(crate) rkey: u32,
+    pub(crate) addr: u64,
+    pub(crate) len: u32,
+    /// Next offset to send for the first time.
+    pub(crate) next_offset: u32,
+    pub(crate) sent_all: bool,
+    pub(crate) pkts_total: u32,
+    pub(crate) pkts_acked: u32,
+}
+
+/// Largest payload of a packet of `opcode` on a connection of `mtu`.
+pub(crate) fn max_payload(mtu: usize, opcode: Opcode) -> u32 {
+    (mtu.saturating_sub(DATA_HEADER_LEN + opcode.ext_len())).max(1) as u32
+}
+
+/// One packet's worth of work chosen by a QP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Segment {
+    /// Part of a request of the send queue.
+    Request {
+        msn: u32,
+        gen: u8,
+        offset: u32,
+        len: u32,
+    },
+    /// Part of a READ response.
+    Response { msn: u32, offset: u32, len: u32 },
+}
+
+/// A queue pair.
+#[derive(Debug)]
+pub(crate) struct Qp {
+    pub(crate) qpn: Qpn,
+    pub(crate) pd: PdHandle,
+    pub(crate) send_cq: CqHandle,
+    pub(crate) recv_cq: CqHandle,
+    pub(crate) max_send_wr: u32,
+    pub(crate) max_recv_wr: u32,
+    pub(crate) state: QpState,
+    pub(crate) access: AccessFlags,
+    pub(crate) conn: Option<ConnectionHandle>,
+    pub(crate) remote_qpn: u32,
+    pub(crate) max_dest_rd_atomic: u8,
+    pub(crate) min_rnr_timer: Duration,
+    pub(crate) rnr_retry: u8,
+    pub(crate) max_rd_atomic: u8,
+
+    // Requester side.
+    pub(crate) sq: VecDeque<SendWqe>,
+    /// MSN of `sq[0]`.
+    pub(crate) sq_base_msn: u32,
+    pub(crate) next_msn: u32,
+    pub(crate) next_recv_seq: u32,
+    /// Index in `sq` of the request being sent for the first time.
+    pub(crate) send_idx: usize,
+    pub(crate) send_offset: u32,
+    pub(crate) reads_outstanding: u32,
+    /// Peer's `msn_done` for our requests.
+    pub(crate) remote_msn_done: u32,
+    /// No new packets before this instant (RNR back-off).
+    pub(crate) rnr_wait_until: Option<Instant>,
+    /// Requests to resend from the start with a new generation (RNR), in MSN order.
+    pub(crate) resend: VecDeque<u32>,
+    pub(crate) resend_offset: u32,
+
+    // Responder side.
+    pub(crate) rq: VecDeque<RecvWr>,
+    /// `recv_seq` of `rq[0]`.
+    pub(crate) rq_base_seq: u32,
+    pub(crate) msn_done: u32,
+    /// Messages from `msn_done` on.
+    pub(crate) incoming: VecDeque<Incoming>,
+    pub(crate) read_resps: VecDeque<ReadResp>,
+    pub(crate) reported_msn_done: u32,
+    pub(crate) stream_dirty: bool,
+}
+
+impl Qp {
+    pub(crate) fn new(
+        qpn: Qpn,
+        pd: PdHandle,
+        send_cq: CqHandle,
+        recv_cq: CqHandle,
+        max_send_wr: u32,
+        max_recv_wr: u32,
+    ) -> Self {
+        Qp {
+            qpn,
+            pd,
+            send_cq,
+            recv_cq,
+            max_send_wr: max_send_wr.clamp(1, MSG_WINDOW),
+            max_recv_wr: max_recv_wr.max(1),
+            state: QpState::Reset,
+            access: AccessFlags::NONE,
+            conn: None,
+            remote_qpn: 0,
+            max_dest_rd_atomic: DEFAULT_MAX_RD_ATOMIC,
+            min_rnr_timer: DEFAULT_RNR_TIMER,
+            rnr_retry: DEFAULT_RNR_RETRY,
+            max_rd_atomic: DEFAULT_MAX_RD_ATOMIC,
+            sq: VecDeque::new(),
+            sq_base_msn: 0,
+            next_msn: 0,
+            next_recv_seq: 0,
+            send_idx: 0,
+            send_offset: 0,
+            reads_outstanding: 0,
+            remote_msn_done: 0,
+            rnr_wait_until: None,
+            resend: VecDeque::new(),
+            resend_offset: 0,
+            rq: VecDeque::new(),
+            rq_base_seq: 0,
+            msn_done: 0,
+            incoming: VecDeque::new(),
+            read_resps: VecDeque::new(),
+            reported_msn_done: 0,
+            stream_dirty: false,
+        }
+    }
+
+    /// Back to the freshly created state (the `RESET` transition).
+    pub(crate) fn reset(&mut self) {
+        let fresh = Qp::new(
+            self.qpn,
+            self.pd,
+            self.send_cq,
+            self.recv_cq,
+            self.max_send_wr,
+            self.max_recv_wr,
+        );
+        *self = fresh;
+    }
+
+    /// The work request with message number `msn`, if still queued.
+    pub(crate) fn wqe(&self, msn: u32) -> Option<&SendWqe> {
+        let i = seq_dist(self.sq_base_msn, msn) as usize;
+        self.sq.get(i)
+    }
+
+    pub(crate) fn wqe_mut(&mut self, msn: u32) -> Option<&mut SendWqe> {
+        let i = seq_dist(self.sq_base_msn, msn) as usize;
+        self.sq.get_mut(i)
+    }
+
+    /// Whether the QP has a packet it could send now.
+    pub(crate) fn has_send_work(&self, now: Instant) -> bool {
+        if self.read_resps.iter().any(|r| !r.sent_all) && self.state.responds() {
+            return true;
+        }
+        if !self.state.takes_send() || self.rnr_wait_until.is_some_and(|t| now < t) {
+            return false;
+        }
+        if !self.resend.is_empty() {
+            return true;
+        }
+        self.next_new_request().is_some()
+    }
+
+    /// The earliest instant at which the QP will have work it does not have now.
+    pub(crate) fn next_timer(&self) -> Option<Instant> {
+        self.rnr_wait_until
+    }
+
+    /// Index of the next request to start, if one may start now.
+    fn next_new_request(&self) -> Option<usize> {
+        let wqe = self.sq.get(self.send_idx)?;
+        if self.send_offset == 0 {
+            // Starting a new request: SQD lets requests in progress finish only.
+            if self.state == QpState::Sqd {
+                return None;
+            }
+            if wqe.wr.fence && self.reads_outstanding > 0 {
+                return None;
+            }
+            if wqe.is_read() && self.reads_outstanding >= u32::from(self.max_rd_atomic.max(1)) {
+                return None;
+            }
+        }
+        Some(self.send_idx)
+    }
+
+    /// Picks the next packet: READ responses first, then RNR resends, then new requests.
+    pub(crate) fn next_segment(&mut self, now: Instant, mtu: usize) -> Option<Segment> {
+        if self.state.responds() {
+            if let Some(r) = self.read_resps.iter_mut().find(|r| !r.sent_all) {
+                let max = max_payload(mtu, Opcode::ReadResp);
+                let len = (r.len - r.next_offset).min(max);
+                let seg = Segment::Response {
+                    msn: r.msn,
+                    offset: r.next_offset,
+                    len,
+                };
+                r.next_offset += len;
+                if r.next_offset >= r.len {
+                    r.sent_all = true;
+                }
+                return Some(seg);
+            }
+        }
+        if !self.state.takes_send() || self.rnr_wait_until.is_some_and(|t| now < t) {
+            return None;
+        }
+        self.rnr_wait_until = None;
+        if let Some(&msn) = self.resend.front() {
+            let offset = self.resend_offset;
+            let (len_total, gen, opcode) = match self.wqe(msn) {
+                Some(w) => (w.request_len(), w.gen, w.opcode()),
+                None => {
+                    self.resend.pop_front();
+                    self.resend_offset = 0;
+                    return self.next_segment(now, mtu);
+                }
+            };
+            let len = (len_total - offset).min(max_payload(mtu, opcode));
+            self.resend_offset += len;
+            if self.resend_offset >= len_total {
+                self.resend.pop_front();
+                self.resend_offset = 0;
+            }
+            return Some(Segment::Request {
+                msn,
+                gen,
+                offset,
+                len,
+            });
+        }
+        let idx = self.next_new_request()?;
+        let wqe = &self.sq[idx];
+        let offset = self.send_offset;
+        let total = wqe.request_len();
+        let len = (total - offset).min(max_payload(mtu, wqe.opcode()));
+        let seg = Segment::Request {
+            msn: wqe.msn,
+            gen: wqe.gen,
+            offset,
+            len,
+        };
+        if offset == 0 && wqe.is_read() {
+            self.reads_outstanding += 1;
+        }
+        self.send_offset += len;
+        if self.send_offset >= total {
+            self.send_idx += 1;
+            self.send_offset = 0;
+        }
+        Some(seg)
+    }
+
+    /// Responder: the record of message `msn`, creating empty slots up to it.
+    /// `None` if `msn` is before `msn_done` (duplicate) or beyond the window.
+    pub(crate) fn incoming_slot(&mut self, msn: u32) -> Result<&mut Incoming, IncomingReject> {
+        if seq_lt(msn, self.msn_done) {
+            return Err(IncomingReject::Duplicate);
+        }
+        let d = seq_dist(self.msn_done, msn);
+        if d >= MSG_WINDOW {
+            return Err(IncomingReject::OutOfWindow);
+        }
+        let d = d as usize;
+        while self.incoming.len() <= d {
+            self.incoming.push_back(Incoming::Empty);
+        }
+        Ok(&mut self.incoming[d])
+    }
+
+    /// Responder: retires completed messages in order. Calls `exec` for each
+    /// with the accepted record; returns how many were retired.
+    pub(crate) fn retire_in_order(&mut self, mut exec: impl FnMut(&mut Qp, Accepted)) -> u32 {
+        let mut n = 0;
+        while let Some(Incoming::Accepted(a)) = self.incoming.front().copied() {
+            if !a.complete {
+                break;
+            }
+            self.incoming.pop_front();
+            self.msn_done = self.msn_done.wrapping_add(1);
+            n += 1;
+            exec(self, a);
+        }
+        if n > 0 {
+            self.stream_dirty = true;
+        }
+        n
+    }
+
+    /// A completion for the send work request `wqe`.
+    pub(crate) fn send_wc(&self, wqe: &SendWqe, status: WcStatus) -> WorkCompletion {
+        WorkCompletion {
+            wr_id: wqe.wr.wr_id,
+            status,
+            opcode: wqe.wc_opcode(),
+            byte_len: if status == WcStatus::Success {
+                wqe.wr.local.len
+            } else {
+                0
+            },
+            imm: None,
+            qpn: self.qpn,
+        }
+    }
+
+    /// A flush completion for the receive `wr`.
+    pub(crate) fn recv_flush_wc(&self, wr: &RecvWr) -> WorkCompletion {
+        WorkCompletion {
+            wr_id: wr.wr_id,
+            status: WcStatus::WrFlushError,
+            opcode: WcOpcode::Recv,
+            byte_len: 0,
+            imm: None,
+            qpn: self.qpn,
+        }
+    }
+}
+
+/// Why the responder could not find a message slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum IncomingReject {
+    Duplicate,
+    OutOfWindow,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use QpState::*;
+
+    #[test]
+    fn transition_table() {
+        let all = [Reset, Init, Rtr, Rts, Sqd, Sqe, Error];
+        let legal: &[(QpState, QpState)] = &[
+            (Reset, Init),
+            (Init, Init),
+            (Init, Rtr),
+            (Rtr, Rts),
+            (Rts, Rts),
+            (Rts, Sqd),
+            (Sqd, Sqd),
+            (Sqd, Rts),
+            (Sqe, Rts),
+        ];
+        for &from in &all {
+            for &to in &all {
+                let expect = to == Reset || to == Error || legal.contains(&(from, to));
+                assert_eq!(from.can_move_to(to), expect, "{from:?} -> {to:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn which_states_take_requests() {
+        assert!(
+            !Reset.takes_recv() && Init.takes_recv() && Rts.takes_recv() && !Error.takes_recv()
+        );
+        assert!(!Rtr.takes_send() && Rts.takes_send() && Sqd.takes_send() && !Error.takes_send());
+        assert!(!Init.responds() && Rtr.responds() && !Error.responds());
+    }
+
+    fn qp() -> Qp {
+        let mut q = Qp::new(Qpn(1), PdHandle(0), CqHandle(0), CqHandle(0), 16, 16);
+        q.state = Rts;
+        q
+    }
+
+    fn wqe(msn: u32, op: SendOp, len: u32) -> SendWqe {
+        SendWqe {
+            wr: SendWr::new(
+                msn.into(),
+                op,
+                super::super::Sge {
+                    lkey: 0,
+                    addr: 0,
+                    len,
+                },
+            ),
+            msn,
+            recv_seq: 0,
+            gen: 0,
+            rnr_retries: 0,
+            read_received: 0,
+            read_seen: false,
+            local_error: None,
+            has_ref: false,
+        }
+    }
+
+    #[test]
+    fn segments_messages_to_the_mtu() {
+        let mut q = qp();
+        q.sq.push_back(wqe(0, SendOp::Send, 10_000));
+        q.sq.push_back(wqe(1, SendOp::Send, 0));
+        let now = Instant::ZERO;
+        let mtu = 4096 + 44;
+        let mut segs = Vec::new();
+        while let Some(s) = q.next_segment(now, mtu) {
+            segs.push(s);
+        }
+        assert_eq!(
+            segs,
+            vec![
+                Segment::Request {
+                    msn: 0,
+                    gen: 0,
+                    offset: 0,
+                    len: 4096
+                },
+                Segment::Request {
+                    msn: 0,
+                    gen: 0,
+                    offset: 4096,
+                    len: 4096
+                },
+                Segment::Request {
+                    msn: 0,
+                    gen: 0,
+                    offset: 8192,
+                    len: 1808
+                },
+                Segment::Request {
+                    msn: 1,
+                    gen: 0,
+                    offset: 0,
+                    len: 0
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn fence_and_read_limit_hold_requests_back() {
+        let mut q = qp();
+        q.max_rd_atomic = 1;
+        let r = super::super::RemoteAddr { rkey: 1, addr: 0 };
+        q.sq.push_back(wqe(0, SendOp::Read(r), 100));
+        q.sq.push_back(wqe(1, SendOp::Read(r), 100));
+        let mut w = wqe(2, SendOp::Write(r), 100);
+        w.wr.fence = true;
+        q.sq.push_back(w);
+        let now = Instant::ZERO;
+        assert!(matches!(
+            q.next_segment(now, 1000),
+            Some(Segment::Request { msn: 0, len: 0, .. })
+        ));
+        assert_eq!(
+            q.next_segment(now, 1000),
+            None,
+            "second READ waits for max_rd_atomic"
+        );
+        q.reads_outstanding = 0;
+        assert!(matches!(
+            q.next_segment(now, 1000),
+            Some(Segment::Request { msn: 1, .. })
+        ));
+        assert_eq!(
+            q.next_segment(now, 1000),
+            None,
+            "fenced WRITE waits for the READs"
+        );
+        assert!(!q.has_send_work(now));
+        q.reads_outstanding = 0;
+        assert!(q.has_send_work(now));
+    }
+
+    #[test]
+    fn rnr_wait_and_resend() {
+        let mut q = qp();
+        q.sq.push_back(wqe(0, SendOp::Send, 10));
+        let t0 = Instant::from_nanos(1000);
+        assert!(q.next_segment(t0, 1000).is_some());
+        q.sq[0].gen = 1;
+        q.resend.push_back(0);
+        q.rnr_wait_until = Some(Instant::from_nanos(5000));
+        assert!(!q.has_send_work(t0));
+        assert_eq!(q.next_segment(t0, 1000), None);
+        let t1 = Instant::from_nanos(5000);
+        assert!(q.has_send_work(t1));
+        assert_eq!(
+            q.next_segment(t1, 1000),
+            Some(Segment::Request {
+                msn: 0,
+                gen: 1,
+                offset: 0,
+                len: 10
+            })
+        );
+        assert_eq!(q.next_segment(t1, 1000), None);
+    }
+
+    #[test]
+    fn retires_only_contiguous_complete_messages() {
+        let mut q = qp();
+        let acc = |complete| {
+            Incoming::Accepted(Accepted {
+                opcode: Opcode::Write,
+                gen: 0,
+                len: 1,
+                received: 1,
+                complete,
+                recv_seq: 0,
+                imm: None,
+                rkey: 0,
+                addr: 0,
+            })
+        };
+        *q.incoming_slot(1).unwrap() = acc(true);
+        assert_eq!(q.retire_in_order(|_, _| {}), 0);
+        *q.incoming_slot(0).unwrap() = acc(true);
+        *q.incoming_slot(2).unwrap() = acc(false);
+        assert_eq!(q.retire_in_order(|_, _| {}), 2);
+        assert_eq!(q.msn_done, 2);
+        assert_eq!(q.incoming_slot(1), Err(IncomingReject::Duplicate));
+        assert_eq!(
+            q.incoming_slot(2 + MSG_WINDOW).map(|_| ()),
+            Err(IncomingReject::OutOfWindow)
+        );
+    }
+}
