@@ -50,7 +50,7 @@ pub use baselines::BaselineParams;
 pub use config::{ConfigError, SimConfig, TransportKind};
 pub use faults::{FaultAction, FaultSpec, FaultTarget, LossLinks};
 pub use packet::{Ecn, FlowId, HostId, Packet};
-pub use report::{render_table, PacketCounters, SimReport};
+pub use report::{render_table, LinkStat, PacketCounters, SimReport};
 pub use rng::SimRng;
 pub use sim::{run, run_transport, run_with_progress, sweep, try_run, Progress};
 pub use time::Nanos;

@@ -2,7 +2,22 @@
 
 use std::fmt::Write as _;
 
+use crate::topology::LinkKind;
 use crate::transport::TransportStats;
+
+/// Per-link counters at the end of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct LinkStat {
+    /// Which link.
+    pub kind: LinkKind,
+    /// Packets offered to the link (tail drops and drops onto a failed
+    /// link included).
+    pub offered: u64,
+    /// Packets that crossed it and reached the far end.
+    pub carried: u64,
+    /// Deepest queue of the port feeding it (0 for host NIC links).
+    pub max_queue_bytes: u64,
+}
 
 /// Packet-level conservation counters: every packet a transport handed to
 /// a NIC is delivered, dropped for one stated reason, or still in the
@@ -114,9 +129,26 @@ pub struct SimReport {
     /// Wall-clock seconds the run took (the only non-deterministic field,
     /// with `events_per_s`).
     pub wall_s: f64,
+    /// Per-link counters, in [`crate::topology::Fabric`] link order (not
+    /// serialised: they are large; use [`SimReport::spine_load`] for a
+    /// summary).
+    #[serde(skip)]
+    pub links: Vec<LinkStat>,
 }
 
 impl SimReport {
+    /// Packets carried by each spine (over its incoming leaf→spine links),
+    /// indexed `plane * spines + spine`.
+    pub fn spine_load(&self) -> Vec<u64> {
+        let mut load = vec![0; (self.planes * self.spines) as usize];
+        for l in &self.links {
+            if let LinkKind::LeafUp { plane, spine, .. } = l.kind {
+                load[(plane as u32 * self.spines + spine) as usize] += l.carried;
+            }
+        }
+        load
+    }
+
     /// A copy with the wall-clock fields zeroed, for comparing runs.
     pub fn without_wall_clock(&self) -> SimReport {
         SimReport {

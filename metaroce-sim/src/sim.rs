@@ -12,7 +12,7 @@ use crate::faults::FaultAction;
 use crate::flows::{DeliveryOutcome, FlowTable};
 use crate::host::Host;
 use crate::packet::{HostId, PacketSlab, IPPROTO_UDP};
-use crate::report::{percentile_us, PacketCounters, SimReport};
+use crate::report::{percentile_us, LinkStat, PacketCounters, SimReport};
 use crate::rng::SimRng;
 use crate::time::{ps_per_byte, ps_to_ns_ceil, Nanos, PS_PER_NS};
 use crate::topology::{Fabric, LinkId, LinkKind, TopologySpec};
@@ -79,6 +79,7 @@ struct Simulator<'c, T: SimTransport> {
     delayed: Vec<NewFlow>,
     delayed_started: usize,
     finite_active: u64,
+    infinite_flows: u64,
     dirty: Vec<HostId>,
     events: u64,
 }
@@ -151,6 +152,7 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
             delayed: Vec::new(),
             delayed_started: 0,
             finite_active: 0,
+            infinite_flows: 0,
             dirty: Vec::new(),
             events: 0,
         }
@@ -182,8 +184,9 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
 
     fn start_flow(&mut self, nf: NewFlow) {
         let flow = self.flows.add(nf.src, nf.dst, nf.bytes, self.now);
-        if nf.bytes.is_some() {
-            self.finite_active += 1;
+        match nf.bytes {
+            Some(_) => self.finite_active += 1,
+            None => self.infinite_flows += 1,
         }
         let fs = FlowStart {
             flow,
@@ -385,10 +388,11 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
     }
 
     fn arrive(&mut self, link_id: LinkId, idx: u32) {
-        let link = &self.fabric.links[link_id as usize];
+        let link = &mut self.fabric.links[link_id as usize];
         if !link.up {
             return self.drop(idx, Drop::FailedLink);
         }
+        link.carried += 1;
         match link.kind {
             LinkKind::HostUp { plane, host } => {
                 let leaf = self.fabric.spec.leaf_of(host);
@@ -463,6 +467,7 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
 
     fn finished(&self) -> bool {
         !self.traffic.is_open_ended()
+            && self.infinite_flows == 0
             && self.finite_active == 0
             && self.delayed_started == self.delayed.len()
     }
@@ -471,7 +476,12 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
         let wall = Instant::now();
         let duration = self.cfg.duration_ns;
         for (i, f) in self.cfg.faults.iter().enumerate() {
-            self.queue.push(f.at_ns, Ev::FaultStart { idx: i as u32 });
+            if f.at_ns == 0 {
+                // In force before the first packet is sent.
+                self.fault(i as u32, true);
+            } else {
+                self.queue.push(f.at_ns, Ev::FaultStart { idx: i as u32 });
+            }
             if let Some(until) = f.until_ns {
                 self.queue.push(until, Ev::FaultEnd { idx: i as u32 });
             }
@@ -603,6 +613,17 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
                 0.0
             },
             wall_s,
+            links: self
+                .fabric
+                .links
+                .iter()
+                .map(|l| LinkStat {
+                    kind: l.kind,
+                    offered: l.offered,
+                    carried: l.carried,
+                    max_queue_bytes: l.queue.max_bytes(),
+                })
+                .collect(),
         }
     }
 }

@@ -108,6 +108,8 @@ pub struct Link {
     pub queue: PortQueue,
     /// Packets offered to this link so far.
     pub offered: u64,
+    /// Packets that crossed the link and reached its far end.
+    pub carried: u64,
     /// Ordinals (in `offered` order, 0-based) of packets to drop on purpose.
     pub drop_ordinals: Vec<u64>,
 }
@@ -144,6 +146,7 @@ impl Fabric {
             loss: 0.0,
             queue: PortQueue::new(spec.buffer_bytes, spec.ecn_threshold_bytes),
             offered: 0,
+            carried: 0,
             drop_ordinals: Vec::new(),
         };
         for p in 0..spec.planes {
