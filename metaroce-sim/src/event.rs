@@ -10,16 +10,17 @@ use std::collections::BinaryHeap;
 
 use crate::time::Nanos;
 
+/// `key` packs `(time, seq)` as `time << 64 | seq`, so one integer
+/// comparison orders entries.
 #[derive(Debug)]
 struct Entry<E> {
-    time: Nanos,
-    seq: u64,
+    key: u128,
     event: E,
 }
 
 impl<E> PartialEq for Entry<E> {
     fn eq(&self, other: &Self) -> bool {
-        self.time == other.time && self.seq == other.seq
+        self.key == other.key
     }
 }
 impl<E> Eq for Entry<E> {}
@@ -31,7 +32,7 @@ impl<E> PartialOrd for Entry<E> {
 impl<E> Ord for Entry<E> {
     fn cmp(&self, other: &Self) -> Ordering {
         // Reversed: BinaryHeap is a max-heap, we want the earliest first.
-        (other.time, other.seq).cmp(&(self.time, self.seq))
+        other.key.cmp(&self.key)
     }
 }
 
@@ -61,17 +62,20 @@ impl<E> EventQueue<E> {
     pub fn push(&mut self, time: Nanos, event: E) {
         let seq = self.seq;
         self.seq += 1;
-        self.heap.push(Entry { time, seq, event });
+        self.heap.push(Entry {
+            key: ((time as u128) << 64) | seq as u128,
+            event,
+        });
     }
 
     /// Remove and return the earliest event (first inserted among equals).
     pub fn pop(&mut self) -> Option<(Nanos, E)> {
-        self.heap.pop().map(|e| (e.time, e.event))
+        self.heap.pop().map(|e| ((e.key >> 64) as Nanos, e.event))
     }
 
     /// The time of the earliest pending event.
     pub fn peek_time(&self) -> Option<Nanos> {
-        self.heap.peek().map(|e| e.time)
+        self.heap.peek().map(|e| (e.key >> 64) as Nanos)
     }
 
     /// Number of pending events.

@@ -78,12 +78,13 @@ impl SenderRecovery for GbnSender {
         match hdr.kind {
             RcKind::Ack => self.advance(hdr.psn),
             RcKind::Nak => {
-                self.advance(hdr.psn);
-                if hdr.psn >= self.una && hdr.psn < self.high {
+                let advanced = self.advance(hdr.psn);
+                if hdr.psn == self.una && hdr.psn < self.high {
                     // Go back: resend everything from the NAKed PSN.
                     self.nxt = hdr.psn;
+                    return true;
                 }
-                true
+                advanced
             }
             _ => false,
         }
