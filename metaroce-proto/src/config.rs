@@ -20,8 +20,12 @@ pub struct EndpointConfig {
     pub mtu: u16,
     /// Paths each connection sprays over.
     pub paths: u8,
-    /// Inclusive range of UDP source ports used as path entropy.
-    pub source_ports: (u16, u16),
+    /// UDP source ports used as path entropy.
+    ///
+    /// A driver with one socket per source port lists the ports it bound;
+    /// the simulator lists any it likes. Each path draws a distinct one where
+    /// the list is long enough.
+    pub source_ports: Vec<u16>,
     /// Accept incoming connections.
     pub accept_incoming: bool,
     /// Largest number of connections.
@@ -58,7 +62,7 @@ impl Default for EndpointConfig {
             listen_port: METAROCE_PORT,
             mtu: DEFAULT_MTU,
             paths: DEFAULT_PATHS,
-            source_ports: (49152, 65535),
+            source_ports: (49152..=49152 + 255).collect(),
             accept_incoming: true,
             max_connections: 65_536,
             initial_rto: DEFAULT_INITIAL_RTO,
@@ -91,9 +95,9 @@ impl EndpointConfig {
         if self.paths == 0 || usize::from(self.paths) > MAX_PATHS {
             return Err(ConfigError("paths must be within 1..=MAX_PATHS"));
         }
-        if self.source_ports.0 > self.source_ports.1 || self.source_ports.0 == 0 {
+        if self.source_ports.is_empty() || self.source_ports.contains(&0) {
             return Err(ConfigError(
-                "source_ports must be a non-empty range of non-zero ports",
+                "source_ports must be a non-empty list of non-zero ports",
             ));
         }
         if self.min_rto.is_zero() || self.min_rto > self.max_rto {

@@ -23,12 +23,6 @@ impl Rng {
     pub(crate) fn next_u32(&mut self) -> u32 {
         (self.next_u64() >> 32) as u32
     }
-
-    /// A value in `lo..=hi`.
-    pub(crate) fn range_u16(&mut self, lo: u16, hi: u16) -> u16 {
-        let span = u64::from(hi.saturating_sub(lo)) + 1;
-        lo + (self.next_u64() % span) as u16
-    }
 }
 
 #[cfg(test)]
@@ -41,9 +35,6 @@ mod tests {
         let mut b = Rng::new(7);
         for _ in 0..100 {
             assert_eq!(a.next_u64(), b.next_u64());
-            let p = a.range_u16(49152, 49160);
-            assert!((49152..=49160).contains(&p));
-            b.range_u16(0, 0);
         }
         assert_ne!(Rng::new(1).next_u64(), Rng::new(2).next_u64());
     }

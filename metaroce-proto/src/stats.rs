@@ -22,8 +22,6 @@ pub enum RejectReason {
     WrongSource,
     /// A packet that the connection's state does not take (e.g. data before the handshake ended).
     WrongState,
-    /// A PSN beyond the path's receive window.
-    PathOutOfWindow,
     /// A CSN beyond the connection's receive window.
     CsnOutOfWindow,
     /// A packet seen before (path- or connection-level duplicate).
@@ -56,7 +54,6 @@ pub struct RejectCounters {
     pub unknown_connection: u64,
     pub wrong_source: u64,
     pub wrong_state: u64,
-    pub path_out_of_window: u64,
     pub csn_out_of_window: u64,
     pub duplicate: u64,
     pub bad_qp: u64,
@@ -81,7 +78,6 @@ impl RejectCounters {
             UnknownConnection => self.unknown_connection,
             WrongSource => self.wrong_source,
             WrongState => self.wrong_state,
-            PathOutOfWindow => self.path_out_of_window,
             CsnOutOfWindow => self.csn_out_of_window,
             Duplicate => self.duplicate,
             BadQp => self.bad_qp,
@@ -105,7 +101,6 @@ impl RejectCounters {
             UnknownConnection => &mut self.unknown_connection,
             WrongSource => &mut self.wrong_source,
             WrongState => &mut self.wrong_state,
-            PathOutOfWindow => &mut self.path_out_of_window,
             CsnOutOfWindow => &mut self.csn_out_of_window,
             Duplicate => &mut self.duplicate,
             BadQp => &mut self.bad_qp,
@@ -129,7 +124,6 @@ impl RejectCounters {
             + self.unknown_connection
             + self.wrong_source
             + self.wrong_state
-            + self.path_out_of_window
             + self.csn_out_of_window
             + self.duplicate
             + self.bad_qp

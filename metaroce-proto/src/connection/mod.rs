@@ -220,8 +220,12 @@ impl Connection {
     ) -> Self {
         let rtt = RttEstimator::new(config.initial_rto, config.min_rto, config.max_rto);
         let mut paths_tx = Vec::with_capacity(usize::from(config.paths));
+        // Distinct ports per path where there are enough: a random offset
+        // into the list, then consecutive entries.
+        let ports = &config.source_ports;
+        let first = rng.next_u32() as usize % ports.len();
         for id in 0..config.paths {
-            let port = rng.range_u16(config.source_ports.0, config.source_ports.1);
+            let port = ports[(first + usize::from(id)) % ports.len()];
             paths_tx.push(PathTx::new(id, port, rtt));
         }
         Connection {

@@ -259,16 +259,17 @@ impl PathRx {
         }
     }
 
-    /// Whether `psn` is inside the receive window (not necessarily new).
-    pub(crate) fn in_window(&self, psn: u32) -> bool {
-        seq_lt(psn, self.seen.cum()) || seq_dist(self.seen.cum(), psn) < SACK_BITS
-    }
-
     /// Records `psn`. Returns the outcome and whether it arrived out of order
     /// (left a hole before it).
+    ///
+    /// The window slides: a lost PSN is never sent again (its data goes out
+    /// under a new PSN), so a PSN more than `SACK_BITS` ahead abandons the
+    /// holes it leaves behind. The sender only sends it once those packets
+    /// are acknowledged or declared lost, so nothing is given up that could
+    /// still come.
     pub(crate) fn on_packet(&mut self, psn: u32, ce: bool) -> (SeqAccept, bool) {
         let out_of_order = psn != self.seen.cum();
-        let r = self.seen.insert(psn);
+        let r = self.seen.insert_sliding(psn);
         if r != SeqAccept::OutOfWindow {
             self.rx_packets = self.rx_packets.wrapping_add(1);
             if ce {
@@ -387,10 +388,13 @@ mod tests {
         assert_eq!(r.on_packet(0, false), (SeqAccept::New, false));
         assert_eq!(r.on_packet(2, false), (SeqAccept::New, true));
         assert_eq!(r.on_packet(2, false).0, SeqAccept::Duplicate);
-        assert!(!r.in_window(1 + SACK_BITS));
-        assert_eq!(r.on_packet(1 + SACK_BITS, false).0, SeqAccept::OutOfWindow);
         let e = r.entry(3);
         assert_eq!(e.ack_psn, 1);
         assert!(e.sack_bit(0));
+        // Far ahead: the hole at 1 is given up, the window slides.
+        assert_eq!(r.on_packet(2 + SACK_BITS, false).0, SeqAccept::New);
+        let e = r.entry(3);
+        assert_eq!(e.ack_psn, 3);
+        assert!(e.sack_bit(SACK_BITS - 2));
     }
 }

@@ -821,10 +821,15 @@ impl Endpoint {
 
     /// Runs every timer due at `now`.
     pub fn handle_timeout(&mut self, now: Instant) {
-        while let Some(&(t, ci)) = self.timers.iter().next() {
-            if t > now {
-                break;
-            }
+        self.last_now = self.last_now.max(now);
+        // Each due connection runs once per call.
+        let due: Vec<(Instant, usize)> = self
+            .timers
+            .iter()
+            .take_while(|&&(t, _)| t <= now)
+            .copied()
+            .collect();
+        for (t, ci) in due {
             self.timers.remove(&(t, ci));
             if let Some(c) = self.conns[ci].as_mut() {
                 c.timer_key = None;

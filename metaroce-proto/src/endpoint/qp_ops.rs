@@ -259,6 +259,20 @@ impl Endpoint {
             c.ack_now = true;
             c.ack_deadline = None;
         }
+        // RNR back-offs that ended: the QPs may send again.
+        for &qpn in &c.qps {
+            let idx = (qpn.0 & super::QPN_INDEX_MASK) as usize;
+            if let Some(q) = self
+                .qps
+                .get_mut(idx)
+                .and_then(|q| q.as_mut())
+                .filter(|q| q.qpn == qpn)
+            {
+                if q.rnr_wait_until.is_some_and(|t| t <= now) {
+                    q.rnr_wait_until = None;
+                }
+            }
+        }
         // Retransmission timeout.
         if let Some(oldest) = c.oldest_outstanding() {
             let rto = c.rto();

@@ -282,20 +282,15 @@ impl Endpoint {
         if !c.csn_in_window(hdr.csn) {
             return self.reject(RejectReason::CsnOutOfWindow, from);
         }
-        if !c.paths_rx[pid].in_window(hdr.psn) {
-            return self.reject(RejectReason::PathOutOfWindow, from);
-        }
-        let (path_res, out_of_order) = c.paths_rx[pid].on_packet(hdr.psn, ecn == super::Ecn::Ce);
+        let (_, out_of_order) = c.paths_rx[pid].on_packet(hdr.psn, ecn == super::Ecn::Ce);
         c.stats.data_packets_received += 1;
         let wants_ack = hdr.flags & data_flags::ACK_REQ != 0;
         if wants_ack {
             c.full_report = true;
         }
-        if path_res == SeqAccept::Duplicate {
-            c.note_rx(now, hdr.path_id, hdr.tx_ts, true, ack_every, ack_delay);
-            self.reject(RejectReason::Duplicate, from);
-            return self.touch(ci, Some(now));
-        }
+        // A path-level duplicate (the network copied a datagram) or a late
+        // packet whose PSN was given up is still checked by its CSN below:
+        // the CSN, not the PSN, decides whether its contents are new.
         let fresh = c.accept_csn(hdr.csn) == SeqAccept::New;
         c.note_rx(
             now,
@@ -445,7 +440,8 @@ impl Endpoint {
             return self.reject(RejectReason::Inconsistent, from);
         }
         a.received += payload.len() as u64;
-        a.complete = a.received >= u64::from(a.len);
+        // A READ request is one packet: it is complete when it arrives.
+        a.complete = a.opcode == Opcode::ReadReq || a.received >= u64::from(a.len);
         if let Some(c) = self.conns[ci].as_mut() {
             c.stats.payload_bytes_received += payload.len() as u64;
         }

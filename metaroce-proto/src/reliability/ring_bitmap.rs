@@ -84,6 +84,21 @@ impl<const WORDS: usize> RingBitmap<WORDS> {
         SeqAccept::New
     }
 
+    /// Records `s`, sliding the window forward when `s` lies beyond it: the
+    /// numbers the window leaves behind are given up as never to arrive.
+    /// Used for path sequences, whose lost numbers are never sent again.
+    pub(crate) fn insert_sliding(&mut self, s: u32) -> SeqAccept {
+        if !seq_lt(s, self.cum) && seq_dist(self.cum, s) >= Self::SPAN {
+            let new_min = s.wrapping_sub(Self::SPAN - 1);
+            while seq_lt(self.cum, new_min) {
+                let (w, m) = Self::slot(self.cum);
+                self.bits[w] &= !m;
+                self.cum = self.cum.wrapping_add(1);
+            }
+        }
+        self.insert(s)
+    }
+
     /// The selective-ack bits for `cum + 1 ..`, `out.len()*8` of them: bit
     /// `i` (byte `i/8`, bit `i%8` from the LSB) stands for `cum + 1 + i`.
     pub(crate) fn sack_into(&self, out: &mut [u8]) {
@@ -135,6 +150,24 @@ mod tests {
         assert_eq!(b.insert(2 + 255), SeqAccept::New);
         b.sack_into(&mut sack);
         assert_eq!(sack[31], 0x40);
+    }
+
+    #[test]
+    fn sliding_gives_up_old_holes() {
+        let mut b: RingBitmap<4> = RingBitmap::new(0);
+        assert_eq!(b.insert_sliding(1), SeqAccept::New);
+        assert_eq!(b.cum(), 0, "0 is a hole");
+        assert_eq!(b.insert_sliding(256), SeqAccept::New);
+        // 256 needs the window to start at 1: 0 is abandoned, 1 was seen.
+        assert_eq!(b.cum(), 2);
+        assert!(b.contains(256) && !b.contains(2));
+        assert_eq!(b.insert_sliding(0), SeqAccept::Duplicate);
+        assert_eq!(b.insert_sliding(1000), SeqAccept::New);
+        assert_eq!(b.cum(), 1000 - 255);
+        assert!(!b.contains(1000 - 255));
+        let mut sack = [0u8; 32];
+        b.sack_into(&mut sack);
+        assert_eq!(sack[31], 0x40, "1000 is cum + 255 -> bit 254");
     }
 
     #[test]

@@ -1,0 +1,312 @@
+//! Test harness: two endpoints joined by an in-memory link that drops,
+//! duplicates, reorders and delays datagrams at random (seeded).
+#![allow(dead_code)]
+
+use metaroce_proto::verbs::*;
+use metaroce_proto::{Ecn, Endpoint, EndpointConfig, Event, Instant};
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// A small deterministic generator for the link (tests must not depend on the core's).
+#[derive(Debug, Clone)]
+pub struct TestRng(u64);
+
+impl TestRng {
+    pub fn new(seed: u64) -> Self {
+        TestRng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        // xorshift64*
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+}
+
+/// What the link does to each datagram.
+#[derive(Debug, Clone, Copy)]
+pub struct LinkConfig {
+    pub loss: f64,
+    pub duplicate: f64,
+    pub reorder: f64,
+    pub delay: Duration,
+    /// Extra delay of a reordered datagram, at most.
+    pub reorder_delay: Duration,
+    /// CE-mark this fraction of ECN-capable datagrams.
+    pub ce: f64,
+    /// Serialisation rate in bytes per microsecond (0: infinite).
+    pub bytes_per_us: u64,
+}
+
+impl LinkConfig {
+    pub fn lossy(loss: f64) -> Self {
+        LinkConfig {
+            loss,
+            duplicate: loss / 4.0,
+            reorder: loss / 2.0,
+            delay: Duration::from_micros(5),
+            reorder_delay: Duration::from_micros(20),
+            ce: 0.0,
+            bytes_per_us: 0,
+        }
+    }
+    pub fn perfect() -> Self {
+        Self::lossy(0.0)
+    }
+}
+
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct InFlight {
+    at: u64,
+    seq: u64,
+    to_b: bool,
+    from: SocketAddr,
+    ecn: u8,
+    bytes: Vec<u8>,
+}
+
+/// Two endpoints, a link, and simulated time.
+pub struct Pair {
+    pub a: Endpoint,
+    pub b: Endpoint,
+    pub a_addr: SocketAddr,
+    pub b_addr: SocketAddr,
+    pub now: Instant,
+    pub link: LinkConfig,
+    rng: TestRng,
+    queue: BinaryHeap<Reverse<InFlight>>,
+    seq: u64,
+    buf: Vec<u8>,
+    pub conn_a: Option<ConnectionHandle>,
+    pub conn_b: Option<ConnectionHandle>,
+    pub events_a: Vec<Event>,
+    pub events_b: Vec<Event>,
+    pub delivered: u64,
+    pub dropped: u64,
+    /// Link is cut in this direction (a->b, b->a).
+    pub cut: (bool, bool),
+    /// Earliest time each direction's wire is free (serialisation).
+    wire_free: [u64; 2],
+}
+
+impl Pair {
+    pub fn new(ca: EndpointConfig, cb: EndpointConfig, seed: u64, link: LinkConfig) -> Pair {
+        Pair {
+            a: Endpoint::new(ca, seed ^ 0xa).unwrap(),
+            b: Endpoint::new(cb, seed ^ 0xb).unwrap(),
+            a_addr: "10.0.0.1:4792".parse().unwrap(),
+            b_addr: "10.0.0.2:4792".parse().unwrap(),
+            now: Instant::ZERO,
+            link,
+            rng: TestRng::new(seed),
+            queue: BinaryHeap::new(),
+            seq: 0,
+            buf: vec![0u8; 65536],
+            conn_a: None,
+            conn_b: None,
+            events_a: Vec::new(),
+            events_b: Vec::new(),
+            delivered: 0,
+            dropped: 0,
+            cut: (false, false),
+            wire_free: [0, 0],
+        }
+    }
+
+    /// Connects A to B and runs until both sides know the connection.
+    pub fn connect(&mut self) {
+        let c = self.a.connect(self.now, self.b_addr).unwrap();
+        self.conn_a = Some(c);
+        let deadline = self.now + Duration::from_secs(30);
+        self.run_until(deadline, |p| {
+            p.conn_b.is_some() && p.events_a.contains(&Event::Connected(c))
+        });
+        assert!(self.conn_b.is_some(), "handshake did not finish");
+    }
+
+    fn flush(&mut self) {
+        for to_b in [true, false] {
+            loop {
+                let (ep, from) = if to_b {
+                    (&mut self.a, self.a_addr)
+                } else {
+                    (&mut self.b, self.b_addr)
+                };
+                let Some(t) = ep.poll_transmit(self.now, &mut self.buf) else {
+                    break;
+                };
+                assert!(t.size <= self.buf.len());
+                let from = SocketAddr::new(from.ip(), t.src_port);
+                let bytes = self.buf[..t.size].to_vec();
+                let cut = if to_b { self.cut.0 } else { self.cut.1 };
+                if cut || self.rng.unit() < self.link.loss {
+                    self.dropped += 1;
+                    continue;
+                }
+                let copies = if self.rng.unit() < self.link.duplicate {
+                    2
+                } else {
+                    1
+                };
+                let dir = usize::from(!to_b);
+                let mut depart = self.now.as_nanos();
+                if self.link.bytes_per_us > 0 {
+                    depart = depart.max(self.wire_free[dir])
+                        + t.size as u64 * 1000 / self.link.bytes_per_us;
+                    self.wire_free[dir] = depart;
+                }
+                for _ in 0..copies {
+                    let mut at = depart + self.link.delay.as_nanos() as u64;
+                    if self.rng.unit() < self.link.reorder {
+                        at += self
+                            .rng
+                            .below(self.link.reorder_delay.as_nanos() as u64 + 1);
+                    }
+                    let mut ecn = t.ecn.bits();
+                    if t.ecn != Ecn::NotEct && self.rng.unit() < self.link.ce {
+                        ecn = Ecn::Ce.bits();
+                    }
+                    self.seq += 1;
+                    self.queue.push(Reverse(InFlight {
+                        at,
+                        seq: self.seq,
+                        to_b,
+                        from,
+                        ecn,
+                        bytes: bytes.clone(),
+                    }));
+                }
+            }
+        }
+    }
+
+    fn drain_events(&mut self) {
+        while let Some(e) = self.a.poll_event() {
+            self.events_a.push(e);
+        }
+        while let Some(e) = self.b.poll_event() {
+            if let Event::Incoming { conn, .. } = e {
+                self.conn_b = Some(conn);
+            }
+            self.events_b.push(e);
+        }
+    }
+
+    /// Advances to the next datagram arrival or timer; false if nothing is left to do.
+    pub fn step(&mut self) -> bool {
+        self.flush();
+        self.drain_events();
+        let next_dg = self.queue.peek().map(|r| r.0.at);
+        let next_timer = [self.a.poll_timeout(), self.b.poll_timeout()]
+            .into_iter()
+            .flatten()
+            .map(|t| t.as_nanos())
+            .min();
+        let next = match (next_dg, next_timer) {
+            (None, None) => return false,
+            (Some(a), None) | (None, Some(a)) => a,
+            (Some(a), Some(b)) => a.min(b),
+        };
+        self.now = Instant::from_nanos(next.max(self.now.as_nanos()));
+        while self
+            .queue
+            .peek()
+            .is_some_and(|r| r.0.at <= self.now.as_nanos())
+        {
+            let Reverse(d) = self.queue.pop().unwrap();
+            self.delivered += 1;
+            let ecn = Ecn::from_bits(d.ecn);
+            if d.to_b {
+                self.b.handle_datagram(self.now, d.from, ecn, &d.bytes);
+            } else {
+                self.a.handle_datagram(self.now, d.from, ecn, &d.bytes);
+            }
+        }
+        if self.a.poll_timeout().is_some_and(|t| t <= self.now) {
+            self.a.handle_timeout(self.now);
+        }
+        if self.b.poll_timeout().is_some_and(|t| t <= self.now) {
+            self.b.handle_timeout(self.now);
+        }
+        self.flush();
+        self.drain_events();
+        true
+    }
+
+    /// Steps until `done` holds or `deadline` passes; returns whether `done` held.
+    pub fn run_until(
+        &mut self,
+        deadline: Instant,
+        mut done: impl FnMut(&mut Pair) -> bool,
+    ) -> bool {
+        loop {
+            if done(self) {
+                return true;
+            }
+            if self.now > deadline || !self.step() {
+                return done(self);
+            }
+        }
+    }
+
+    /// Runs for `d` of simulated time.
+    pub fn run_for(&mut self, d: Duration) {
+        let end = self.now + d;
+        self.run_until(end, |p| p.now >= end);
+    }
+}
+
+/// A QP pair with regions on both sides, ready to use.
+pub struct Verbs {
+    pub qa: Qpn,
+    pub qb: Qpn,
+    pub cqa: CqHandle,
+    pub cqb: CqHandle,
+    pub pda: PdHandle,
+    pub pdb: PdHandle,
+}
+
+impl Verbs {
+    pub fn setup(p: &mut Pair) -> Verbs {
+        let pda = p.a.alloc_pd();
+        let pdb = p.b.alloc_pd();
+        let cqa = p.a.create_cq(4096);
+        let cqb = p.b.create_cq(4096);
+        let qa = p.a.create_qp(QpInit::new(pda, cqa, cqa)).unwrap();
+        let qb = p.b.create_qp(QpInit::new(pdb, cqb, cqb)).unwrap();
+        p.a.connect_qp(qa, p.conn_a.unwrap(), qb).unwrap();
+        p.b.connect_qp(qb, p.conn_b.unwrap(), qa).unwrap();
+        Verbs {
+            qa,
+            qb,
+            cqa,
+            cqb,
+            pda,
+            pdb,
+        }
+    }
+}
+
+/// Deterministic payload bytes for message `tag`.
+pub fn pattern(tag: u64, len: usize) -> Vec<u8> {
+    let mut r = TestRng::new(tag.wrapping_add(77));
+    (0..len).map(|_| r.next_u64() as u8).collect()
+}
+
+/// Polls every completion of `cq`.
+pub fn drain_cq(ep: &mut Endpoint, cq: CqHandle) -> Vec<WorkCompletion> {
+    let mut v = Vec::new();
+    ep.poll_cq(cq, usize::MAX, &mut v).unwrap();
+    v
+}

@@ -1,0 +1,1030 @@
+//! Pair tests: two cores over an in-memory link, every operation and every
+//! error status, checked byte for byte.
+
+mod common;
+
+use common::*;
+use metaroce_proto::verbs::*;
+use metaroce_proto::{ConnectionError, EndpointConfig, Event, Instant};
+use std::time::Duration;
+
+fn pair(seed: u64, link: LinkConfig) -> (Pair, Verbs) {
+    let mut p = Pair::new(
+        EndpointConfig::default(),
+        EndpointConfig::default(),
+        seed,
+        link,
+    );
+    p.connect();
+    let v = Verbs::setup(&mut p);
+    (p, v)
+}
+
+fn wait_cq(
+    p: &mut Pair,
+    side_a: bool,
+    cq: CqHandle,
+    n: usize,
+    within: Duration,
+) -> Vec<WorkCompletion> {
+    let deadline = p.now + within;
+    let mut got = Vec::new();
+    p.run_until(deadline, |p| {
+        let ep = if side_a { &mut p.a } else { &mut p.b };
+        got.extend(drain_cq(ep, cq));
+        got.len() >= n
+    });
+    got
+}
+
+fn reg(
+    ep: &mut metaroce_proto::Endpoint,
+    pd: PdHandle,
+    data: Vec<u8>,
+    addr: u64,
+    access: AccessFlags,
+) -> MrInfo {
+    ep.reg_mr(pd, data.into_boxed_slice(), addr, access)
+        .unwrap()
+}
+
+#[test]
+fn send_recv_and_immediate() {
+    let (mut p, v) = pair(1, LinkConfig::perfect());
+    let msg = pattern(1, 20_000);
+    let src = reg(&mut p.a, v.pda, msg.clone(), 0, AccessFlags::NONE);
+    let dst = reg(
+        &mut p.b,
+        v.pdb,
+        vec![0; 40_000],
+        0x10_0000,
+        AccessFlags::LOCAL_WRITE,
+    );
+    p.b.post_recv(
+        v.qb,
+        RecvWr {
+            wr_id: 10,
+            sge: Sge {
+                lkey: dst.lkey,
+                addr: dst.addr,
+                len: 20_000,
+            },
+        },
+    )
+    .unwrap();
+    p.b.post_recv(
+        v.qb,
+        RecvWr {
+            wr_id: 11,
+            sge: Sge {
+                lkey: dst.lkey,
+                addr: dst.addr + 20_000,
+                len: 20_000,
+            },
+        },
+    )
+    .unwrap();
+    let now = p.now;
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            1,
+            SendOp::Send,
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 20_000,
+            },
+        ),
+    )
+    .unwrap();
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            2,
+            SendOp::SendImm(0xfeed),
+            Sge {
+                lkey: src.lkey,
+                addr: 100,
+                len: 500,
+            },
+        ),
+    )
+    .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 2, Duration::from_millis(50));
+    let wb = wait_cq(&mut p, false, v.cqb, 2, Duration::from_millis(50));
+    assert_eq!(
+        wa.iter()
+            .map(|w| (w.wr_id, w.status, w.opcode))
+            .collect::<Vec<_>>(),
+        vec![
+            (1, WcStatus::Success, WcOpcode::Send),
+            (2, WcStatus::Success, WcOpcode::Send)
+        ]
+    );
+    assert_eq!(wb[0].wr_id, 10);
+    assert_eq!(wb[0].byte_len, 20_000);
+    assert_eq!(wb[0].imm, None);
+    assert_eq!(
+        (wb[1].wr_id, wb[1].byte_len, wb[1].imm, wb[1].opcode),
+        (11, 500, Some(0xfeed), WcOpcode::Recv)
+    );
+    let b = p.b.mr(dst.lkey).unwrap();
+    assert_eq!(&b[..20_000], &msg[..]);
+    assert_eq!(&b[20_000..20_500], &msg[100..600]);
+    assert!(b[20_500..].iter().all(|&x| x == 0));
+}
+
+#[test]
+fn write_write_imm_and_read() {
+    let (mut p, v) = pair(2, LinkConfig::perfect());
+    let data = pattern(2, 100_000);
+    let src = reg(
+        &mut p.a,
+        v.pda,
+        data.clone(),
+        0x1000,
+        AccessFlags::LOCAL_WRITE,
+    );
+    let win = reg(
+        &mut p.b,
+        v.pdb,
+        vec![0; 100_000],
+        0x5000_0000,
+        AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
+    );
+    let rbuf = reg(&mut p.b, v.pdb, vec![0; 16], 0, AccessFlags::LOCAL_WRITE);
+    p.b.post_recv(
+        v.qb,
+        RecvWr {
+            wr_id: 7,
+            sge: Sge {
+                lkey: rbuf.lkey,
+                addr: 0,
+                len: 16,
+            },
+        },
+    )
+    .unwrap();
+    let now = p.now;
+    let remote = RemoteAddr {
+        rkey: win.rkey,
+        addr: win.addr,
+    };
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            1,
+            SendOp::Write(remote),
+            Sge {
+                lkey: src.lkey,
+                addr: 0x1000,
+                len: 60_000,
+            },
+        ),
+    )
+    .unwrap();
+    let r2 = RemoteAddr {
+        rkey: win.rkey,
+        addr: win.addr + 60_000,
+    };
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            2,
+            SendOp::WriteImm(r2, 42),
+            Sge {
+                lkey: src.lkey,
+                addr: 0x1000 + 60_000,
+                len: 40_000,
+            },
+        ),
+    )
+    .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 2, Duration::from_millis(50));
+    assert!(wa
+        .iter()
+        .all(|w| w.status == WcStatus::Success && w.opcode == WcOpcode::Write));
+    // A WRITE's completion means every byte is placed remotely.
+    assert_eq!(p.b.mr(win.lkey).unwrap(), &data[..]);
+    let wb = drain_cq(&mut p.b, v.cqb);
+    assert_eq!(wb.len(), 1);
+    assert_eq!(
+        (wb[0].wr_id, wb[0].opcode, wb[0].imm, wb[0].byte_len),
+        (7, WcOpcode::RecvRdmaWithImm, Some(42), 40_000)
+    );
+
+    // READ it back into a fresh buffer.
+    let back = reg(
+        &mut p.a,
+        v.pda,
+        vec![0; 100_000],
+        0,
+        AccessFlags::LOCAL_WRITE,
+    );
+    let now = p.now;
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            3,
+            SendOp::Read(remote),
+            Sge {
+                lkey: back.lkey,
+                addr: 0,
+                len: 100_000,
+            },
+        ),
+    )
+    .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_millis(50));
+    assert_eq!(
+        (wa[0].wr_id, wa[0].status, wa[0].opcode, wa[0].byte_len),
+        (3, WcStatus::Success, WcOpcode::Read, 100_000)
+    );
+    assert_eq!(p.a.mr(back.lkey).unwrap(), &data[..]);
+}
+
+#[test]
+fn zero_length_messages() {
+    let (mut p, v) = pair(3, LinkConfig::perfect());
+    let win = reg(&mut p.b, v.pdb, vec![0; 8], 0, AccessFlags::ALL);
+    p.b.post_recv(
+        v.qb,
+        RecvWr {
+            wr_id: 1,
+            sge: Sge::default(),
+        },
+    )
+    .unwrap();
+    p.b.post_recv(
+        v.qb,
+        RecvWr {
+            wr_id: 2,
+            sge: Sge::default(),
+        },
+    )
+    .unwrap();
+    let now = p.now;
+    let r = RemoteAddr {
+        rkey: win.rkey,
+        addr: 0,
+    };
+    for (id, op) in [
+        (1, SendOp::Send),
+        (2, SendOp::Write(r)),
+        (3, SendOp::WriteImm(r, 5)),
+        (4, SendOp::Read(r)),
+    ] {
+        p.a.post_send(now, v.qa, SendWr::new(id, op, Sge::default()))
+            .unwrap();
+    }
+    let wa = wait_cq(&mut p, true, v.cqa, 4, Duration::from_millis(50));
+    assert_eq!(
+        wa.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        (1..=4).map(|i| (i, WcStatus::Success)).collect::<Vec<_>>()
+    );
+    let wb = drain_cq(&mut p.b, v.cqb);
+    assert_eq!(
+        wb.iter()
+            .map(|w| (w.wr_id, w.byte_len, w.imm))
+            .collect::<Vec<_>>(),
+        vec![(1, 0, None), (2, 0, Some(5))]
+    );
+}
+
+#[test]
+fn unsignaled_requests_complete_silently_in_order() {
+    let (mut p, v) = pair(4, LinkConfig::perfect());
+    let src = reg(&mut p.a, v.pda, vec![9; 4096], 0, AccessFlags::NONE);
+    let win = reg(&mut p.b, v.pdb, vec![0; 4096], 0, AccessFlags::REMOTE_WRITE);
+    let now = p.now;
+    let r = RemoteAddr {
+        rkey: win.rkey,
+        addr: 0,
+    };
+    let mut wr = SendWr::new(
+        1,
+        SendOp::Write(r),
+        Sge {
+            lkey: src.lkey,
+            addr: 0,
+            len: 4096,
+        },
+    );
+    wr.signaled = false;
+    p.a.post_send(now, v.qa, wr).unwrap();
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            2,
+            SendOp::Write(r),
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 10,
+            },
+        ),
+    )
+    .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_millis(50));
+    assert_eq!(wa.len(), 1);
+    assert_eq!(wa[0].wr_id, 2);
+    // The unsignaled request's region was released.
+    assert!(p.a.dereg_mr(src.lkey).is_ok());
+}
+
+#[test]
+fn large_message_over_lossy_link() {
+    let (mut p, v) = pair(5, LinkConfig::lossy(0.05));
+    let len = 8 << 20;
+    let data = pattern(5, len);
+    let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
+    let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+    let now = p.now;
+    let r = RemoteAddr {
+        rkey: win.rkey,
+        addr: 0,
+    };
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            1,
+            SendOp::Write(r),
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: len as u32,
+            },
+        ),
+    )
+    .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(5));
+    assert_eq!(wa[0].status, WcStatus::Success);
+    assert!(p.b.mr(win.lkey).unwrap() == &data[..], "payload corrupted");
+    let s = p.a.connection_stats(p.conn_a.unwrap()).unwrap();
+    assert!(s.retransmits > 0 && s.fast_retransmits > 0, "{s:?}");
+    // Selective: loss never resends data already received, so retransmissions
+    // stay close to the number of packets lost.
+    assert!(
+        s.retransmits <= s.packets_lost + 16,
+        "retransmits {} lost {}",
+        s.retransmits,
+        s.packets_lost
+    );
+    assert_eq!(p.b.stats().rejects.inconsistent, 0);
+}
+
+#[test]
+fn remote_access_errors() {
+    let (mut p, v) = pair(6, LinkConfig::perfect());
+    let src = reg(&mut p.a, v.pda, vec![1; 100], 0, AccessFlags::LOCAL_WRITE);
+    let ro = reg(
+        &mut p.b,
+        v.pdb,
+        vec![0; 100],
+        0x100,
+        AccessFlags::REMOTE_READ,
+    );
+    let now = p.now;
+    // WRITE into a region without REMOTE_WRITE.
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            1,
+            SendOp::Write(RemoteAddr {
+                rkey: ro.rkey,
+                addr: 0x100,
+            }),
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 100,
+            },
+        ),
+    )
+    .unwrap();
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            2,
+            SendOp::Write(RemoteAddr {
+                rkey: ro.rkey,
+                addr: 0x100,
+            }),
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 1,
+            },
+        ),
+    )
+    .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 2, Duration::from_millis(50));
+    assert_eq!(
+        wa.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        vec![
+            (1, WcStatus::RemoteAccessError),
+            (2, WcStatus::WrFlushError)
+        ]
+    );
+    assert_eq!(p.a.qp_state(v.qa), Some(QpState::Error));
+    assert_eq!(p.b.qp_state(v.qb), Some(QpState::Error));
+    assert!(
+        p.b.mr(ro.lkey).unwrap().iter().all(|&x| x == 0),
+        "nothing may be written"
+    );
+    assert!(p.events_a.iter().any(|e| matches!(
+        e,
+        Event::QpError {
+            status: WcStatus::RemoteAccessError,
+            ..
+        }
+    )));
+    // Posting to a QP in error flushes at once.
+    p.a.post_send(p.now, v.qa, SendWr::new(3, SendOp::Send, Sge::default()))
+        .unwrap();
+    assert_eq!(drain_cq(&mut p.a, v.cqa)[0].status, WcStatus::WrFlushError);
+}
+
+#[test]
+fn out_of_bounds_read_and_bad_rkey() {
+    for case in 0..3 {
+        let (mut p, v) = pair(7 + case, LinkConfig::perfect());
+        let dst = reg(&mut p.a, v.pda, vec![0; 200], 0, AccessFlags::LOCAL_WRITE);
+        let win = reg(&mut p.b, v.pdb, vec![5; 100], 0x100, AccessFlags::ALL);
+        let remote = match case {
+            0 => RemoteAddr {
+                rkey: win.rkey,
+                addr: 0x100 + 50,
+            }, // 50 + 200 > 100
+            1 => RemoteAddr {
+                rkey: win.rkey ^ 0x4000_0000,
+                addr: 0x100,
+            },
+            _ => RemoteAddr {
+                rkey: win.rkey,
+                addr: 0x80,
+            },
+        };
+        let now = p.now;
+        p.a.post_send(
+            now,
+            v.qa,
+            SendWr::new(
+                1,
+                SendOp::Read(remote),
+                Sge {
+                    lkey: dst.lkey,
+                    addr: 0,
+                    len: 100,
+                },
+            ),
+        )
+        .unwrap();
+        let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_millis(50));
+        assert_eq!(wa[0].status, WcStatus::RemoteAccessError, "case {case}");
+        assert!(p.a.mr(dst.lkey).unwrap().iter().all(|&x| x == 0));
+    }
+}
+
+#[test]
+fn receive_too_small_is_local_length_error_and_invalid_request() {
+    let (mut p, v) = pair(10, LinkConfig::perfect());
+    let src = reg(&mut p.a, v.pda, vec![3; 1000], 0, AccessFlags::NONE);
+    let rb = reg(&mut p.b, v.pdb, vec![0; 100], 0, AccessFlags::LOCAL_WRITE);
+    p.b.post_recv(
+        v.qb,
+        RecvWr {
+            wr_id: 1,
+            sge: Sge {
+                lkey: rb.lkey,
+                addr: 0,
+                len: 100,
+            },
+        },
+    )
+    .unwrap();
+    p.b.post_recv(
+        v.qb,
+        RecvWr {
+            wr_id: 2,
+            sge: Sge {
+                lkey: rb.lkey,
+                addr: 0,
+                len: 100,
+            },
+        },
+    )
+    .unwrap();
+    let now = p.now;
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            1,
+            SendOp::Send,
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 1000,
+            },
+        ),
+    )
+    .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_millis(50));
+    assert_eq!(wa[0].status, WcStatus::RemoteInvalidRequest);
+    let wb = drain_cq(&mut p.b, v.cqb);
+    assert_eq!(
+        wb.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        vec![(1, WcStatus::LocalLengthError), (2, WcStatus::WrFlushError)]
+    );
+    assert!(p.b.mr(rb.lkey).unwrap().iter().all(|&x| x == 0));
+}
+
+#[test]
+fn rnr_then_success_once_a_receive_is_posted() {
+    let (mut p, v) = pair(11, LinkConfig::perfect());
+    let msg = pattern(11, 10_000);
+    let src = reg(&mut p.a, v.pda, msg.clone(), 0, AccessFlags::NONE);
+    let rb = reg(
+        &mut p.b,
+        v.pdb,
+        vec![0; 10_000],
+        0,
+        AccessFlags::LOCAL_WRITE,
+    );
+    let now = p.now;
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            1,
+            SendOp::Send,
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 10_000,
+            },
+        ),
+    )
+    .unwrap();
+    p.run_for(Duration::from_micros(500));
+    assert!(
+        drain_cq(&mut p.a, v.cqa).is_empty(),
+        "no receive posted: no completion"
+    );
+    let s = p.a.connection_stats(p.conn_a.unwrap()).unwrap();
+    assert!(s.naks_received > 0);
+    p.b.post_recv(
+        v.qb,
+        RecvWr {
+            wr_id: 9,
+            sge: Sge {
+                lkey: rb.lkey,
+                addr: 0,
+                len: 10_000,
+            },
+        },
+    )
+    .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_millis(50));
+    assert_eq!(wa[0].status, WcStatus::Success);
+    let wb = drain_cq(&mut p.b, v.cqb);
+    assert_eq!((wb[0].wr_id, wb[0].byte_len), (9, 10_000));
+    assert_eq!(p.b.mr(rb.lkey).unwrap(), &msg[..]);
+}
+
+#[test]
+fn rnr_retry_exceeded() {
+    let (mut p, v) = pair(12, LinkConfig::perfect());
+    p.a.modify_qp(
+        v.qa,
+        QpState::Rts,
+        QpAttrs {
+            rnr_retry: Some(2),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let now = p.now;
+    p.a.post_send(now, v.qa, SendWr::new(1, SendOp::Send, Sge::default()))
+        .unwrap();
+    p.a.post_send(now, v.qa, SendWr::new(2, SendOp::Send, Sge::default()))
+        .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 2, Duration::from_millis(50));
+    assert_eq!(
+        wa.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        vec![(1, WcStatus::RnrRetryExceeded), (2, WcStatus::WrFlushError)]
+    );
+}
+
+#[test]
+fn local_protection_error() {
+    let (mut p, v) = pair(13, LinkConfig::perfect());
+    let src = reg(&mut p.a, v.pda, vec![0; 10], 0, AccessFlags::NONE);
+    let now = p.now;
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            1,
+            SendOp::Send,
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 11,
+            },
+        ),
+    )
+    .unwrap();
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            2,
+            SendOp::Send,
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 1,
+            },
+        ),
+    )
+    .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 2, Duration::from_millis(50));
+    assert_eq!(
+        wa.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        vec![
+            (1, WcStatus::LocalProtectionError),
+            (2, WcStatus::WrFlushError)
+        ]
+    );
+    // READ into a region without LOCAL_WRITE is a protection error too.
+    let qa2 = p.a.create_qp(QpInit::new(v.pda, v.cqa, v.cqa)).unwrap();
+    let qb2 = p.b.create_qp(QpInit::new(v.pdb, v.cqb, v.cqb)).unwrap();
+    p.a.connect_qp(qa2, p.conn_a.unwrap(), qb2).unwrap();
+    p.b.connect_qp(qb2, p.conn_b.unwrap(), qa2).unwrap();
+    p.a.post_send(
+        p.now,
+        qa2,
+        SendWr::new(
+            3,
+            SendOp::Read(RemoteAddr::default()),
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 5,
+            },
+        ),
+    )
+    .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_millis(50));
+    assert_eq!(wa[0].status, WcStatus::LocalProtectionError);
+}
+
+#[test]
+fn retry_exceeded_when_the_peer_vanishes() {
+    let (mut p, v) = pair(14, LinkConfig::perfect());
+    let src = reg(&mut p.a, v.pda, vec![0; 1000], 0, AccessFlags::NONE);
+    p.cut = (true, true);
+    let now = p.now;
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            1,
+            SendOp::Send,
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 1000,
+            },
+        ),
+    )
+    .unwrap();
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            2,
+            SendOp::Send,
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 1000,
+            },
+        ),
+    )
+    .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 2, Duration::from_secs(10));
+    assert_eq!(
+        wa.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        vec![(1, WcStatus::RetryExceeded), (2, WcStatus::WrFlushError)]
+    );
+    let c = p.conn_a.unwrap();
+    assert!(p.events_a.contains(&Event::ConnectionLost {
+        conn: c,
+        error: ConnectionError::RetryExceeded
+    }));
+    assert!(p.a.connection_stats(c).unwrap().rto_fires >= 7);
+}
+
+#[test]
+fn verbs_refuse_misuse_with_typed_errors() {
+    let mut p = Pair::new(
+        EndpointConfig::default(),
+        EndpointConfig::default(),
+        15,
+        LinkConfig::perfect(),
+    );
+    let pd = p.a.alloc_pd();
+    let cq = p.a.create_cq(4);
+    let q = p.a.create_qp(QpInit::new(pd, cq, cq)).unwrap();
+    assert_eq!(p.a.qp_state(q), Some(QpState::Reset));
+    assert_eq!(
+        p.a.modify_qp(q, QpState::Rts, QpAttrs::default()),
+        Err(VerbsError::IllegalTransition {
+            from: QpState::Reset,
+            to: QpState::Rts
+        })
+    );
+    assert_eq!(
+        p.a.post_send(p.now, q, SendWr::new(1, SendOp::Send, Sge::default())),
+        Err(VerbsError::InvalidState(QpState::Reset))
+    );
+    assert_eq!(
+        p.a.post_recv(
+            q,
+            RecvWr {
+                wr_id: 1,
+                sge: Sge::default()
+            }
+        ),
+        Err(VerbsError::InvalidState(QpState::Reset))
+    );
+    p.a.modify_qp(q, QpState::Init, QpAttrs::default()).unwrap();
+    assert_eq!(
+        p.a.modify_qp(q, QpState::Rtr, QpAttrs::default()),
+        Err(VerbsError::MissingAttribute("conn"))
+    );
+    assert!(p
+        .a
+        .post_recv(
+            q,
+            RecvWr {
+                wr_id: 1,
+                sge: Sge {
+                    lkey: 1234,
+                    addr: 0,
+                    len: 1
+                }
+            }
+        )
+        .is_err());
+    let mr =
+        p.a.reg_mr(
+            pd,
+            vec![0; 10].into_boxed_slice(),
+            0,
+            AccessFlags::LOCAL_WRITE,
+        )
+        .unwrap();
+    p.a.post_recv(
+        q,
+        RecvWr {
+            wr_id: 1,
+            sge: Sge {
+                lkey: mr.lkey,
+                addr: 0,
+                len: 10,
+            },
+        },
+    )
+    .unwrap();
+    assert_eq!(p.a.dereg_mr(mr.lkey), Err(VerbsError::MrInUse(1)));
+    assert_eq!(p.a.dealloc_pd(pd), Err(VerbsError::PdInUse));
+    // Moving to ERROR flushes the receive and releases the region.
+    p.a.modify_qp(q, QpState::Error, QpAttrs::default())
+        .unwrap();
+    let w = drain_cq(&mut p.a, cq);
+    assert_eq!((w[0].wr_id, w[0].status), (1, WcStatus::WrFlushError));
+    assert!(p.a.dereg_mr(mr.lkey).is_ok());
+    p.a.modify_qp(q, QpState::Reset, QpAttrs::default())
+        .unwrap();
+    p.a.destroy_qp(q).unwrap();
+    assert_eq!(p.a.qp_state(q), None);
+    assert!(p.a.dealloc_pd(pd).is_ok());
+}
+
+#[test]
+fn sqd_finishes_requests_in_progress_and_holds_new_ones() {
+    let (mut p, v) = pair(16, LinkConfig::perfect());
+    let src = reg(&mut p.a, v.pda, vec![1; 1000], 0, AccessFlags::NONE);
+    let win = reg(&mut p.b, v.pdb, vec![0; 1000], 0, AccessFlags::REMOTE_WRITE);
+    let r = RemoteAddr {
+        rkey: win.rkey,
+        addr: 0,
+    };
+    p.a.modify_qp(v.qa, QpState::Sqd, QpAttrs::default())
+        .unwrap();
+    p.a.post_send(
+        p.now,
+        v.qa,
+        SendWr::new(
+            1,
+            SendOp::Write(r),
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 1000,
+            },
+        ),
+    )
+    .unwrap();
+    p.run_for(Duration::from_millis(5));
+    assert!(
+        drain_cq(&mut p.a, v.cqa).is_empty(),
+        "SQD does not start new requests"
+    );
+    p.a.modify_qp(v.qa, QpState::Rts, QpAttrs::default())
+        .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_millis(50));
+    assert_eq!(wa[0].status, WcStatus::Success);
+}
+
+#[test]
+fn close_flushes_both_sides() {
+    let (mut p, v) = pair(17, LinkConfig::perfect());
+    let rb = reg(&mut p.b, v.pdb, vec![0; 10], 0, AccessFlags::LOCAL_WRITE);
+    p.b.post_recv(
+        v.qb,
+        RecvWr {
+            wr_id: 5,
+            sge: Sge {
+                lkey: rb.lkey,
+                addr: 0,
+                len: 10,
+            },
+        },
+    )
+    .unwrap();
+    let c = p.conn_a.unwrap();
+    p.a.close(p.now, c).unwrap();
+    let wb = wait_cq(&mut p, false, v.cqb, 1, Duration::from_millis(50));
+    assert_eq!((wb[0].wr_id, wb[0].status), (5, WcStatus::WrFlushError));
+    assert!(p.events_b.iter().any(|e| matches!(
+        e,
+        Event::ConnectionLost {
+            error: ConnectionError::ClosedByPeer(_),
+            ..
+        }
+    )));
+    assert_eq!(p.a.qp_state(v.qa), Some(QpState::Error));
+    p.run_for(Duration::from_millis(1));
+    p.a.release_connection(c).unwrap();
+}
+
+#[test]
+fn many_qps_share_one_connection() {
+    let mut p = Pair::new(
+        EndpointConfig::default(),
+        EndpointConfig::default(),
+        18,
+        LinkConfig::lossy(0.02),
+    );
+    p.connect();
+    let pda = p.a.alloc_pd();
+    let pdb = p.b.alloc_pd();
+    let cqa = p.a.create_cq(1024);
+    let cqb = p.b.create_cq(1024);
+    let data = pattern(18, 64 * 1024);
+    let src = reg(&mut p.a, pda, data.clone(), 0, AccessFlags::NONE);
+    let win = reg(
+        &mut p.b,
+        pdb,
+        vec![0; 16 * 64 * 1024],
+        0,
+        AccessFlags::REMOTE_WRITE,
+    );
+    let mut qps = Vec::new();
+    for _ in 0..16 {
+        let qa = p.a.create_qp(QpInit::new(pda, cqa, cqa)).unwrap();
+        let qb = p.b.create_qp(QpInit::new(pdb, cqb, cqb)).unwrap();
+        p.a.connect_qp(qa, p.conn_a.unwrap(), qb).unwrap();
+        p.b.connect_qp(qb, p.conn_b.unwrap(), qa).unwrap();
+        qps.push(qa);
+    }
+    for (i, &q) in qps.iter().enumerate() {
+        let r = RemoteAddr {
+            rkey: win.rkey,
+            addr: (i * 64 * 1024) as u64,
+        };
+        p.a.post_send(
+            p.now,
+            q,
+            SendWr::new(
+                i as u64,
+                SendOp::Write(r),
+                Sge {
+                    lkey: src.lkey,
+                    addr: 0,
+                    len: 64 * 1024,
+                },
+            ),
+        )
+        .unwrap();
+    }
+    let wa = wait_cq(&mut p, true, cqa, 16, Duration::from_secs(2));
+    assert_eq!(wa.len(), 16);
+    assert!(wa.iter().all(|w| w.status == WcStatus::Success));
+    let b = p.b.mr(win.lkey).unwrap();
+    for i in 0..16 {
+        assert_eq!(&b[i * 65536..(i + 1) * 65536], &data[..], "QP {i}");
+    }
+}
+
+#[test]
+fn deterministic_for_a_seed() {
+    let run = || {
+        let (mut p, v) = pair(19, LinkConfig::lossy(0.1));
+        let src = reg(&mut p.a, v.pda, pattern(1, 300_000), 0, AccessFlags::NONE);
+        let win = reg(
+            &mut p.b,
+            v.pdb,
+            vec![0; 300_000],
+            0,
+            AccessFlags::REMOTE_WRITE,
+        );
+        let r = RemoteAddr {
+            rkey: win.rkey,
+            addr: 0,
+        };
+        p.a.post_send(
+            p.now,
+            v.qa,
+            SendWr::new(
+                1,
+                SendOp::Write(r),
+                Sge {
+                    lkey: src.lkey,
+                    addr: 0,
+                    len: 300_000,
+                },
+            ),
+        )
+        .unwrap();
+        wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(2));
+        (
+            p.now,
+            p.a.stats(),
+            p.b.stats(),
+            p.a.connection_stats(p.conn_a.unwrap()),
+        )
+    };
+    assert_eq!(run(), run());
+}
+
+#[test]
+fn gigabyte_write() {
+    // One message of 1 GiB, segmented to the MTU and placed intact.
+    let (mut p, v) = pair(20, LinkConfig::lossy(0.001));
+    let len: usize = 1 << 30;
+    let mut data = vec![0u8; len];
+    for (i, chunk) in data.chunks_mut(4096).enumerate() {
+        chunk.fill(i as u8 ^ (i >> 8) as u8);
+    }
+    let src = reg(&mut p.a, v.pda, data, 0, AccessFlags::NONE);
+    let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+    let r = RemoteAddr {
+        rkey: win.rkey,
+        addr: 0,
+    };
+    p.a.post_send(
+        p.now,
+        v.qa,
+        SendWr::new(
+            1,
+            SendOp::Write(r),
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: len as u32,
+            },
+        ),
+    )
+    .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(60));
+    assert_eq!(wa[0].status, WcStatus::Success);
+    assert_eq!(wa[0].byte_len, len as u32);
+    assert!(p.a.mr(src.lkey).unwrap() == p.b.mr(win.lkey).unwrap());
+    let _ = Instant::ZERO;
+}
