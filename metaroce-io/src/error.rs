@@ -1,0 +1,23 @@
+//! Driver errors.
+
+use std::net::SocketAddr;
+
+/// Why a driver could not be set up or run.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    /// A socket could not be bound (address in use, not local, no permission).
+    #[error("cannot bind UDP socket to {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A socket operation failed.
+    #[error("socket error: {0}")]
+    Io(#[from] std::io::Error),
+    /// The endpoint configuration was refused.
+    #[error(transparent)]
+    Endpoint(#[from] metaroce_proto::EndpointError),
+}

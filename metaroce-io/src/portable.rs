@@ -1,0 +1,284 @@
+//! The portable driver: `std` sockets, `quinn-udp` for ECN and GRO, a
+//! `ppoll` wait bounded by the core's next timer.
+
+use crate::{Clock, DriverError};
+use metaroce_proto::{Ecn, Endpoint, EndpointConfig, Instant};
+use quinn_udp::{EcnCodepoint, RecvMeta, Transmit as QTransmit, UdpSockRef, UdpSocketState};
+use socket2::{Domain, Protocol, Socket, Type};
+use std::collections::HashMap;
+use std::io::IoSliceMut;
+use std::net::{SocketAddr, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::time::Duration;
+
+/// How to set a driver up.
+#[derive(Debug, Clone)]
+pub struct DriverConfig {
+    /// Address to receive on (port 0: any free port).
+    pub listen: SocketAddr,
+    /// The endpoint's configuration; `listen_port` and `source_ports` are
+    /// replaced by the ports actually bound.
+    pub endpoint: EndpointConfig,
+    /// Send sockets, one per source port (path entropy). Default: one per path.
+    pub send_sockets: usize,
+    /// Seed of the endpoint.
+    pub seed: u64,
+    /// Kernel socket buffer size to ask for, bytes.
+    pub socket_buffer: usize,
+}
+
+impl DriverConfig {
+    /// Defaults around a listen address.
+    pub fn new(listen: SocketAddr) -> Self {
+        let endpoint = EndpointConfig::default();
+        DriverConfig {
+            listen,
+            send_sockets: usize::from(endpoint.paths),
+            endpoint,
+            seed: 0,
+            socket_buffer: 8 << 20,
+        }
+    }
+}
+
+/// Counters of the driver itself (the core keeps its own).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DriverStats {
+    /// Datagrams handed to the kernel.
+    pub datagrams_sent: u64,
+    /// Datagrams read from the kernel (GRO segments counted one by one).
+    pub datagrams_received: u64,
+    /// Receive calls that returned several datagrams at once (GRO).
+    pub gro_batches: u64,
+    /// Sends the kernel refused (logged; the protocol recovers the loss).
+    pub send_errors: u64,
+    /// Turns of the loop that waited for the network or a timer.
+    pub waits: u64,
+}
+
+struct SendSocket {
+    sock: UdpSocket,
+    state: UdpSocketState,
+}
+
+/// Runs one [`Endpoint`] on UDP sockets. Single-threaded: call
+/// [`poll`](Self::poll) in a loop and use [`endpoint`](Self::endpoint) in
+/// between to post work and read completions.
+pub struct PortableDriver {
+    ep: Endpoint,
+    clock: Clock,
+    recv_sock: UdpSocket,
+    recv_state: UdpSocketState,
+    send: Vec<SendSocket>,
+    by_port: HashMap<u16, usize>,
+    local: SocketAddr,
+    rx_buf: Vec<u8>,
+    tx_buf: Vec<u8>,
+    stats: DriverStats,
+}
+
+impl std::fmt::Debug for PortableDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PortableDriver")
+            .field("local", &self.local)
+            .field("send_sockets", &self.send.len())
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<UdpSocket, DriverError> {
+    let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+    // Larger kernel buffers absorb bursts; the kernel may clamp them.
+    let _ = s.set_recv_buffer_size(buffer);
+    let _ = s.set_send_buffer_size(buffer);
+    s.bind(&addr.into())
+        .map_err(|source| DriverError::Bind { addr, source })?;
+    Ok(s.into())
+}
+
+fn to_quinn_ecn(e: Ecn) -> Option<EcnCodepoint> {
+    match e {
+        Ecn::NotEct => None,
+        Ecn::Ect0 => Some(EcnCodepoint::Ect0),
+        Ecn::Ect1 => Some(EcnCodepoint::Ect1),
+        Ecn::Ce => Some(EcnCodepoint::Ce),
+    }
+}
+
+impl PortableDriver {
+    /// Binds the receive socket and the send sockets, and creates the endpoint.
+    pub fn bind(cfg: DriverConfig) -> Result<Self, DriverError> {
+        let recv_sock = udp_socket(cfg.listen, cfg.socket_buffer)?;
+        recv_sock.set_nonblocking(true)?;
+        let recv_state = UdpSocketState::new(UdpSockRef::from(&recv_sock))?;
+        let local = recv_sock.local_addr()?;
+        let mut send = Vec::new();
+        let mut by_port = HashMap::new();
+        let mut ports = Vec::new();
+        for _ in 0..cfg.send_sockets.max(1) {
+            let sock = udp_socket(SocketAddr::new(local.ip(), 0), cfg.socket_buffer)?;
+            let state = UdpSocketState::new(UdpSockRef::from(&sock))?;
+            let port = sock.local_addr()?.port();
+            by_port.insert(port, send.len());
+            ports.push(port);
+            send.push(SendSocket { sock, state });
+        }
+        let mut ecfg = cfg.endpoint;
+        ecfg.listen_port = local.port();
+        ecfg.source_ports = ports;
+        let ep = Endpoint::new(ecfg, cfg.seed)?;
+        let gro = recv_state.gro_segments().max(1);
+        tracing::info!(%local, send_sockets = send.len(), gro_segments = gro, "portable UDP driver bound");
+        Ok(PortableDriver {
+            ep,
+            clock: Clock::new(),
+            recv_sock,
+            recv_state,
+            send,
+            by_port,
+            local,
+            rx_buf: vec![0u8; 65_536 * gro.min(64)],
+            tx_buf: vec![0u8; 65_536],
+            stats: DriverStats::default(),
+        })
+    }
+
+    /// The endpoint, to post work, connect, and poll completions and events.
+    pub fn endpoint(&mut self) -> &mut Endpoint {
+        &mut self.ep
+    }
+
+    /// The address peers reach this endpoint at.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// The current time on the driver's clock.
+    pub fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    /// The driver's own counters.
+    pub fn stats(&self) -> DriverStats {
+        self.stats
+    }
+
+    /// Runs one turn of the loop: sends what the core has, reads what the
+    /// kernel has, runs due timers; if nothing happened, waits for a datagram
+    /// for at most `max_wait` or until the core's next timer.
+    pub fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError> {
+        let sent = self.flush()?;
+        let got = self.receive()?;
+        if !sent && !got {
+            let mut wait = max_wait;
+            if let Some(t) = self.ep.poll_timeout() {
+                wait = wait.min(self.clock.until(t));
+            }
+            if !wait.is_zero() {
+                self.stats.waits += 1;
+                self.wait_readable(wait)?;
+                self.receive()?;
+            }
+        }
+        let now = self.clock.now();
+        if self.ep.poll_timeout().is_some_and(|t| t <= now) {
+            self.ep.handle_timeout(now);
+        }
+        self.flush()?;
+        Ok(())
+    }
+
+    /// Sends every datagram the core has. Returns whether any went out.
+    fn flush(&mut self) -> Result<bool, DriverError> {
+        let mut any = false;
+        loop {
+            let now = self.clock.now();
+            let Some(t) = self.ep.poll_transmit(now, &mut self.tx_buf) else {
+                break;
+            };
+            any = true;
+            let q = QTransmit {
+                destination: t.dst,
+                ecn: to_quinn_ecn(t.ecn),
+                contents: &self.tx_buf[..t.size],
+                segment_size: t.segment_size,
+                src_ip: None,
+            };
+            let res = match self.by_port.get(&t.src_port) {
+                Some(&i) => self.send[i]
+                    .state
+                    .try_send(UdpSockRef::from(&self.send[i].sock), &q),
+                None => self
+                    .recv_state
+                    .try_send(UdpSockRef::from(&self.recv_sock), &q),
+            };
+            match res {
+                Ok(()) => self.stats.datagrams_sent += 1,
+                Err(e) => {
+                    // A lost datagram: the protocol recovers it like any loss.
+                    self.stats.send_errors += 1;
+                    tracing::debug!(error = %e, dst = %t.dst, "send failed");
+                }
+            }
+        }
+        Ok(any)
+    }
+
+    /// Reads every datagram waiting (bounded per turn). Returns whether any arrived.
+    fn receive(&mut self) -> Result<bool, DriverError> {
+        let mut any = false;
+        for _ in 0..64 {
+            let mut meta = [RecvMeta::default()];
+            let n = {
+                let mut bufs = [IoSliceMut::new(&mut self.rx_buf)];
+                match self
+                    .recv_state
+                    .recv(UdpSockRef::from(&self.recv_sock), &mut bufs, &mut meta)
+                {
+                    Ok(n) => n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            };
+            let now = self.clock.now();
+            for m in &meta[..n] {
+                any = true;
+                let ecn = m.ecn.map_or(Ecn::NotEct, |e| Ecn::from_bits(e as u8));
+                let stride = if m.stride == 0 { m.len } else { m.stride };
+                if m.len > stride {
+                    self.stats.gro_batches += 1;
+                }
+                for dg in self.rx_buf[..m.len].chunks(stride.max(1)) {
+                    self.stats.datagrams_received += 1;
+                    self.ep.handle_datagram(now, m.addr, ecn, dg);
+                }
+            }
+        }
+        Ok(any)
+    }
+
+    /// Blocks until the receive socket is readable or `timeout` passes.
+    fn wait_readable(&self, timeout: Duration) -> Result<(), DriverError> {
+        let mut pfd = libc::pollfd {
+            fd: self.recv_sock.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ts = libc::timespec {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+        };
+        // SAFETY: `pfd` is one valid pollfd that lives across the call, `ts`
+        // is a valid timespec, and a null signal mask leaves the mask alone.
+        let r = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e.into());
+            }
+        }
+        Ok(())
+    }
+}
