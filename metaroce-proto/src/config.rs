@@ -52,6 +52,9 @@ pub struct EndpointConfig {
     pub min_window: u64,
     /// Largest congestion window, bytes.
     pub max_window: u64,
+    /// Queueing delay (RTT above the smallest RTT seen) the sender tolerates
+    /// before it slows down.
+    pub delay_target: Duration,
     /// Inbound capacity the receiver shares among its senders (kbit/s); `None`: grant no limit.
     pub receiver_capacity_kbps: Option<u64>,
 }
@@ -76,6 +79,7 @@ impl Default for EndpointConfig {
             initial_window: DEFAULT_INITIAL_WINDOW,
             min_window: DEFAULT_MIN_WINDOW,
             max_window: DEFAULT_MAX_WINDOW,
+            delay_target: DEFAULT_DELAY_TARGET,
             receiver_capacity_kbps: None,
         }
     }

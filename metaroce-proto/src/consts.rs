@@ -123,5 +123,8 @@ pub const DEFAULT_MAX_WINDOW: u64 = 64 * 1024 * 1024;
 /// Default smallest congestion window of a connection, in bytes (`DEFAULT_MIN_WINDOW`).
 pub const DEFAULT_MIN_WINDOW: u64 = 8 * 1024;
 
+/// Default queueing delay a sender tolerates before it slows down (`DEFAULT_DELAY_TARGET`).
+pub const DEFAULT_DELAY_TARGET: Duration = Duration::from_micros(100);
+
 /// Default largest number of outstanding RDMA READs per QP (`DEFAULT_MAX_RD_ATOMIC`).
 pub const DEFAULT_MAX_RD_ATOMIC: u8 = 16;

@@ -4,21 +4,32 @@ use core::time::Duration;
 
 /// A connection's congestion window, in bytes.
 ///
-/// Additive increase of one MTU per window of acknowledged bytes; once per
-/// RTT, if any acknowledged packet carried a CE mark, the window shrinks in
-/// proportion to the smoothed marked fraction `alpha` (DCTCP):
-/// `cwnd *= 1 - alpha/2`.
+/// Additive increase of one MTU per window of acknowledged bytes. Once per
+/// RTT the window is checked against two congestion signals:
+///
+/// - ECN: if any acknowledged packet carried a CE mark, the window shrinks in
+///   proportion to the smoothed marked fraction `alpha` (DCTCP):
+///   `cwnd *= 1 - alpha/2`.
+/// - Delay: if the RTT stayed above the smallest RTT seen plus a target
+///   queueing delay, the window shrinks in proportion to the excess (as in
+///   Swift), at most by half: queues the network does not mark (a host's
+///   socket buffer, a switch without ECN) still slow the sender.
+///
+/// Random loss is not a congestion signal: it is recovered selectively.
 ///
 /// ```
 /// use core::time::Duration;
 /// use metaroce_proto::cc::SenderCc;
-/// let mut cc = SenderCc::new(64 * 1024, 8 * 1024, 1 << 20, 4096);
+/// let mut cc = SenderCc::new(64 * 1024, 8 * 1024, 1 << 20, 4096, Duration::from_micros(50));
 /// let rtt = Duration::from_micros(10);
-/// cc.on_ack(64 * 1024, 16, 0, rtt, Duration::ZERO);
+/// cc.on_ack(64 * 1024, 16, 0, rtt, rtt, Duration::ZERO);
 /// assert!(cc.window() > 64 * 1024);
 /// let before = cc.window();
-/// cc.on_ack(4096, 16, 16, rtt, Duration::from_micros(20));
-/// assert!(cc.window() < before);
+/// cc.on_ack(4096, 16, 16, rtt, rtt, Duration::from_micros(20));
+/// assert!(cc.window() < before, "ECN marks shrink the window");
+/// let before = cc.window();
+/// cc.on_ack(4096, 16, 0, Duration::from_micros(200), rtt, Duration::from_micros(300));
+/// assert!(cc.window() < before, "queueing delay shrinks the window");
 /// ```
 #[derive(Debug, Clone)]
 pub struct SenderCc {
@@ -27,11 +38,12 @@ pub struct SenderCc {
     max: u64,
     mtu: u64,
     alpha: f64,
+    delay_target: Duration,
     /// Marked and total packets in the current observation window.
     win_marked: u64,
     win_total: u64,
-    /// Bytes acknowledged since the window was last reduced or the epoch started.
-    win_acked: u64,
+    /// Smallest RTT sample in the observation window.
+    win_min_rtt: Option<Duration>,
     /// Elapsed time in this observation window.
     win_elapsed: Duration,
 }
@@ -40,17 +52,19 @@ pub struct SenderCc {
 const ALPHA_GAIN: f64 = 1.0 / 16.0;
 
 impl SenderCc {
-    /// A window starting at `initial` bytes, kept in `min..=max`.
-    pub fn new(initial: u64, min: u64, max: u64, mtu: u64) -> Self {
+    /// A window starting at `initial` bytes, kept in `min..=max`; queueing
+    /// delay above `delay_target` counts as congestion.
+    pub fn new(initial: u64, min: u64, max: u64, mtu: u64, delay_target: Duration) -> Self {
         SenderCc {
             cwnd: initial.clamp(min, max),
             min,
             max,
             mtu: mtu.max(1),
             alpha: 1.0,
+            delay_target,
             win_marked: 0,
             win_total: 0,
-            win_acked: 0,
+            win_min_rtt: None,
             win_elapsed: Duration::ZERO,
         }
     }
@@ -65,29 +79,53 @@ impl SenderCc {
         self.alpha
     }
 
-    /// Feeds an acknowledgement: `bytes` newly acknowledged, and the ECN echo
-    /// delta (`pkts` packets received by the peer, `marked` of them CE).
-    /// `elapsed` is the time since the previous call.
-    pub fn on_ack(&mut self, bytes: u64, pkts: u64, marked: u64, rtt: Duration, elapsed: Duration) {
+    /// Feeds an acknowledgement: `bytes` newly acknowledged, the ECN echo
+    /// delta (`pkts` packets received by the peer, `marked` of them CE), the
+    /// latest RTT sample and the smallest RTT ever seen, and the time since
+    /// the previous call.
+    pub fn on_ack(
+        &mut self,
+        bytes: u64,
+        pkts: u64,
+        marked: u64,
+        rtt: Duration,
+        base_rtt: Duration,
+        elapsed: Duration,
+    ) {
         self.win_marked += marked.min(pkts);
         self.win_total += pkts;
-        self.win_acked += bytes;
         self.win_elapsed += elapsed;
-        if marked == 0 && self.win_marked == 0 {
+        self.win_min_rtt = Some(self.win_min_rtt.map_or(rtt, |m| m.min(rtt)));
+        let queueing = rtt.saturating_sub(base_rtt);
+        if marked == 0 && self.win_marked == 0 && queueing <= self.delay_target {
             // Additive increase: one MTU per window's worth of acknowledged bytes.
             self.cwnd = (self.cwnd + bytes * self.mtu / self.cwnd.max(1)).min(self.max);
         }
-        // Once per RTT, fold the observation window into alpha and react.
-        if self.win_elapsed >= rtt && self.win_total > 0 {
-            let frac = self.win_marked as f64 / self.win_total as f64;
-            self.alpha = (1.0 - ALPHA_GAIN) * self.alpha + ALPHA_GAIN * frac;
+        // Once per RTT, fold the observation window and react.
+        let period = rtt.max(base_rtt);
+        if self.win_elapsed >= period && (self.win_total > 0 || self.win_min_rtt.is_some()) {
+            if self.win_total > 0 {
+                let frac = self.win_marked as f64 / self.win_total as f64;
+                self.alpha = (1.0 - ALPHA_GAIN) * self.alpha + ALPHA_GAIN * frac;
+            }
+            let mut factor: f64 = 1.0;
             if self.win_marked > 0 {
-                let reduced = (self.cwnd as f64 * (1.0 - self.alpha / 2.0)) as u64;
-                self.cwnd = reduced.clamp(self.min, self.max);
+                factor = factor.min(1.0 - self.alpha / 2.0);
+            }
+            // Delay: even the best RTT of the window was above target.
+            if let Some(best) = self.win_min_rtt {
+                let excess = best.saturating_sub(base_rtt);
+                if excess > self.delay_target && !best.is_zero() {
+                    let over = (excess - self.delay_target).as_secs_f64() / best.as_secs_f64();
+                    factor = factor.min(1.0 - (0.8 * over).min(0.5));
+                }
+            }
+            if factor < 1.0 {
+                self.cwnd = ((self.cwnd as f64 * factor) as u64).clamp(self.min, self.max);
             }
             self.win_marked = 0;
             self.win_total = 0;
-            self.win_acked = 0;
+            self.win_min_rtt = None;
             self.win_elapsed = Duration::ZERO;
         }
     }

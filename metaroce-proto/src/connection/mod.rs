@@ -261,6 +261,7 @@ impl Connection {
                 config.min_window,
                 config.max_window,
                 u64::from(config.mtu),
+                config.delay_target,
             ),
             rtt,
             rto_backoff: 0,

@@ -232,7 +232,7 @@ impl PathTx {
 
     pub(crate) fn snapshot(&self) -> PathStats {
         PathStats {
-            srtt_ns: self.rtt.srtt().map_or(0, |d| crate::time::nanos(d)),
+            srtt_ns: self.rtt.srtt().map_or(0, crate::time::nanos),
             in_flight: self.in_flight,
             src_port: self.src_port,
             ..self.stats

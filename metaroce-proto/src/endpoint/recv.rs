@@ -659,6 +659,7 @@ impl Endpoint {
             return self.reject(RejectReason::WrongState, from);
         }
         c.stats.acks_received += 1;
+        let elapsed = now.saturating_since(c.last_ack_at);
         c.rate_hint_kbps = h.rate_hint_kbps;
         // RTT from the timestamp echo: unambiguous, every transmission has its own.
         let rtt_ns = now
@@ -726,15 +727,9 @@ impl Endpoint {
                 c.stats.fast_retransmits += 1;
             }
         }
-        let srtt = c.rtt.srtt().unwrap_or(rtt);
-        let elapsed = now.saturating_since(c.last_progress.min(now));
-        c.cc.on_ack(
-            acked_bytes,
-            echo_pkts,
-            echo_marked,
-            srtt,
-            elapsed.max(core::time::Duration::from_nanos(1)),
-        );
+        let latest = if plausible { rtt } else { c.rtt.latest() };
+        let base = c.rtt.min_rtt().unwrap_or(latest);
+        c.cc.on_ack(acked_bytes, echo_pkts, echo_marked, latest, base, elapsed);
         if bogus {
             self.stats.rejects.bump(RejectReason::BogusAck);
         }

@@ -161,9 +161,8 @@ impl Pair {
                 };
                 let dir = usize::from(!to_b);
                 let mut depart = self.now.as_nanos();
-                if self.link.bytes_per_us > 0 {
-                    depart = depart.max(self.wire_free[dir])
-                        + t.size as u64 * 1000 / self.link.bytes_per_us;
+                if let Some(ns) = (t.size as u64 * 1000).checked_div(self.link.bytes_per_us) {
+                    depart = depart.max(self.wire_free[dir]) + ns;
                     self.wire_free[dir] = depart;
                 }
                 for _ in 0..copies {
