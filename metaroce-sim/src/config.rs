@@ -4,6 +4,7 @@ use std::str::FromStr;
 
 use crate::baselines::BaselineParams;
 use crate::faults::{FaultSpec, LossLinks};
+use crate::metaroce::MetaroceParams;
 use crate::time::{Nanos, NS_PER_MS};
 use crate::traffic::Pattern;
 
@@ -11,7 +12,7 @@ use crate::traffic::Pattern;
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ConfigError {
     /// The transport name is unknown.
-    #[error("unknown transport {0:?} (expected rocev2-gbn, irn or blast)")]
+    #[error("unknown transport {0:?} (expected metaroce, rocev2-gbn, irn or blast)")]
     BadTransport(String),
     /// The transport is known but not built into this simulator yet.
     #[error("transport {0:?} is not available in this build of the simulator")]
@@ -42,6 +43,8 @@ pub enum TransportKind {
     Irn,
     /// A dumb unreliable sender at line rate (fabric diagnostics).
     Blast,
+    /// metaroce: the real protocol core (`metaroce-proto`), one endpoint per host.
+    Metaroce,
 }
 
 impl TransportKind {
@@ -51,6 +54,7 @@ impl TransportKind {
             TransportKind::RoceV2Gbn => "rocev2-gbn",
             TransportKind::Irn => "irn",
             TransportKind::Blast => "blast",
+            TransportKind::Metaroce => "metaroce",
         }
     }
 }
@@ -68,7 +72,7 @@ impl FromStr for TransportKind {
             "rocev2-gbn" | "rocev2" | "gbn" => Ok(TransportKind::RoceV2Gbn),
             "irn" => Ok(TransportKind::Irn),
             "blast" => Ok(TransportKind::Blast),
-            "metaroce" => Err(ConfigError::TransportUnavailable(s.to_owned())),
+            "metaroce" => Ok(TransportKind::Metaroce),
             _ => Err(ConfigError::BadTransport(s.to_owned())),
         }
     }
@@ -121,6 +125,8 @@ pub struct SimConfig {
     pub seed: u64,
     /// Tuning of the baseline transports.
     pub baseline: BaselineParams,
+    /// Tuning of the metaroce transport.
+    pub metaroce: MetaroceParams,
 }
 
 impl Default for SimConfig {
@@ -146,6 +152,7 @@ impl Default for SimConfig {
             routing_convergence_ns: 0,
             seed: 1,
             baseline: BaselineParams::default(),
+            metaroce: MetaroceParams::default(),
         }
     }
 }
@@ -226,6 +233,28 @@ impl SimConfig {
         for f in &self.faults {
             f.validate(self.hosts, self.leaves(), self.spines, self.planes)?;
         }
+        if self.transport == TransportKind::Metaroce {
+            let m = &self.metaroce;
+            if m.paths == 0 || usize::from(m.paths) > metaroce_proto::consts::MAX_PATHS {
+                return bad(format!(
+                    "metaroce paths {} not in 1..={}",
+                    m.paths,
+                    metaroce_proto::consts::MAX_PATHS
+                ));
+            }
+            if m.source_ports < 64 || m.source_ports > 16_384 {
+                return bad(format!("metaroce source ports {} not in 64..=16384", m.source_ports));
+            }
+            if m.chunk_bytes == 0 || m.outstanding == 0 {
+                return bad("metaroce chunk size and outstanding WRITEs must be positive".into());
+            }
+            let mtu = self.mtu as usize
+                + metaroce_proto::consts::DATA_HEADER_LEN
+                + metaroce_proto::wire::Opcode::Write.ext_len();
+            if mtu > usize::from(metaroce_proto::consts::MAX_MTU) {
+                return bad(format!("mtu {} too large for metaroce", self.mtu));
+            }
+        }
         Ok(())
     }
 }
@@ -240,13 +269,10 @@ mod tests {
             TransportKind::RoceV2Gbn,
             TransportKind::Irn,
             TransportKind::Blast,
+            TransportKind::Metaroce,
         ] {
             assert_eq!(k.name().parse::<TransportKind>().unwrap(), k);
         }
-        assert_eq!(
-            "metaroce".parse::<TransportKind>(),
-            Err(ConfigError::TransportUnavailable("metaroce".into()))
-        );
         assert!(matches!(
             "tcp".parse::<TransportKind>(),
             Err(ConfigError::BadTransport(_))

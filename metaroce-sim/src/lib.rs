@@ -6,7 +6,8 @@
 //! DCTCP-style ECN marking, 5-tuple ECMP with per-switch seeds, random loss,
 //! link/spine/plane failures and degraded links, and several traffic
 //! patterns. Host transports plug in through the sans-IO [`SimTransport`]
-//! trait; the crate ships the baselines metaroce is compared against
+//! trait; the crate runs the real metaroce core ([`metaroce`]) and ships
+//! the baselines it is compared against
 //! (RoCEv2 go-back-N and IRN, both with DCQCN) and a dumb blaster.
 //!
 //! Everything is deterministic: time is simulated nanoseconds, ties are
@@ -21,7 +22,7 @@
 //! - engine: [`time`], [`rng`], [`event`], `sim` (the loop and entry points)
 //! - fabric: [`packet`], [`addr`], [`topology`], [`queue`], [`ecmp`], `host`
 //! - scenario: [`config`], [`traffic`], [`faults`]
-//! - transports: [`transport`] (the trait), [`baselines`]
+//! - transports: [`transport`] (the trait), [`metaroce`] (the real core), [`baselines`]
 //! - results: `flows` (delivery accounting), [`report`]
 
 #![forbid(unsafe_code)]
@@ -35,6 +36,7 @@ pub mod event;
 pub mod faults;
 mod flows;
 mod host;
+pub mod metaroce;
 pub mod packet;
 pub mod queue;
 pub mod report;
@@ -48,6 +50,7 @@ pub mod transport;
 pub use addr::AddressMap;
 pub use baselines::BaselineParams;
 pub use config::{ConfigError, SimConfig, TransportKind};
+pub use metaroce::{Metaroce, MetaroceFactory, MetaroceParams};
 pub use faults::{FaultAction, FaultSpec, FaultTarget, LossLinks};
 pub use packet::{Ecn, FlowId, HostId, Packet};
 pub use report::{render_table, LinkStat, PacketCounters, SimReport};

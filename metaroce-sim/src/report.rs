@@ -129,6 +129,9 @@ pub struct SimReport {
     /// Wall-clock seconds the run took (the only non-deterministic field,
     /// with `events_per_s`).
     pub wall_s: f64,
+    /// The metaroce core's own counters (metaroce runs only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metaroce: Option<crate::metaroce::MetaroceSummary>,
     /// Per-link counters, in [`crate::topology::Fabric`] link order (not
     /// serialised: they are large; use [`SimReport::spine_load`] for a
     /// summary).

@@ -11,6 +11,7 @@ use crate::event::EventQueue;
 use crate::faults::FaultAction;
 use crate::flows::{DeliveryOutcome, FlowTable};
 use crate::host::Host;
+use crate::metaroce::MetaroceFactory;
 use crate::packet::{HostId, PacketSlab, IPPROTO_UDP};
 use crate::report::{percentile_us, LinkStat, PacketCounters, SimReport};
 use crate::rng::SimRng;
@@ -613,6 +614,7 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
                 0.0
             },
             wall_s,
+            metaroce: None,
             links: self
                 .fabric
                 .links
@@ -676,6 +678,12 @@ pub fn run_with_progress(
         ),
         TransportKind::Irn => run_transport(config, "irn", |env| Irn::new(env, params), progress),
         TransportKind::Blast => run_transport(config, "blast", Blast::new, progress),
+        TransportKind::Metaroce => {
+            let factory = MetaroceFactory::new(config.metaroce.clone());
+            let mut r = run_transport(config, "metaroce", |env| factory.host(env), progress);
+            r.metaroce = Some(factory.summary());
+            r
+        }
     })
 }
 
