@@ -1028,3 +1028,149 @@ fn gigabyte_write() {
     assert!(p.a.mr(src.lkey).unwrap() == p.b.mr(win.lkey).unwrap());
     let _ = Instant::ZERO;
 }
+
+#[test]
+fn a_failed_request_lets_earlier_ones_succeed() {
+    let (mut p, v) = pair(21, LinkConfig::perfect());
+    let src = reg(&mut p.a, v.pda, pattern(21, 50_000), 0, AccessFlags::NONE);
+    let win = reg(
+        &mut p.b,
+        v.pdb,
+        vec![0; 50_000],
+        0,
+        AccessFlags::REMOTE_WRITE,
+    );
+    let good = RemoteAddr {
+        rkey: win.rkey,
+        addr: 0,
+    };
+    let bad = RemoteAddr {
+        rkey: win.rkey,
+        addr: 49_000,
+    };
+    let now = p.now;
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            1,
+            SendOp::Write(good),
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 50_000,
+            },
+        ),
+    )
+    .unwrap();
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            2,
+            SendOp::Write(bad),
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 5_000,
+            },
+        ),
+    )
+    .unwrap();
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            3,
+            SendOp::Write(good),
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 10,
+            },
+        ),
+    )
+    .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 3, Duration::from_millis(50));
+    assert_eq!(
+        wa.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        vec![
+            (1, WcStatus::Success),
+            (2, WcStatus::RemoteAccessError),
+            (3, WcStatus::WrFlushError)
+        ]
+    );
+    assert_eq!(
+        p.b.mr(win.lkey).unwrap(),
+        &pattern(21, 50_000)[..],
+        "the good WRITE landed whole"
+    );
+}
+
+#[test]
+fn requests_to_a_missing_remote_qp_fail_by_probes() {
+    let (mut p, v) = pair(22, LinkConfig::perfect());
+    // The peer's QP disappears: our packets are delivered but never executed.
+    p.b.destroy_qp(v.qb).unwrap();
+    let src = reg(&mut p.a, v.pda, vec![1; 100], 0, AccessFlags::NONE);
+    p.a.post_send(
+        p.now,
+        v.qa,
+        SendWr::new(
+            1,
+            SendOp::Send,
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 100,
+            },
+        ),
+    )
+    .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(30));
+    assert_eq!(wa.len(), 1);
+    assert_eq!(wa[0].status, WcStatus::RetryExceeded);
+    let s = p.a.connection_stats(p.conn_a.unwrap()).unwrap();
+    assert!(s.probes_sent >= 7, "{s:?}");
+    assert_eq!(
+        p.a.connection_state(p.conn_a.unwrap()),
+        Some(metaroce_proto::ConnectionState::Established),
+        "the connection stays up"
+    );
+}
+
+#[test]
+fn lost_acks_are_recovered_by_probes() {
+    // Every ACK from B is lost for a while: A's requests are complete at B,
+    // and a probe after the loss ends must fetch the progress.
+    let (mut p, v) = pair(23, LinkConfig::perfect());
+    let src = reg(&mut p.a, v.pda, vec![4; 8192], 0, AccessFlags::NONE);
+    let win = reg(&mut p.b, v.pdb, vec![0; 8192], 0, AccessFlags::REMOTE_WRITE);
+    p.cut = (false, true);
+    let r = RemoteAddr {
+        rkey: win.rkey,
+        addr: 0,
+    };
+    p.a.post_send(
+        p.now,
+        v.qa,
+        SendWr::new(
+            1,
+            SendOp::Write(r),
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 8192,
+            },
+        ),
+    )
+    .unwrap();
+    p.run_for(Duration::from_millis(3));
+    assert!(
+        p.b.mr(win.lkey).unwrap().iter().all(|&x| x == 4),
+        "data placed despite the lost ACKs"
+    );
+    p.cut = (false, false);
+    let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(5));
+    assert_eq!(wa[0].status, WcStatus::Success);
+}

@@ -180,7 +180,6 @@ pub(crate) struct Connection {
     pub(crate) retry_cnt: u8,
     pub(crate) last_ack_at: Instant,
     pub(crate) last_progress: Instant,
-    pub(crate) probe_pending: bool,
     pub(crate) rate_hint_kbps: u32,
 
     // Receive side.
@@ -192,7 +191,6 @@ pub(crate) struct Connection {
     pub(crate) last_rx_ts: u32,
     pub(crate) last_rx_path: u8,
     pub(crate) last_rx_at: Instant,
-    pub(crate) full_report: bool,
     pub(crate) naks: VecDeque<NakEntry>,
     pub(crate) dirty_streams: Vec<Qpn>,
     pub(crate) rcc: ReceiverCc,
@@ -269,7 +267,6 @@ impl Connection {
             retry_cnt: config.retry_cnt,
             last_ack_at: now,
             last_progress: now,
-            probe_pending: false,
             rate_hint_kbps: 0,
             rx_csn: RingBitmap::new(0),
             ack_needed: false,
@@ -279,7 +276,6 @@ impl Connection {
             last_rx_ts: 0,
             last_rx_path: 0,
             last_rx_at: now,
-            full_report: false,
             naks: VecDeque::new(),
             dirty_streams: Vec::new(),
             rcc: ReceiverCc::new(config.receiver_capacity_kbps),

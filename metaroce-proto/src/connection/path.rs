@@ -247,6 +247,8 @@ pub(crate) struct PathRx {
     pub(crate) rx_packets: u32,
     pub(crate) ce_packets: u32,
     pub(crate) dirty: bool,
+    /// Highest PSN received.
+    highest: Option<u32>,
 }
 
 impl PathRx {
@@ -256,11 +258,14 @@ impl PathRx {
             rx_packets: 0,
             ce_packets: 0,
             dirty: false,
+            highest: None,
         }
     }
 
-    /// Records `psn`. Returns the outcome and whether it arrived out of order
-    /// (left a hole before it).
+    /// Records `psn`. Returns the outcome and whether it is out of sequence:
+    /// it reveals a new hole (beyond the highest PSN plus one) or arrives
+    /// below the highest (a late or duplicate packet). Either is worth an
+    /// immediate ACK; packets that follow an old hole in order are not.
     ///
     /// The window slides: a lost PSN is never sent again (its data goes out
     /// under a new PSN), so a PSN more than `SACK_BITS` ahead abandons the
@@ -268,7 +273,13 @@ impl PathRx {
     /// are acknowledged or declared lost, so nothing is given up that could
     /// still come.
     pub(crate) fn on_packet(&mut self, psn: u32, ce: bool) -> (SeqAccept, bool) {
-        let out_of_order = psn != self.seen.cum();
+        let out_of_order = match self.highest {
+            None => psn != 0,
+            Some(h) => psn != h.wrapping_add(1),
+        };
+        if self.highest.is_none_or(|h| seq_lt(h, psn)) {
+            self.highest = Some(psn);
+        }
         let r = self.seen.insert_sliding(psn);
         if r != SeqAccept::OutOfWindow {
             self.rx_packets = self.rx_packets.wrapping_add(1);

@@ -788,7 +788,6 @@ impl Endpoint {
         c.state = state;
         c.error = Some(error);
         c.retx.clear();
-        c.probe_pending = false;
         let qps = c.qps.clone();
         let status = match error {
             ConnectionError::RetryExceeded => WcStatus::RetryExceeded,

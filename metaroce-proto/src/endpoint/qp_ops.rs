@@ -69,7 +69,6 @@ impl Endpoint {
         q.send_idx = 0;
         q.send_offset = 0;
         q.resend.clear();
-        q.resend_offset = 0;
         q.reads_outstanding = 0;
         q.rnr_wait_until = None;
         q.incoming.clear();
@@ -114,7 +113,7 @@ impl Endpoint {
             if w.is_read() {
                 q.reads_outstanding = q.reads_outstanding.saturating_sub(1);
             }
-            q.resend.retain(|&m| m != w.msn);
+            q.resend.retain(|&(m, _)| m != w.msn);
             if w.has_ref {
                 mrs.add_ref(w.wr.local.lkey, -1);
             }
@@ -185,6 +184,52 @@ impl Endpoint {
                 c.mark_stream(qpn);
             }
         }
+        // Every message before a failed one is done: now the QP fails.
+        if let Some(&Incoming::Failed {
+            code,
+            local_len_error,
+        }) = q.incoming.front()
+        {
+            if local_len_error {
+                if let Some(r) = q.rq.pop_front() {
+                    q.rq_base_seq = q.rq_base_seq.wrapping_add(1);
+                    if r.sge.len > 0 {
+                        mrs.add_ref(r.sge.lkey, -1);
+                    }
+                    let wc = WorkCompletion {
+                        wr_id: r.wr_id,
+                        status: WcStatus::LocalLengthError,
+                        opcode: WcOpcode::Recv,
+                        byte_len: 0,
+                        imm: None,
+                        qpn,
+                    };
+                    push_wc(cqs, events, q.recv_cq, wc);
+                }
+            }
+            let nak = NakEntry {
+                qpn: q.remote_qpn,
+                msn: q.msn_done,
+                code,
+                gen: 0,
+                rnr_timer_us: 0,
+            };
+            if let Some(c) = conns[ci].as_mut() {
+                // The stream entry says every earlier message succeeded; the
+                // NAK after it fails this one.
+                c.mark_stream(qpn);
+                c.push_nak(nak);
+            }
+            let status = match code {
+                NakCode::RemoteAccess => WcStatus::RemoteAccessError,
+                _ => WcStatus::RemoteInvalidRequest,
+            };
+            self.fail_qp(qpn, None, false);
+            if let Some(q) = self.qps[idx].as_mut() {
+                q.fatal_nak = Some(nak);
+            }
+            self.events.push_back(Event::QpError { qpn, status });
+        }
     }
 
     /// A READ response packet of `qpn`/`msn` was delivered.
@@ -211,8 +256,11 @@ impl Endpoint {
         let idx = self.qp_index(qpn)?;
         let q = self.qps[idx].as_ref()?;
         if q.state == QpState::Error {
+            if let Some(n) = q.fatal_nak {
+                return Some(n);
+            }
             return Some(NakEntry {
-                qpn: Qpn(q.remote_qpn).0,
+                qpn: q.remote_qpn,
                 msn: q.msn_done,
                 code: NakCode::RemoteOperation,
                 gen: 0,
@@ -312,33 +360,27 @@ impl Endpoint {
                 }
             }
         }
-        // Completion probe: requests wait for the peer's progress report and
-        // nothing is in flight that would bring one.
-        if let Some(d) = self.probe_deadline(ci) {
-            if d <= now {
-                if let Some(c) = self.conns[ci].as_mut() {
-                    c.probe_pending = true;
-                    c.last_progress = now;
-                }
+        // Progress probes: a QP whose requests were all delivered but not
+        // completed asks the responder where it stands; after `retry_cnt`
+        // unanswered probes the request fails (the connection stays up).
+        let rto = c.rto();
+        let retry_cnt = c.retry_cnt;
+        let qps = c.qps.clone();
+        for qpn in qps {
+            let Some(q) = self.qp_mut(qpn) else { continue };
+            if q.probe_deadline(rto).is_none_or(|d| d > now) {
+                continue;
+            }
+            if q.probes >= retry_cnt {
+                let oldest = q.sq.front().map(|w| w.msn);
+                tracing::debug!(?qpn, "no progress after {} probes", q.probes);
+                self.fail_qp(qpn, oldest.map(|m| (m, WcStatus::RetryExceeded)), true);
+            } else {
+                q.probes += 1;
+                q.probe_pending = true;
+                q.last_progress = now;
             }
         }
-    }
-
-    /// When a completion probe is due, if one would be.
-    fn probe_deadline(&self, ci: usize) -> Option<Instant> {
-        let c = self.conns[ci].as_ref()?;
-        if !c.is_established() || c.probe_pending || c.in_flight > 0 || !c.retx.is_empty() {
-            return None;
-        }
-        let waiting = c.qps.iter().any(|&qpn| {
-            self.qp_index(qpn)
-                .and_then(|i| self.qps[i].as_ref())
-                .is_some_and(|q| q.send_idx > 0 && !q.sq.is_empty())
-        });
-        if !waiting {
-            return None;
-        }
-        Some(c.last_progress.max(c.last_ack_at) + c.rto())
     }
 
     /// The connection's next deadline.
@@ -357,10 +399,10 @@ impl Endpoint {
                     consider(c.ack_deadline);
                 }
                 consider(c.oldest_outstanding().map(|t| t + c.rto()));
-                consider(self.probe_deadline(ci));
+                let rto = c.rto();
                 for &qpn in &c.qps {
                     if let Some(q) = self.qp_index(qpn).and_then(|i| self.qps[i].as_ref()) {
-                        consider(q.next_timer());
+                        consider(q.next_timer(rto));
                     }
                 }
             }
@@ -390,23 +432,27 @@ impl Endpoint {
         if !c.retx.is_empty() && c.cwnd_room(c.mtu as u64) {
             return true;
         }
-        if c.probe_pending {
-            return true;
-        }
-        if !c.csn_room() || !c.cwnd_room(c.mtu as u64) {
+        if !c.csn_room() {
             return false;
         }
+        let cwnd = c.cwnd_room(c.mtu as u64);
         c.qps.iter().any(|&qpn| {
             self.qp_index(qpn)
                 .and_then(|i| self.qps[i].as_ref())
-                .is_some_and(|q| q.has_send_work(now))
+                .is_some_and(|q| q.probe_pending || cwnd && q.has_send_work(now))
         })
     }
 
     /// A CSN was delivered: do what its contents need.
     pub(crate) fn csn_delivered(&mut self, kind: CsnKind) {
-        if let CsnKind::Response { qp, msn, .. } = kind {
-            self.response_acked(qp, msn);
+        match kind {
+            CsnKind::Response { qp, msn, .. } => self.response_acked(qp, msn),
+            CsnKind::Request { qp, .. } => {
+                if let Some(q) = self.qp_mut(qp) {
+                    q.unacked = q.unacked.saturating_sub(1);
+                }
+            }
+            CsnKind::Nop => {}
         }
     }
 }

@@ -285,9 +285,6 @@ impl Endpoint {
         let (_, out_of_order) = c.paths_rx[pid].on_packet(hdr.psn, ecn == super::Ecn::Ce);
         c.stats.data_packets_received += 1;
         let wants_ack = hdr.flags & data_flags::ACK_REQ != 0;
-        if wants_ack {
-            c.full_report = true;
-        }
         // A path-level duplicate (the network copied a datagram) or a late
         // packet whose PSN was given up is still checked by its CSN below:
         // the CSN, not the PSN, decides whether its contents are new.
@@ -306,11 +303,33 @@ impl Endpoint {
             return self.touch(ci, Some(now));
         }
         match hdr.opcode {
+            Opcode::Nop if wants_ack => self.on_probe(ci, &hdr),
             Opcode::Nop => {}
             Opcode::ReadResp => self.on_read_response(ci, from, &hdr, payload),
             _ => self.on_request(ci, from, &hdr, payload),
         }
         self.touch(ci, Some(now));
+    }
+
+    /// A progress probe: report the named QP's state at once.
+    fn on_probe(&mut self, ci: usize, hdr: &DataHeader) {
+        let Some(idx) = self.qp_index(Qpn(hdr.dst_qpn)) else {
+            return self.stats.rejects.bump(RejectReason::BadQp);
+        };
+        let Some(q) = self.qps[idx].as_ref() else {
+            return;
+        };
+        if q.conn != Some(ConnectionHandle(ci as u32)) {
+            return self.stats.rejects.bump(RejectReason::BadQp);
+        }
+        let qpn = q.qpn;
+        let nak = self.standing_nak(qpn);
+        if let Some(c) = self.conns[ci].as_mut() {
+            c.mark_stream(qpn);
+            if let Some(n) = nak {
+                c.push_nak(n);
+            }
+        }
     }
 
     /// Finds the QP a packet is for: it must exist and be bound to `ci`.
@@ -357,6 +376,8 @@ impl Endpoint {
         }
         w.read_received += payload.len() as u64;
         w.read_seen = true;
+        q.last_progress = q.last_progress.max(self.last_now);
+        q.probes = 0;
         if let Some(c) = conns[ci].as_mut() {
             c.stats.payload_bytes_received += payload.len() as u64;
         }
@@ -373,23 +394,23 @@ impl Endpoint {
             return;
         };
         let qpn = q.qpn;
-        let remote_qpn = q.remote_qpn;
         if !q.state.responds() {
             if q.state == QpState::Error {
-                let nak = NakEntry {
-                    qpn: remote_qpn,
-                    msn: hdr.msn,
-                    code: NakCode::RemoteOperation,
-                    gen: hdr.gen,
-                    rnr_timer_us: 0,
-                };
-                if let Some(c) = self.conns[ci].as_mut() {
-                    c.push_nak(nak);
+                // Say why, again: the stored fatal NAK, or that the QP is down.
+                if let Some(nak) = self.standing_nak(qpn) {
+                    if let Some(c) = self.conns[ci].as_mut() {
+                        c.push_nak(nak);
+                    }
                 }
             }
             return self.reject(RejectReason::BadQp, from);
         }
+        if q.failed_msn.is_some_and(|f| !seq_lt(hdr.msn, f)) {
+            // At or after a message that failed: nothing more is placed.
+            return self.reject(RejectReason::WrongState, from);
+        }
         let rnr_timer = q.min_rnr_timer;
+        let remote_qpn = q.remote_qpn;
         let slot = match q.incoming_slot(hdr.msn) {
             Ok(s) => *s,
             Err(IncomingReject::Duplicate) => {
@@ -405,8 +426,20 @@ impl Endpoint {
         };
         let accepted = match slot {
             Incoming::Refused { gen } if !gen_newer(hdr.gen, gen) => {
+                // The requester may have missed the NAK: say it again.
+                let nak = NakEntry {
+                    qpn: remote_qpn,
+                    msn: hdr.msn,
+                    code: NakCode::Rnr,
+                    gen,
+                    rnr_timer_us: rnr_us(rnr_timer),
+                };
+                if let Some(c) = self.conns[ci].as_mut() {
+                    c.push_nak(nak);
+                }
                 return self.reject(RejectReason::StaleGeneration, from);
             }
+            Incoming::Failed { .. } => return self.reject(RejectReason::WrongState, from),
             Incoming::Accepted(a) => {
                 if gen_newer(a.gen, hdr.gen) {
                     return self.reject(RejectReason::StaleGeneration, from);
@@ -422,21 +455,14 @@ impl Endpoint {
                 None => return,
             },
         };
-        // Place the payload where the packet says.
         let mut a = accepted;
+        if a.received + payload.len() as u64 > u64::from(a.len) {
+            return self.reject(RejectReason::Inconsistent, from);
+        }
+        // Place the payload where the packet says.
         if !payload.is_empty() && !self.place(idx, &a, hdr.msg_offset, payload) {
             // The target vanished (region deregistered mid-message).
-            let nak = NakEntry {
-                qpn: remote_qpn,
-                msn: hdr.msn,
-                code: NakCode::RemoteAccess,
-                gen: hdr.gen,
-                rnr_timer_us: 0,
-            };
-            if let Some(c) = self.conns[ci].as_mut() {
-                c.push_nak(nak);
-            }
-            self.fail_qp(qpn, None, true);
+            self.fail_message(ci, idx, hdr.msn, NakCode::RemoteAccess, false);
             return self.reject(RejectReason::Inconsistent, from);
         }
         a.received += payload.len() as u64;
@@ -456,8 +482,41 @@ impl Endpoint {
         }
     }
 
+    /// Marks message `msn` failed with `code`: nothing more is placed for it
+    /// or later messages, and when every earlier message has been executed
+    /// the QP moves to ERROR and the NAK goes out (see `retire_messages`).
+    fn fail_message(
+        &mut self,
+        ci: usize,
+        idx: usize,
+        msn: u32,
+        code: NakCode,
+        local_len_error: bool,
+    ) {
+        let Some(q) = self.qps[idx].as_mut() else {
+            return;
+        };
+        let qpn = q.qpn;
+        tracing::debug!(
+            ?qpn,
+            ?code,
+            msn,
+            "request refused; the QP fails once earlier messages are done"
+        );
+        if q.failed_msn.is_none_or(|f| seq_lt(msn, f)) {
+            q.failed_msn = Some(msn);
+        }
+        if let Ok(s) = q.incoming_slot(msn) {
+            *s = Incoming::Failed {
+                code,
+                local_len_error,
+            };
+        }
+        self.retire_messages(qpn, ci);
+    }
+
     /// Validates the first packet of a message (generation) and creates its
-    /// record, or refuses it with a NAK.
+    /// record, or refuses it: RNR (retry later), or a fatal error.
     fn admit(
         &mut self,
         ci: usize,
@@ -466,14 +525,7 @@ impl Endpoint {
         rnr_timer: core::time::Duration,
     ) -> Option<Accepted> {
         let q = self.qps[idx].as_ref()?;
-        let (qpn, remote_qpn, qp_access, pd, rq_base, recv_cq) = (
-            q.qpn,
-            q.remote_qpn,
-            q.access,
-            q.pd,
-            q.rq_base_seq,
-            q.recv_cq,
-        );
+        let (remote_qpn, qp_access, pd, rq_base) = (q.remote_qpn, q.access, q.pd, q.rq_base_seq);
         let pending_reads = q.read_resps.len()
             + q.incoming
                 .iter()
@@ -491,50 +543,27 @@ impl Endpoint {
             rkey: 0,
             addr: 0,
         };
+        // Zero-length WRITEs and READs touch no memory: no key check (as in verbs).
         let remote_ok = |rkey: u32, addr: u64, need: AccessFlags| -> bool {
-            qp_access.contains(need)
-                && self.mrs.by_rkey(rkey).is_some_and(|m| {
-                    m.pd == pd
-                        && m.info.access.contains(need)
-                        && m.range(addr, u64::from(hdr.msg_len)).is_some()
-                })
+            hdr.msg_len == 0
+                || qp_access.contains(need)
+                    && self.mrs.by_rkey(rkey).is_some_and(|m| {
+                        m.pd == pd
+                            && m.info.access.contains(need)
+                            && m.range(addr, u64::from(hdr.msg_len)).is_some()
+                    })
         };
-        // Which receive the message lands in, if it consumes one.
         let recv_seq = match hdr.ext {
             OpcodeExt::Send { recv_seq }
             | OpcodeExt::SendImm { recv_seq, .. }
             | OpcodeExt::WriteImm { recv_seq, .. } => Some(recv_seq),
             _ => None,
         };
-        let mut fatal: Option<NakCode> = None;
-        match hdr.ext {
-            OpcodeExt::Write { rkey, remote_addr }
-            | OpcodeExt::WriteImm {
-                rkey, remote_addr, ..
-            } => {
-                rec.rkey = rkey;
-                rec.addr = remote_addr;
-                if !remote_ok(rkey, remote_addr, AccessFlags::REMOTE_WRITE) {
-                    fatal = Some(NakCode::RemoteAccess);
-                }
-            }
-            OpcodeExt::ReadReq { rkey, remote_addr } => {
-                rec.rkey = rkey;
-                rec.addr = remote_addr;
-                if !remote_ok(rkey, remote_addr, AccessFlags::REMOTE_READ) {
-                    fatal = Some(NakCode::RemoteAccess);
-                } else if pending_reads >= max_reads {
-                    fatal = Some(NakCode::InvalidRequest);
-                }
-            }
-            _ => {}
-        }
         if let OpcodeExt::SendImm { imm, .. } | OpcodeExt::WriteImm { imm, .. } = hdr.ext {
             rec.imm = Some(imm);
         }
-        let mut refuse = false;
-        let mut too_small: Option<usize> = None;
-        if let (None, Some(rs)) = (fatal, recv_seq) {
+        // RNR first: without a receive the message cannot be judged yet.
+        if let Some(rs) = recv_seq {
             rec.recv_seq = rs;
             if seq_lt(rs, rq_base) {
                 self.stats.rejects.bump(RejectReason::Inconsistent);
@@ -543,65 +572,58 @@ impl Endpoint {
             let d = seq_dist(rq_base, rs) as usize;
             let q = self.qps[idx].as_ref()?;
             match q.rq.get(d) {
-                None => refuse = true,
+                None => {
+                    let nak = NakEntry {
+                        qpn: remote_qpn,
+                        msn: hdr.msn,
+                        code: NakCode::Rnr,
+                        gen: hdr.gen,
+                        rnr_timer_us: rnr_us(rnr_timer),
+                    };
+                    if let Some(q) = self.qps[idx].as_mut() {
+                        if let Ok(s) = q.incoming_slot(hdr.msn) {
+                            *s = Incoming::Refused { gen: hdr.gen };
+                        }
+                    }
+                    if let Some(c) = self.conns[ci].as_mut() {
+                        c.push_nak(nak);
+                    }
+                    return None;
+                }
                 Some(r) if hdr.opcode != Opcode::WriteImm && hdr.msg_len > r.sge.len => {
-                    fatal = Some(NakCode::InvalidRequest);
-                    too_small = Some(d);
+                    // The receive is too small: it completes with a local
+                    // length error, the requester sees an invalid request.
+                    self.fail_message(ci, idx, hdr.msn, NakCode::InvalidRequest, true);
+                    return None;
                 }
                 Some(_) => {}
             }
         }
-        let nak = NakEntry {
-            qpn: remote_qpn,
-            msn: hdr.msn,
-            code: fatal.unwrap_or(NakCode::Rnr),
-            gen: hdr.gen,
-            rnr_timer_us: if fatal.is_none() {
-                rnr_us(rnr_timer)
-            } else {
-                0
-            },
+        let fatal = match hdr.ext {
+            OpcodeExt::Write { rkey, remote_addr }
+            | OpcodeExt::WriteImm {
+                rkey, remote_addr, ..
+            } => {
+                rec.rkey = rkey;
+                rec.addr = remote_addr;
+                (!remote_ok(rkey, remote_addr, AccessFlags::REMOTE_WRITE))
+                    .then_some(NakCode::RemoteAccess)
+            }
+            OpcodeExt::ReadReq { rkey, remote_addr } => {
+                rec.rkey = rkey;
+                rec.addr = remote_addr;
+                if !remote_ok(rkey, remote_addr, AccessFlags::REMOTE_READ) {
+                    Some(NakCode::RemoteAccess)
+                } else if pending_reads >= max_reads {
+                    Some(NakCode::InvalidRequest)
+                } else {
+                    None
+                }
+            }
+            _ => None,
         };
         if let Some(code) = fatal {
-            if let Some(d) = too_small {
-                // The receive is too small: it completes with a local length
-                // error (the requester sees an invalid request).
-                if let Some(r) = self.qps[idx].as_mut().and_then(|q| q.rq.remove(d)) {
-                    if r.sge.len > 0 {
-                        self.mrs.add_ref(r.sge.lkey, -1);
-                    }
-                    let wc = crate::verbs::WorkCompletion {
-                        wr_id: r.wr_id,
-                        status: WcStatus::LocalLengthError,
-                        opcode: crate::verbs::WcOpcode::Recv,
-                        byte_len: 0,
-                        imm: None,
-                        qpn,
-                    };
-                    super::qp_ops::push_wc(&mut self.cqs, &mut self.events, recv_cq, wc);
-                }
-            }
-            if let Some(c) = self.conns[ci].as_mut() {
-                c.push_nak(nak);
-            }
-            tracing::debug!(?qpn, ?code, msn = hdr.msn, "request refused; QP to error");
-            let status = match code {
-                NakCode::RemoteAccess => WcStatus::RemoteAccessError,
-                _ => WcStatus::RemoteInvalidRequest,
-            };
-            self.fail_qp(qpn, None, false);
-            self.events.push_back(Event::QpError { qpn, status });
-            return None;
-        }
-        if refuse {
-            if let Some(q) = self.qps[idx].as_mut() {
-                if let Ok(s) = q.incoming_slot(hdr.msn) {
-                    *s = Incoming::Refused { gen: hdr.gen };
-                }
-            }
-            if let Some(c) = self.conns[ci].as_mut() {
-                c.push_nak(nak);
-            }
+            self.fail_message(ci, idx, hdr.msn, code, false);
             return None;
         }
         Some(rec)
@@ -755,6 +777,7 @@ impl Endpoint {
             }
             if seq_lt(q.remote_msn_done, s.msn_done) {
                 q.remote_msn_done = s.msn_done;
+                q.progressed(now);
                 let qpn = q.qpn;
                 self.complete_in_order(qpn);
             }
@@ -778,6 +801,7 @@ impl Endpoint {
         if q.conn != Some(ConnectionHandle(ci as u32)) {
             return self.stats.rejects.bump(RejectReason::BadQp);
         }
+        q.progressed(now);
         let qpn = q.qpn;
         let rnr_retry = q.rnr_retry;
         let send_idx = q.send_idx;
@@ -801,16 +825,18 @@ impl Endpoint {
                         q.send_idx += 1;
                         q.send_offset = 0;
                     }
-                    if q.resend.front() == Some(&n.msn) {
-                        q.resend_offset = 0;
-                    }
-                    if !q.resend.contains(&n.msn) {
-                        let at = q
-                            .resend
-                            .iter()
-                            .position(|&m| seq_lt(n.msn, m))
-                            .unwrap_or(q.resend.len());
-                        q.resend.insert(at, n.msn);
+                    // Resend from the start under the new generation; any
+                    // other message's resend keeps its place.
+                    match q.resend.iter_mut().find(|(m, _)| *m == n.msn) {
+                        Some(entry) => entry.1 = 0,
+                        None => {
+                            let at = q
+                                .resend
+                                .iter()
+                                .position(|&(m, _)| seq_lt(n.msn, m))
+                                .unwrap_or(q.resend.len());
+                            q.resend.insert(at, (n.msn, 0));
+                        }
                     }
                     let until = now + delay;
                     q.rnr_wait_until = Some(q.rnr_wait_until.map_or(until, |u| u.max(until)));

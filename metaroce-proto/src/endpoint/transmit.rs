@@ -144,12 +144,26 @@ impl Endpoint {
                 return None;
             };
             c.stats.retransmits += 1;
-            return self.emit_data(ci, path, csn, kind, now, &mut buf[..mtu], true, false);
+            return self.emit_data(ci, path, csn, kind, now, &mut buf[..mtu], true, None);
         }
+        // Progress probes: a NOP asking for one QP's state at once.
         let c = self.conns[ci].as_mut()?;
-        if c.probe_pending && c.csn_room() {
-            if let Some(path) = c.pick_path(None) {
-                c.probe_pending = false;
+        if c.csn_room() && c.paths_tx.iter().any(|p| p.has_room()) {
+            let probe = c.qps.iter().copied().find(|&qpn| {
+                let idx = (qpn.0 & super::QPN_INDEX_MASK) as usize;
+                self.qps
+                    .get(idx)
+                    .and_then(|q| q.as_ref())
+                    .is_some_and(|q| q.qpn == qpn && q.probe_pending)
+            });
+            if let Some(qpn) = probe {
+                let (remote, msn) = {
+                    let q = self.qp_mut(qpn)?;
+                    q.probe_pending = false;
+                    (q.remote_qpn, q.sq.front().map_or(q.next_msn, |w| w.msn))
+                };
+                let c = self.conns[ci].as_mut()?;
+                let path = c.pick_path(None)?;
                 c.stats.probes_sent += 1;
                 let csn = c.new_csn(CsnKind::Nop);
                 return self.emit_data(
@@ -160,10 +174,11 @@ impl Endpoint {
                     now,
                     &mut buf[..mtu],
                     false,
-                    true,
+                    Some((remote, msn)),
                 );
             }
         }
+        let c = self.conns[ci].as_mut()?;
         // New data, QPs in round robin.
         if !c.csn_room() || !c.cwnd_room(mtu as u64) || !c.paths_tx.iter().any(|p| p.has_room()) {
             return None;
@@ -213,11 +228,15 @@ impl Endpoint {
                     len,
                 },
             };
+            if matches!(kind, CsnKind::Request { .. }) {
+                q.unacked += 1;
+            }
             let c = self.conns[ci].as_mut()?;
             c.qp_rr = (start + k + 1) % nq;
+            // A path has room (checked above), so the segment always goes out.
             let path = c.pick_path(None)?;
             let csn = c.new_csn(kind);
-            return self.emit_data(ci, path, csn, kind, now, &mut buf[..mtu], false, false);
+            return self.emit_data(ci, path, csn, kind, now, &mut buf[..mtu], false, None);
         }
         None
     }
@@ -233,7 +252,7 @@ impl Endpoint {
         now: Instant,
         buf: &mut [u8],
         retransmit: bool,
-        ack_req: bool,
+        probe: Option<(u32, u32)>,
     ) -> Option<Transmit> {
         let Endpoint {
             conns, qps, mrs, ..
@@ -258,8 +277,10 @@ impl Endpoint {
         if retransmit {
             hdr.flags |= data_flags::RETRANSMIT;
         }
-        if ack_req {
+        if let Some((dst_qpn, msn)) = probe {
             hdr.flags |= data_flags::ACK_REQ;
+            hdr.dst_qpn = dst_qpn;
+            hdr.msn = msn;
         }
         let qp_of = |qpn: Qpn| {
             let idx = (qpn.0 & super::QPN_INDEX_MASK) as usize;
@@ -384,14 +405,8 @@ impl Endpoint {
             rate_hint_kbps: c.rcc.hint_kbps(active),
             echo_path: c.last_rx_path,
         };
-        let full = c.full_report;
-        let streams: Vec<Qpn> = if full {
-            c.qps.clone()
-        } else {
-            std::mem::take(&mut c.dirty_streams)
-        };
+        let streams: Vec<Qpn> = std::mem::take(&mut c.dirty_streams);
         let mut entries = Vec::with_capacity(streams.len());
-        let mut standing = Vec::new();
         for &qpn in &streams {
             if let Some(idx) = self.qp_index(qpn) {
                 if let Some(q) = self.qps[idx].as_mut() {
@@ -400,11 +415,6 @@ impl Endpoint {
                         msn_done: q.msn_done,
                     });
                     q.reported_msn_done = q.msn_done;
-                }
-            }
-            if full {
-                if let Some(n) = self.standing_nak(qpn) {
-                    standing.push(n);
                 }
             }
         }
@@ -427,15 +437,8 @@ impl Endpoint {
                 unsent_streams.push(*qpn);
             }
         }
-        if !full {
-            more |= !unsent_streams.is_empty();
-            c.dirty_streams.extend(unsent_streams);
-        }
-        for n in standing {
-            if !c.naks.iter().any(|x| x.qpn == n.qpn && x.msn == n.msn) {
-                c.naks.push_back(n);
-            }
-        }
+        more |= !unsent_streams.is_empty();
+        c.dirty_streams.extend(unsent_streams);
         while let Some(n) = c.naks.front() {
             if b.push_nak(n).is_err() {
                 more = true;
@@ -453,7 +456,6 @@ impl Endpoint {
             c.ack_now = false;
             c.ack_deadline = None;
             c.since_ack = 0;
-            c.full_report = false;
         }
         let n = c.paths_tx.len();
         let pi = c.path_rr % n;

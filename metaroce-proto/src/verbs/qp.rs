@@ -15,7 +15,7 @@ use crate::consts::{
 };
 use crate::time::Instant;
 use crate::wire::seq::{seq_dist, seq_lt};
-use crate::wire::{Opcode, OpcodeExt};
+use crate::wire::{NakCode, NakEntry, Opcode, OpcodeExt};
 use core::time::Duration;
 use std::collections::VecDeque;
 
@@ -197,6 +197,13 @@ pub(crate) enum Incoming {
     Refused { gen: u8 },
     /// Accepted and being placed.
     Accepted(Accepted),
+    /// Failed a responder check: the QP fails when every earlier message is done.
+    Failed {
+        /// NAK to send then.
+        code: NakCode,
+        /// The receive it would land in completes with a local length error.
+        local_len_error: bool,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -278,8 +285,8 @@ pub(crate) struct Qp {
     /// No new packets before this instant (RNR back-off).
     pub(crate) rnr_wait_until: Option<Instant>,
     /// Requests to resend from the start with a new generation (RNR), in MSN order.
-    pub(crate) resend: VecDeque<u32>,
-    pub(crate) resend_offset: u32,
+    /// Each with the offset its resend has reached.
+    pub(crate) resend: VecDeque<(u32, u32)>,
 
     // Responder side.
     pub(crate) rq: VecDeque<RecvWr>,
@@ -291,6 +298,20 @@ pub(crate) struct Qp {
     pub(crate) read_resps: VecDeque<ReadResp>,
     pub(crate) reported_msn_done: u32,
     pub(crate) stream_dirty: bool,
+    /// First message that failed a responder check.
+    pub(crate) failed_msn: Option<u32>,
+    /// The NAK that moved the QP to ERROR, repeated to the requester.
+    pub(crate) fatal_nak: Option<NakEntry>,
+
+    // Progress probes (requester).
+    /// Request packets sent and not yet acknowledged.
+    pub(crate) unacked: u32,
+    /// Last time the QP saw progress or sent a new request packet.
+    pub(crate) last_progress: Instant,
+    /// Probes sent since the last progress.
+    pub(crate) probes: u8,
+    /// A probe is owed.
+    pub(crate) probe_pending: bool,
 }
 
 impl Qp {
@@ -327,7 +348,6 @@ impl Qp {
             remote_msn_done: 0,
             rnr_wait_until: None,
             resend: VecDeque::new(),
-            resend_offset: 0,
             rq: VecDeque::new(),
             rq_base_seq: 0,
             msn_done: 0,
@@ -335,6 +355,12 @@ impl Qp {
             read_resps: VecDeque::new(),
             reported_msn_done: 0,
             stream_dirty: false,
+            failed_msn: None,
+            fatal_nak: None,
+            unacked: 0,
+            last_progress: Instant::ZERO,
+            probes: 0,
+            probe_pending: false,
         }
     }
 
@@ -376,9 +402,33 @@ impl Qp {
         self.next_new_request().is_some()
     }
 
-    /// The earliest instant at which the QP will have work it does not have now.
-    pub(crate) fn next_timer(&self) -> Option<Instant> {
-        self.rnr_wait_until
+    /// The earliest instant at which the QP will have work it does not have
+    /// now: the end of an RNR back-off, or a progress probe (`rto` is the
+    /// connection's timeout).
+    pub(crate) fn next_timer(&self, rto: Duration) -> Option<Instant> {
+        if self.rnr_wait_until.is_some() {
+            return self.rnr_wait_until;
+        }
+        self.probe_deadline(rto)
+    }
+
+    /// When to probe the responder for progress: the oldest request has been
+    /// sent and every packet of it acknowledged, yet it has not completed.
+    pub(crate) fn probe_deadline(&self, rto: Duration) -> Option<Instant> {
+        let waiting = self.state.takes_send()
+            && self.send_idx > 0
+            && !self.sq.is_empty()
+            && self.unacked == 0
+            && self.resend.is_empty()
+            && self.rnr_wait_until.is_none()
+            && !self.probe_pending;
+        waiting.then(|| self.last_progress + rto * (1u32 << self.probes.min(10)))
+    }
+
+    /// Progress seen: no probe needed for a while.
+    pub(crate) fn progressed(&mut self, now: Instant) {
+        self.last_progress = now;
+        self.probes = 0;
     }
 
     /// Index of the next request to start, if one may start now.
@@ -421,21 +471,23 @@ impl Qp {
             return None;
         }
         self.rnr_wait_until = None;
-        if let Some(&msn) = self.resend.front() {
-            let offset = self.resend_offset;
-            let (len_total, gen, opcode) = match self.wqe(msn) {
-                Some(w) => (w.request_len(), w.gen, w.opcode()),
-                None => {
-                    self.resend.pop_front();
-                    self.resend_offset = 0;
-                    return self.next_segment(now, mtu);
-                }
-            };
-            let len = (len_total - offset).min(max_payload(mtu, opcode));
-            self.resend_offset += len;
-            if self.resend_offset >= len_total {
+        while let Some(&(msn, offset)) = self.resend.front() {
+            let Some((len_total, gen, opcode)) =
+                self.wqe(msn).map(|w| (w.request_len(), w.gen, w.opcode()))
+            else {
+                // Completed or flushed meanwhile.
                 self.resend.pop_front();
-                self.resend_offset = 0;
+                continue;
+            };
+            let len = len_total
+                .saturating_sub(offset)
+                .min(max_payload(mtu, opcode));
+            let next = offset + len;
+            self.last_progress = self.last_progress.max(now);
+            if next >= len_total {
+                self.resend.pop_front();
+            } else if let Some(front) = self.resend.front_mut() {
+                front.1 = next;
             }
             return Some(Segment::Request {
                 msn,
@@ -458,6 +510,7 @@ impl Qp {
         if offset == 0 && wqe.is_read() {
             self.reads_outstanding += 1;
         }
+        self.last_progress = self.last_progress.max(now);
         self.send_offset += len;
         if self.send_offset >= total {
             self.send_idx += 1;
@@ -686,7 +739,7 @@ mod tests {
         let t0 = Instant::from_nanos(1000);
         assert!(q.next_segment(t0, 1000).is_some());
         q.sq[0].gen = 1;
-        q.resend.push_back(0);
+        q.resend.push_back((0, 0));
         q.rnr_wait_until = Some(Instant::from_nanos(5000));
         assert!(!q.has_send_work(t0));
         assert_eq!(q.next_segment(t0, 1000), None);
