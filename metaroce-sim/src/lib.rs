@@ -50,7 +50,7 @@ pub mod transport;
 pub use addr::AddressMap;
 pub use baselines::BaselineParams;
 pub use config::{ConfigError, SimConfig, TransportKind};
-pub use metaroce::{Metaroce, MetaroceFactory, MetaroceParams};
+pub use metaroce::{Datagram, Metaroce, MetaroceFactory, MetaroceParams, MetaroceSummary};
 pub use faults::{FaultAction, FaultSpec, FaultTarget, LossLinks};
 pub use packet::{Ecn, FlowId, HostId, Packet};
 pub use report::{render_table, LinkStat, PacketCounters, SimReport};

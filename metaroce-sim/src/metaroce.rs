@@ -46,6 +46,22 @@ use crate::transport::{
     AppEvent, Delivery, FlowStart, PlaneMask, SimTransport, TransportEnv, TransportStats,
 };
 
+/// A datagram in flight: a recycled MTU-sized buffer and the length used.
+///
+/// Buffers keep their full length so that reusing one never re-zeroes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Datagram {
+    buf: Vec<u8>,
+    len: usize,
+}
+
+impl Datagram {
+    /// The datagram's bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
 /// Ethernet (14) + IPv4 (20) + UDP (8) + FCS (4): what the fabric adds to a
 /// UDP payload.
 pub const UDP_OVERHEAD: u32 = 46;
@@ -231,7 +247,7 @@ pub struct Metaroce {
     events: VecDeque<AppEvent>,
     wcs: Vec<WorkCompletion>,
     /// Datagrams of a GSO batch still to hand to the NIC.
-    segments: VecDeque<Packet<Vec<u8>>>,
+    segments: VecDeque<Packet<Datagram>>,
 }
 
 /// A factory of [`Metaroce`] hosts sharing one run's out-of-band state:
@@ -673,24 +689,24 @@ impl Metaroce {
             return self.recycle(buf);
         };
         let seg = t.segment_size.unwrap_or(t.size).max(1);
-        let mk = |payload: Vec<u8>| Packet {
+        let mk = |buf: Vec<u8>, len: usize| Packet {
             src: self.env.host,
             dst,
             plane,
             src_port: t.src_port,
             dst_port: t.dst.port(),
             ecn: from_proto_ecn(t.ecn),
-            size: payload.len() as u32 + UDP_OVERHEAD,
-            payload,
+            size: len as u32 + UDP_OVERHEAD,
+            payload: Datagram { buf, len },
         };
         if seg >= t.size {
-            let mut buf = buf;
-            buf.truncate(t.size);
-            self.segments.push_back(mk(buf));
+            self.segments.push_back(mk(buf, t.size));
         } else {
             // A GSO batch: one fabric packet per segment.
             for part in buf[..t.size].chunks(seg) {
-                self.segments.push_back(mk(part.to_vec()));
+                let mut b = self.take_buf();
+                b[..part.len()].copy_from_slice(part);
+                self.segments.push_back(mk(b, part.len()));
             }
             self.recycle(buf);
         }
@@ -702,8 +718,10 @@ impl Metaroce {
             .pool
             .borrow_mut()
             .pop()
-            .unwrap_or_else(|| Vec::with_capacity(self.mtu));
-        b.resize(self.mtu, 0);
+            .unwrap_or_default();
+        if b.len() < self.mtu {
+            b.resize(self.mtu, 0);
+        }
         b
     }
 
@@ -716,7 +734,7 @@ impl Metaroce {
 }
 
 impl SimTransport for Metaroce {
-    type Payload = Vec<u8>;
+    type Payload = Datagram;
 
     fn delivery(&self) -> Delivery {
         // Completions of one QP come in posting order (verbs semantics).
@@ -806,7 +824,7 @@ impl SimTransport for Metaroce {
         self.after_call(now);
     }
 
-    fn handle_packet(&mut self, now: Nanos, pkt: Packet<Vec<u8>>) {
+    fn handle_packet(&mut self, now: Nanos, pkt: Packet<Datagram>) {
         self.take_mail();
         let from = SocketAddr::new(
             IpAddr::V4(Ipv4Addr::from(self.env.addresses.ip_u32(pkt.src, pkt.plane))),
@@ -816,13 +834,13 @@ impl SimTransport for Metaroce {
             Instant::from_nanos(now),
             from,
             to_proto_ecn(pkt.ecn),
-            &pkt.payload,
+            pkt.payload.as_bytes(),
         );
-        self.recycle(pkt.payload);
+        self.recycle(pkt.payload.buf);
         self.after_call(now);
     }
 
-    fn poll_transmit(&mut self, now: Nanos, idle: PlaneMask) -> Option<Packet<Vec<u8>>> {
+    fn poll_transmit(&mut self, now: Nanos, idle: PlaneMask) -> Option<Packet<Datagram>> {
         if !idle.contains(0) {
             return None;
         }
