@@ -25,6 +25,8 @@ pub struct DriverConfig {
     pub seed: u64,
     /// Kernel socket buffer size to ask for, bytes.
     pub socket_buffer: usize,
+    /// Most datagrams per GSO send (the kernel's limit applies too; 1 disables GSO).
+    pub max_gso_segments: usize,
 }
 
 impl DriverConfig {
@@ -37,6 +39,7 @@ impl DriverConfig {
             endpoint,
             seed: 0,
             socket_buffer: 8 << 20,
+            max_gso_segments: 16,
         }
     }
 }
@@ -127,9 +130,22 @@ impl PortableDriver {
         let mut ecfg = cfg.endpoint;
         ecfg.listen_port = local.port();
         ecfg.source_ports = ports;
+        // UDP GSO: let the core batch datagrams of one path into one send.
+        let gso = send
+            .iter()
+            .map(|s| s.state.max_gso_segments())
+            .min()
+            .unwrap_or(1);
+        ecfg.max_gso_segments = gso.clamp(1, cfg.max_gso_segments.max(1));
         let ep = Endpoint::new(ecfg, cfg.seed)?;
         let gro = recv_state.gro_segments().max(1);
-        tracing::info!(%local, send_sockets = send.len(), gro_segments = gro, "portable UDP driver bound");
+        tracing::info!(
+            %local,
+            send_sockets = send.len(),
+            gro_segments = gro,
+            gso_segments = ep.config().max_gso_segments,
+            "portable UDP driver bound"
+        );
         Ok(PortableDriver {
             ep,
             clock: Clock::new(),
@@ -214,7 +230,10 @@ impl PortableDriver {
                     .try_send(UdpSockRef::from(&self.recv_sock), &q),
             };
             match res {
-                Ok(()) => self.stats.datagrams_sent += 1,
+                Ok(()) => {
+                    self.stats.datagrams_sent +=
+                        t.segment_size.map_or(1, |s| t.size.div_ceil(s)) as u64
+                }
                 Err(e) => {
                     // A lost datagram: the protocol recovers it like any loss.
                     self.stats.send_errors += 1;
@@ -225,10 +244,12 @@ impl PortableDriver {
         Ok(any)
     }
 
-    /// Reads every datagram waiting (bounded per turn). Returns whether any arrived.
+    /// Reads every datagram waiting (bounded per turn, so that sending is
+    /// not starved). Timers run only after this: an ACK that is already here
+    /// must not lose the race against a retransmission timeout.
     fn receive(&mut self) -> Result<bool, DriverError> {
         let mut any = false;
-        for _ in 0..64 {
+        for _ in 0..4096 {
             let mut meta = [RecvMeta::default()];
             let n = {
                 let mut bufs = [IoSliceMut::new(&mut self.rx_buf)];

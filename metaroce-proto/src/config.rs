@@ -55,6 +55,9 @@ pub struct EndpointConfig {
     /// Queueing delay (RTT above the smallest RTT seen) the sender tolerates
     /// before it slows down.
     pub delay_target: Duration,
+    /// Largest number of datagrams one [`Transmit`](crate::Transmit) may carry
+    /// (UDP GSO): drivers that can segment set it; 1 sends single datagrams.
+    pub max_gso_segments: usize,
     /// Inbound capacity the receiver shares among its senders (kbit/s); `None`: grant no limit.
     pub receiver_capacity_kbps: Option<u64>,
 }
@@ -81,6 +84,7 @@ impl Default for EndpointConfig {
             max_window: DEFAULT_MAX_WINDOW,
             delay_target: DEFAULT_DELAY_TARGET,
             receiver_capacity_kbps: None,
+            max_gso_segments: 1,
         }
     }
 }
@@ -109,6 +113,9 @@ impl EndpointConfig {
         }
         if self.min_window == 0 || self.min_window > self.max_window {
             return Err(ConfigError("need 0 < min_window <= max_window"));
+        }
+        if self.max_gso_segments == 0 {
+            return Err(ConfigError("max_gso_segments must be at least 1"));
         }
         if self.ack_every == 0 {
             return Err(ConfigError("ack_every must be at least 1"));

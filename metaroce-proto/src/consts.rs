@@ -82,10 +82,14 @@ pub const DEFAULT_MTU: u16 = 4_096 + 64;
 pub const DEFAULT_PATHS: u8 = 8;
 
 /// Default initial retransmission timeout (`DEFAULT_INITIAL_RTO`).
-pub const DEFAULT_INITIAL_RTO: Duration = Duration::from_millis(1);
+pub const DEFAULT_INITIAL_RTO: Duration = Duration::from_millis(2);
 
 /// Default lower bound of the retransmission timeout (`DEFAULT_MIN_RTO`).
-pub const DEFAULT_MIN_RTO: Duration = Duration::from_micros(500);
+///
+/// Loss is normally repaired by SACK at once; the timeout is the last resort,
+/// and on a host stack it must ride out scheduling delays. Fabrics with
+/// microsecond RTTs (the simulator) configure a lower bound of their own.
+pub const DEFAULT_MIN_RTO: Duration = Duration::from_millis(2);
 
 /// Default upper bound of the retransmission timeout (`DEFAULT_MAX_RTO`).
 pub const DEFAULT_MAX_RTO: Duration = Duration::from_millis(500);

@@ -202,43 +202,106 @@ impl Endpoint {
                     }
                 }
             }
-            if !q.has_send_work(now) {
-                continue;
-            }
-            let Some(seg) = q.next_segment(now, mtu) else {
+            let Some(kind) = self.take_segment(qpn, now, mtu) else {
                 continue;
             };
-            let kind = match seg {
-                Segment::Request {
-                    msn,
-                    gen,
-                    offset,
-                    len,
-                } => CsnKind::Request {
-                    qp: qpn,
-                    msn,
-                    gen,
-                    offset,
-                    len,
-                },
-                Segment::Response { msn, offset, len } => CsnKind::Response {
-                    qp: qpn,
-                    msn,
-                    offset,
-                    len,
-                },
-            };
-            if matches!(kind, CsnKind::Request { .. }) {
-                q.unacked += 1;
-            }
             let c = self.conns[ci].as_mut()?;
             c.qp_rr = (start + k + 1) % nq;
             // A path has room (checked above), so the segment always goes out.
             let path = c.pick_path(None)?;
             let csn = c.new_csn(kind);
-            return self.emit_data(ci, path, csn, kind, now, &mut buf[..mtu], false, None);
+            let first = self.emit_data(ci, path, csn, kind, now, &mut buf[..mtu], false, None)?;
+            return Some(self.extend_batch(ci, qpn, path, first, now, buf, mtu));
         }
         None
+    }
+
+    /// The next new segment of `qpn`, as what its CSN will carry.
+    fn take_segment(&mut self, qpn: Qpn, now: Instant, mtu: usize) -> Option<CsnKind> {
+        let q = self.qp_mut(qpn)?;
+        if !q.has_send_work(now) {
+            return None;
+        }
+        let kind = match q.next_segment(now, mtu)? {
+            Segment::Request {
+                msn,
+                gen,
+                offset,
+                len,
+            } => {
+                q.unacked += 1;
+                CsnKind::Request {
+                    qp: qpn,
+                    msn,
+                    gen,
+                    offset,
+                    len,
+                }
+            }
+            Segment::Response { msn, offset, len } => CsnKind::Response {
+                qp: qpn,
+                msn,
+                offset,
+                len,
+            },
+        };
+        Some(kind)
+    }
+
+    /// Appends more segments of the same QP on the same path to a transmit,
+    /// for one UDP GSO send: every segment but the last is exactly `mtu`
+    /// bytes (a full segment is always the MTU, whatever its opcode), so the
+    /// batch ends after the first shorter one.
+    #[allow(clippy::too_many_arguments)]
+    fn extend_batch(
+        &mut self,
+        ci: usize,
+        qpn: Qpn,
+        path: usize,
+        first: Transmit,
+        now: Instant,
+        buf: &mut [u8],
+        mtu: usize,
+    ) -> Transmit {
+        let max = self.config.max_gso_segments;
+        let mut t = first;
+        let mut n = 1;
+        while n < max && t.size == n * mtu && buf.len() >= t.size + mtu {
+            let Some(c) = self.conns[ci].as_ref() else {
+                break;
+            };
+            if !c.paths_tx[path].has_room() || !c.cwnd_room(mtu as u64) || !c.csn_room() {
+                break;
+            }
+            let Some(kind) = self.take_segment(qpn, now, mtu) else {
+                break;
+            };
+            let Some(c) = self.conns[ci].as_mut() else {
+                break;
+            };
+            let csn = c.new_csn(kind);
+            let at = t.size;
+            match self.emit_data(
+                ci,
+                path,
+                csn,
+                kind,
+                now,
+                &mut buf[at..at + mtu],
+                false,
+                None,
+            ) {
+                Some(next) => {
+                    t.size += next.size;
+                    n += 1;
+                }
+                None => break,
+            }
+        }
+        if n > 1 {
+            t.segment_size = Some(mtu);
+        }
+        t
     }
 
     /// Encodes one DATA packet for `csn` on `path` and records it.

@@ -148,43 +148,52 @@ impl Pair {
                 };
                 assert!(t.size <= self.buf.len());
                 let from = SocketAddr::new(from.ip(), t.src_port);
-                let bytes = self.buf[..t.size].to_vec();
-                let cut = if to_b { self.cut.0 } else { self.cut.1 };
-                if cut || self.rng.unit() < self.link.loss {
-                    self.dropped += 1;
-                    continue;
-                }
-                let copies = if self.rng.unit() < self.link.duplicate {
-                    2
-                } else {
-                    1
-                };
-                let dir = usize::from(!to_b);
-                let mut depart = self.now.as_nanos();
-                if let Some(ns) = (t.size as u64 * 1000).checked_div(self.link.bytes_per_us) {
-                    depart = depart.max(self.wire_free[dir]) + ns;
-                    self.wire_free[dir] = depart;
-                }
-                for _ in 0..copies {
-                    let mut at = depart + self.link.delay.as_nanos() as u64;
-                    if self.rng.unit() < self.link.reorder {
-                        at += self
-                            .rng
-                            .below(self.link.reorder_delay.as_nanos() as u64 + 1);
+                // A GSO batch is several datagrams: the link sees each.
+                let seg = t.segment_size.unwrap_or(t.size).max(1);
+                let datagrams: Vec<Vec<u8>> =
+                    self.buf[..t.size].chunks(seg).map(|c| c.to_vec()).collect();
+                for bytes in datagrams {
+                    let cut = if to_b { self.cut.0 } else { self.cut.1 };
+                    if cut || self.rng.unit() < self.link.loss {
+                        self.dropped += 1;
+                        continue;
                     }
-                    let mut ecn = t.ecn.bits();
-                    if t.ecn != Ecn::NotEct && self.rng.unit() < self.link.ce {
-                        ecn = Ecn::Ce.bits();
+                    let t = metaroce_proto::Transmit {
+                        size: bytes.len(),
+                        ..t
+                    };
+                    let copies = if self.rng.unit() < self.link.duplicate {
+                        2
+                    } else {
+                        1
+                    };
+                    let dir = usize::from(!to_b);
+                    let mut depart = self.now.as_nanos();
+                    if let Some(ns) = (t.size as u64 * 1000).checked_div(self.link.bytes_per_us) {
+                        depart = depart.max(self.wire_free[dir]) + ns;
+                        self.wire_free[dir] = depart;
                     }
-                    self.seq += 1;
-                    self.queue.push(Reverse(InFlight {
-                        at,
-                        seq: self.seq,
-                        to_b,
-                        from,
-                        ecn,
-                        bytes: bytes.clone(),
-                    }));
+                    for _ in 0..copies {
+                        let mut at = depart + self.link.delay.as_nanos() as u64;
+                        if self.rng.unit() < self.link.reorder {
+                            at += self
+                                .rng
+                                .below(self.link.reorder_delay.as_nanos() as u64 + 1);
+                        }
+                        let mut ecn = t.ecn.bits();
+                        if t.ecn != Ecn::NotEct && self.rng.unit() < self.link.ce {
+                            ecn = Ecn::Ce.bits();
+                        }
+                        self.seq += 1;
+                        self.queue.push(Reverse(InFlight {
+                            at,
+                            seq: self.seq,
+                            to_b,
+                            from,
+                            ecn,
+                            bytes: bytes.clone(),
+                        }));
+                    }
                 }
             }
         }
