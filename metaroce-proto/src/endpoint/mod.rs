@@ -216,6 +216,8 @@ pub struct Endpoint {
     local_ip: Option<IpAddr>,
     /// The latest `now` the driver has given.
     last_now: Instant,
+    /// Connections in the `Established` state.
+    established: usize,
 }
 
 impl Endpoint {
@@ -244,6 +246,7 @@ impl Endpoint {
             stats: EndpointStats::default(),
             local_ip: None,
             last_now: Instant::ZERO,
+            established: 0,
         })
     }
 
@@ -730,6 +733,9 @@ impl Endpoint {
             &mut self.rng,
             now,
         );
+        if conn.is_established() {
+            self.established += 1;
+        }
         self.conns[ci] = Some(conn);
         self.by_cid.insert(cid, ci);
         self.stats.connections_opened += 1;
@@ -785,6 +791,9 @@ impl Endpoint {
         let Some(c) = self.conns[ci].as_mut() else {
             return;
         };
+        if c.is_established() {
+            self.established -= 1;
+        }
         c.state = state;
         c.error = Some(error);
         c.retx.clear();

@@ -199,6 +199,7 @@ impl Endpoint {
         conn.mtu = conn.mtu.min(usize::from(a.mtu));
         conn.set_peer_paths(a.max_paths);
         conn.state = ConnectionState::Established;
+        self.established += 1;
         conn.ctrl = None;
         conn.hello_deadline = None;
         conn.last_progress = now;
