@@ -13,8 +13,8 @@ use anyhow::{bail, Context};
 use clap::Args;
 use metaroce_sim::time::{ms_to_ns, NS_PER_US};
 use metaroce_sim::{
-    render_table, run_with_progress, FaultSpec, LossLinks, Pattern, Progress, SimConfig,
-    SimReport, TransportKind,
+    render_table, run_with_progress, FaultSpec, LossLinks, Pattern, Progress, SimConfig, SimReport,
+    TransportKind,
 };
 
 /// Arguments of `metaroce sim`.

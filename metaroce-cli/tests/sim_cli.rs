@@ -41,7 +41,11 @@ fn sim_json_single_run() {
         ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     for f in FIELDS {
         assert!(v.get(f).is_some(), "missing {f}: {v}");
@@ -73,7 +77,11 @@ fn sim_sweep_gives_an_array_and_a_table() {
         "spine:1@0.05",
     ];
     let out = metaroce().args(args).arg("--json").output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let runs = v.as_array().unwrap();
     assert_eq!(runs.len(), 4);

@@ -35,7 +35,10 @@ fn main() {
             LinkKind::LeafDown { .. } => "leaf-down",
         };
         // Packets/s × ~4.2 kB ≈ load; report packets per µs.
-        by_kind.entry(k).or_default().push(l.carried as f64 / secs / 1e6);
+        by_kind
+            .entry(k)
+            .or_default()
+            .push(l.carried as f64 / secs / 1e6);
     }
     for (k, mut v) in by_kind {
         v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -45,7 +48,7 @@ fn main() {
             v[0],
             mean,
             v[v.len() - 1],
-            cfg.link_gbps * 1e3 / 8.0 / 4194.0 / 1e0 / 1e3 * 1e3
+            cfg.link_gbps * 1e9 / 8.0 / 4194.0 / 1e6
         );
     }
     for (i, s) in factory.path_report().iter().take(3).enumerate() {

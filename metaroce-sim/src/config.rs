@@ -243,7 +243,10 @@ impl SimConfig {
                 ));
             }
             if m.source_ports < 64 || m.source_ports > 16_384 {
-                return bad(format!("metaroce source ports {} not in 64..=16384", m.source_ports));
+                return bad(format!(
+                    "metaroce source ports {} not in 64..=16384",
+                    m.source_ports
+                ));
             }
             if m.chunk_bytes == 0 || m.outstanding == 0 {
                 return bad("metaroce chunk size and outstanding WRITEs must be positive".into());

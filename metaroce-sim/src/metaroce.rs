@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use metaroce_proto::consts::{DATA_HEADER_LEN, METAROCE_PORT};
 use metaroce_proto::verbs::{
-    AccessFlags, ConnectionHandle, CqHandle, PdHandle, Qpn, QpInit, RemoteAddr, SendOp, SendWr,
+    AccessFlags, ConnectionHandle, CqHandle, PdHandle, QpInit, Qpn, RemoteAddr, SendOp, SendWr,
     Sge, WcStatus, WorkCompletion,
 };
 use metaroce_proto::wire::Opcode;
@@ -529,10 +529,8 @@ impl Metaroce {
                 Event::Incoming { conn, peer } => {
                     if let Some((host, _)) = self.host_of(peer.ip()) {
                         self.conns_in.insert(host, conn);
-                        let (ready, rest): (Vec<Bind>, Vec<Bind>) = self
-                            .pending_binds
-                            .drain(..)
-                            .partition(|b| b.peer == host);
+                        let (ready, rest): (Vec<Bind>, Vec<Bind>) =
+                            self.pending_binds.drain(..).partition(|b| b.peer == host);
                         self.pending_binds = rest;
                         for b in ready {
                             self.try_bind(b);
@@ -713,12 +711,7 @@ impl Metaroce {
     }
 
     fn take_buf(&self) -> Vec<u8> {
-        let mut b = self
-            .world
-            .pool
-            .borrow_mut()
-            .pop()
-            .unwrap_or_default();
+        let mut b = self.world.pool.borrow_mut().pop().unwrap_or_default();
         if b.len() < self.mtu {
             b.resize(self.mtu, 0);
         }
@@ -827,7 +820,9 @@ impl SimTransport for Metaroce {
     fn handle_packet(&mut self, now: Nanos, pkt: Packet<Datagram>) {
         self.take_mail();
         let from = SocketAddr::new(
-            IpAddr::V4(Ipv4Addr::from(self.env.addresses.ip_u32(pkt.src, pkt.plane))),
+            IpAddr::V4(Ipv4Addr::from(
+                self.env.addresses.ip_u32(pkt.src, pkt.plane),
+            )),
             pkt.src_port,
         );
         self.ep.borrow_mut().handle_datagram(
@@ -873,7 +868,9 @@ impl SimTransport for Metaroce {
 
     fn handle_timeout(&mut self, now: Nanos) {
         self.take_mail();
-        self.ep.borrow_mut().handle_timeout(Instant::from_nanos(now));
+        self.ep
+            .borrow_mut()
+            .handle_timeout(Instant::from_nanos(now));
         self.after_call(now);
     }
 

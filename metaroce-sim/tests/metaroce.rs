@@ -91,7 +91,11 @@ fn one_and_five_percent_loss_lose_no_byte() {
         assert_intact(&r);
         assert!(r.packets.dropped_loss > 0);
         assert!(r.retransmit_fraction > 0.0);
-        assert!(r.goodput_fraction > 0.1, "loss {loss}: {}", r.goodput_fraction);
+        assert!(
+            r.goodput_fraction > 0.1,
+            "loss {loss}: {}",
+            r.goodput_fraction
+        );
     }
 }
 
