@@ -24,7 +24,7 @@ enum Command {
     /// Measure throughput and latency (loopback by default).
     Perf(perf::PerfArgs),
     /// Simulate a data-centre fabric running metaroce or a baseline transport.
-    Sim(sim::SimArgs),
+    Sim(Box<sim::SimArgs>),
 }
 
 fn main() -> ExitCode {
@@ -38,7 +38,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Perf(a) => perf::run(a),
-        Command::Sim(a) => sim::run(a),
+        Command::Sim(a) => sim::run(*a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
