@@ -27,7 +27,7 @@ pub mod verbs;
 pub mod wire;
 
 pub use config::{ConfigError, EndpointConfig};
-pub use connection::{ConnectionError, ConnectionState, ConnectionStats, PathStats};
+pub use connection::{ConnectionError, ConnectionState, ConnectionStats, PathState, PathStats};
 pub use endpoint::{Ecn, Endpoint, EndpointError, Event, Transmit};
 pub use stats::{EndpointStats, RejectCounters, RejectReason};
 pub use time::Instant;

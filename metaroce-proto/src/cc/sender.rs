@@ -74,6 +74,16 @@ impl SenderCc {
         self.cwnd
     }
 
+    /// Starts over from `window` bytes (a path moved to a new route).
+    pub fn reset(&mut self, window: u64) {
+        self.cwnd = window.clamp(self.min, self.max);
+        self.alpha = 1.0;
+        self.win_marked = 0;
+        self.win_total = 0;
+        self.win_min_rtt = None;
+        self.win_elapsed = Duration::ZERO;
+    }
+
     /// DCTCP's smoothed marked fraction.
     pub fn alpha(&self) -> f64 {
         self.alpha

@@ -8,8 +8,8 @@
 
 mod path;
 
-pub use path::PathStats;
 pub(crate) use path::{PathEvent, PathRx, PathTx};
+pub use path::{PathState, PathStats};
 
 use crate::cc::{ReceiverCc, SenderCc};
 use crate::config::EndpointConfig;
@@ -128,8 +128,10 @@ pub struct ConnectionStats {
     pub payload_bytes_sent: u64,
     /// Payload bytes placed at this end.
     pub payload_bytes_received: u64,
-    /// Completion probes sent.
+    /// Progress probes sent.
     pub probes_sent: u64,
+    /// Paths declared failed and moved to a new source port.
+    pub path_failures: u64,
     /// Current congestion window.
     pub cwnd: u64,
     /// Bytes in flight.
@@ -173,9 +175,9 @@ pub(crate) struct Connection {
     pub(crate) sent: VecDeque<CsnRecord>,
     pub(crate) retx: VecDeque<u32>,
     pub(crate) in_flight: u64,
-    pub(crate) cc: SenderCc,
     pub(crate) rtt: RttEstimator,
-    pub(crate) rto_backoff: u32,
+    /// When the last timeout that counted toward `retry_cnt` happened.
+    pub(crate) last_timeout: Instant,
     pub(crate) consecutive_rto: u8,
     pub(crate) retry_cnt: u8,
     pub(crate) last_ack_at: Instant,
@@ -218,13 +220,24 @@ impl Connection {
     ) -> Self {
         let rtt = RttEstimator::new(config.initial_rto, config.min_rto, config.max_rto);
         let mut paths_tx = Vec::with_capacity(usize::from(config.paths));
+        // Each path has its own window; together they start at the initial window.
+        let per_path =
+            (config.initial_window / u64::from(config.paths)).max(2 * u64::from(config.mtu));
+        let path_min = config.min_window.min(per_path).max(u64::from(config.mtu));
         // Distinct ports per path where there are enough: a random offset
         // into the list, then consecutive entries.
         let ports = &config.source_ports;
         let first = rng.next_u32() as usize % ports.len();
         for id in 0..config.paths {
             let port = ports[(first + usize::from(id)) % ports.len()];
-            paths_tx.push(PathTx::new(id, port, rtt));
+            let cc = SenderCc::new(
+                per_path,
+                path_min,
+                config.max_window,
+                u64::from(config.mtu),
+                config.delay_target,
+            );
+            paths_tx.push(PathTx::new(id, port, rtt, cc));
         }
         Connection {
             local_cid,
@@ -254,15 +267,8 @@ impl Connection {
             sent: VecDeque::new(),
             retx: VecDeque::new(),
             in_flight: 0,
-            cc: SenderCc::new(
-                config.initial_window,
-                config.min_window,
-                config.max_window,
-                u64::from(config.mtu),
-                config.delay_target,
-            ),
             rtt,
-            rto_backoff: 0,
+            last_timeout: now,
             consecutive_rto: 0,
             retry_cnt: config.retry_cnt,
             last_ack_at: now,
@@ -303,11 +309,26 @@ impl Connection {
         )
     }
 
-    /// The current RTO, backoff included.
+    /// The connection's RTO (paths time out on their own estimates).
     pub(crate) fn rto(&self) -> Duration {
-        let base = self.rtt.rto();
-        let shift = self.rto_backoff.min(16);
-        (base * (1u32 << shift)).min(self.rtt.max_rto())
+        self.rtt.rto()
+    }
+
+    /// The sum of the paths' windows.
+    pub(crate) fn window(&self) -> u64 {
+        self.paths_tx.iter().map(|p| p.cc.window()).sum()
+    }
+
+    /// The cap the receiver's rate grant puts on bytes in flight: the grant
+    /// times the smallest RTT seen (with headroom for ACK timing).
+    pub(crate) fn rate_cap(&self) -> Option<u64> {
+        if self.rate_hint_kbps == 0 {
+            return None;
+        }
+        let base = self.rtt.min_rtt()?;
+        let bytes_per_sec = u64::from(self.rate_hint_kbps) * 1000 / 8;
+        let cap = (bytes_per_sec as f64 * base.as_secs_f64() * 1.25) as u64;
+        Some(cap.max(2 * self.mtu as u64))
     }
 
     /// Whether a new CSN may be assigned (window of the peer's duplicate filter).
@@ -315,31 +336,49 @@ impl Connection {
         seq_dist(self.csn_una, self.next_csn) < CSN_WINDOW - 1
     }
 
-    /// Whether the congestion window lets `bytes` more go out.
+    /// Whether some path's window (and the receiver's grant) lets `bytes`
+    /// more go out.
     pub(crate) fn cwnd_room(&self, bytes: u64) -> bool {
-        self.in_flight == 0 || self.in_flight + bytes <= self.cc.window()
+        if let Some(cap) = self.rate_cap() {
+            if self.in_flight > 0 && self.in_flight + bytes > cap {
+                return false;
+            }
+        }
+        self.paths_tx.iter().any(|p| p.can_send(bytes))
     }
 
-    /// Picks a path with room, round robin, avoiding `avoid` when another has room.
-    pub(crate) fn pick_path(&mut self, avoid: Option<u8>) -> Option<usize> {
+    /// The scheduler: among the paths whose window has room for `bytes`,
+    /// the least loaded (bytes in flight over window: a path the network
+    /// marks, delays or loses gets a smaller window and so fewer packets),
+    /// ties broken by RTT, then round robin. `avoid` (the path a packet was
+    /// lost on) is used only when no other path has room.
+    pub(crate) fn pick_path(&mut self, avoid: Option<u8>, bytes: u64) -> Option<usize> {
         let n = self.paths_tx.len();
+        let mut best: Option<(usize, f64, Duration)> = None;
         let mut fallback = None;
         for k in 0..n {
             let i = (self.path_rr + k) % n;
-            if !self.paths_tx[i].has_room() {
+            let p = &self.paths_tx[i];
+            if !p.can_send(bytes) {
                 continue;
             }
-            if Some(self.paths_tx[i].id) == avoid && n > 1 {
+            if Some(p.id) == avoid && n > 1 {
                 fallback.get_or_insert(i);
                 continue;
             }
-            self.path_rr = (i + 1) % n;
-            return Some(i);
+            let load = p.load(bytes);
+            let rtt = p.rtt.srtt().unwrap_or(Duration::ZERO);
+            let better = match best {
+                None => true,
+                Some((_, bl, br)) => load < bl - 1e-9 || (load <= bl + 1e-9 && rtt < br),
+            };
+            if better {
+                best = Some((i, load, rtt));
+            }
         }
-        if fallback.is_some() {
-            self.path_rr = (self.path_rr + 1) % n;
-        }
-        fallback
+        let pick = best.map(|b| b.0).or(fallback)?;
+        self.path_rr = (pick + 1) % n;
+        Some(pick)
     }
 
     /// Assigns the next CSN to `kind`.
@@ -388,14 +427,6 @@ impl Connection {
             }
             _ => false,
         }
-    }
-
-    /// Whether any packet is outstanding on any path.
-    pub(crate) fn oldest_outstanding(&self) -> Option<Instant> {
-        self.paths_tx
-            .iter()
-            .filter_map(|p| p.oldest_outstanding())
-            .min()
     }
 
     /// Notes a received DATA packet for the ACK machinery.
@@ -453,7 +484,7 @@ impl Connection {
 
     pub(crate) fn snapshot(&self) -> ConnectionStats {
         let mut s = self.stats.clone();
-        s.cwnd = self.cc.window();
+        s.cwnd = self.window();
         s.in_flight = self.in_flight;
         s.srtt_ns = self.rtt.srtt().map_or(0, crate::time::nanos);
         s.rto_ns = crate::time::nanos(self.rto());

@@ -1,11 +1,13 @@
 //! One path of a connection: the sender's per-path sequence and send record
 //! ring, and the receiver's per-path sequence tracking.
 
+use crate::cc::SenderCc;
 use crate::consts::{SACK_BITS, SACK_BYTES};
 use crate::reliability::{RingBitmap, RttEstimator, SeqAccept};
 use crate::time::Instant;
 use crate::wire::seq::{seq_dist, seq_lt};
 use crate::wire::AckPathEntry;
+use core::time::Duration;
 
 /// A packet sent on a path and not yet released.
 #[derive(Debug, Clone, Copy, Default)]
@@ -53,6 +55,12 @@ pub struct PathStats {
     pub srtt_ns: u64,
     /// Bytes in flight.
     pub in_flight: u64,
+    /// The path's congestion window, bytes.
+    pub cwnd: u64,
+    /// Times the path was declared failed and moved to a new source port.
+    pub failures: u64,
+    /// Current state (`None` only in a default value).
+    pub state: Option<PathState>,
 }
 
 /// Sender side of a path.
@@ -65,13 +73,39 @@ pub(crate) struct PathTx {
     ring: Box<[SentPkt]>,
     pub(crate) in_flight: u64,
     pub(crate) rtt: RttEstimator,
+    /// The path's own congestion window.
+    pub(crate) cc: SenderCc,
+    pub(crate) state: PathState,
+    /// Timeout backoff exponent; reset when the path delivers.
+    pub(crate) backoff: u32,
+    /// When the path last delivered a packet.
+    pub(crate) last_delivery: Instant,
+    /// Send time of the newest packet the path delivered.
+    pub(crate) newest_delivered: Instant,
+    /// Packets declared lost since the path last delivered one.
+    pub(crate) consecutive_lost: u32,
+    /// Window to restart from when a probe succeeds.
+    restart_window: u64,
+    /// Time of the previous ACK that carried this path (for the CC's clock).
+    pub(crate) last_ack_at: Instant,
     last_rx_echo: u32,
     last_ce_echo: u32,
     pub(crate) stats: PathStats,
 }
 
+/// Whether a path carries traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PathState {
+    /// Delivering: gets traffic by its score.
+    Active,
+    /// Declared failed and moved to a new source port: one packet at a time
+    /// probes whether the new route delivers.
+    Probing,
+}
+
 impl PathTx {
-    pub(crate) fn new(id: u8, src_port: u16, rtt: RttEstimator) -> Self {
+    pub(crate) fn new(id: u8, src_port: u16, rtt: RttEstimator, cc: SenderCc) -> Self {
+        let restart = cc.window();
         PathTx {
             id,
             src_port,
@@ -80,13 +114,96 @@ impl PathTx {
             ring: vec![SentPkt::default(); SACK_BITS as usize].into_boxed_slice(),
             in_flight: 0,
             rtt,
+            cc,
+            state: PathState::Active,
+            backoff: 0,
+            last_delivery: Instant::ZERO,
+            newest_delivered: Instant::ZERO,
+            consecutive_lost: 0,
+            restart_window: restart,
+            last_ack_at: Instant::ZERO,
             last_rx_echo: 0,
             last_ce_echo: 0,
             stats: PathStats {
                 id,
                 src_port,
+                state: Some(PathState::Active),
                 ..Default::default()
             },
+        }
+    }
+
+    /// Whether a packet of `bytes` may go out on this path now: SACK span,
+    /// the path's window, and one at a time while probing.
+    pub(crate) fn can_send(&self, bytes: u64) -> bool {
+        self.has_room()
+            && match self.state {
+                PathState::Probing => self.in_flight == 0,
+                PathState::Active => {
+                    self.in_flight == 0 || self.in_flight + bytes <= self.cc.window()
+                }
+            }
+    }
+
+    /// The path's retransmission timeout, backoff included.
+    pub(crate) fn rto(&self) -> Duration {
+        let shift = self.backoff.min(16);
+        (self.rtt.rto() * (1u32 << shift)).min(self.rtt.max_rto())
+    }
+
+    /// When the path's oldest outstanding packet times out.
+    pub(crate) fn deadline(&self) -> Option<Instant> {
+        self.oldest_outstanding().map(|t| t + self.rto())
+    }
+
+    /// How full the path would be with `bytes` more: lower is better.
+    pub(crate) fn load(&self, bytes: u64) -> f64 {
+        (self.in_flight + bytes) as f64 / self.cc.window().max(1) as f64
+    }
+
+    /// The path delivered something: it is healthy.
+    pub(crate) fn delivered(&mut self, now: Instant) {
+        self.last_delivery = now;
+        self.backoff = 0;
+        self.consecutive_lost = 0;
+        if self.state == PathState::Probing {
+            // The new route works: back to a normal share at once.
+            self.state = PathState::Active;
+            self.stats.state = Some(PathState::Active);
+            self.cc.reset(self.restart_window);
+        }
+    }
+
+    /// Declares the path failed: moves it to `new_port` and starts probing.
+    pub(crate) fn fail(&mut self, new_port: u16, min_window: u64) {
+        self.state = PathState::Probing;
+        self.src_port = new_port;
+        self.cc.reset(min_window);
+        self.stats.failures += 1;
+        self.stats.state = Some(PathState::Probing);
+    }
+
+    /// Time-based loss detection across paths (after RACK): an outstanding
+    /// packet is lost once a packet sent after it was delivered (on any
+    /// path: `evidence` is the newest such send time) and it has waited
+    /// longer than this path's RTT plus a reordering allowance. This catches
+    /// the tail of a burst, which no SACK gap reveals, without a timeout.
+    pub(crate) fn detect_by_time(
+        &mut self,
+        now: Instant,
+        evidence: Instant,
+        slack: Duration,
+        out: impl FnMut(PathEvent),
+    ) -> usize {
+        let Some(srtt) = self.rtt.srtt() else {
+            return 0;
+        };
+        let wait = srtt + srtt / 4 + self.rtt.rttvar() * 2 + slack;
+        let by_age = Instant::from_nanos(now.as_nanos().saturating_sub(crate::time::nanos(wait)));
+        let cutoff = by_age.min(Instant::from_nanos(evidence.as_nanos().saturating_sub(1)));
+        match self.oldest_outstanding() {
+            Some(oldest) if oldest <= cutoff => self.expire(cutoff, out),
+            _ => 0,
         }
     }
 
@@ -147,6 +264,7 @@ impl PathTx {
                 let p = &mut self.ring[Self::slot(psn)];
                 if !p.acked {
                     p.acked = true;
+                    self.newest_delivered = self.newest_delivered.max(p.sent_at);
                     self.stats.packets_acked += 1;
                     if !p.lost {
                         self.in_flight -= u64::from(p.bytes);
@@ -169,6 +287,7 @@ impl PathTx {
                     p.lost = true;
                     self.in_flight -= u64::from(p.bytes);
                     self.stats.packets_lost += 1;
+                    self.consecutive_lost += 1;
                     out(PathEvent::Lost { csn: p.csn });
                 }
                 psn = psn.wrapping_add(1);
@@ -221,6 +340,7 @@ impl PathTx {
                 p.lost = true;
                 self.in_flight -= u64::from(p.bytes);
                 self.stats.packets_lost += 1;
+                self.consecutive_lost += 1;
                 n += 1;
                 out(PathEvent::Lost { csn: p.csn });
             }
@@ -234,6 +354,7 @@ impl PathTx {
         PathStats {
             srtt_ns: self.rtt.srtt().map_or(0, crate::time::nanos),
             in_flight: self.in_flight,
+            cwnd: self.cc.window(),
             src_port: self.src_port,
             ..self.stats
         }
@@ -308,7 +429,6 @@ impl PathRx {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use core::time::Duration;
 
     fn tx() -> PathTx {
         PathTx::new(
@@ -319,6 +439,7 @@ mod tests {
                 Duration::from_micros(10),
                 Duration::from_secs(1),
             ),
+            SenderCc::new(1 << 20, 1024, 1 << 24, 1000, Duration::from_micros(100)),
         )
     }
 

@@ -80,6 +80,79 @@ impl Endpoint {
         }
     }
 
+    /// Declares path `pi` failed: it moves to a source port no other path
+    /// uses (a new ECMP route) and carries one probe packet at a time until
+    /// it delivers again.
+    pub(crate) fn fail_path(&mut self, ci: usize, pi: usize) {
+        let min_window = u64::from(self.config.mtu);
+        let Some(c) = self.conns[ci].as_mut() else {
+            return;
+        };
+        let used: Vec<u16> = c.paths_tx.iter().map(|p| p.src_port).collect();
+        let ports = &self.config.source_ports;
+        let start = self.rng.next_u32() as usize % ports.len();
+        let new_port = (0..ports.len())
+            .map(|k| ports[(start + k) % ports.len()])
+            .find(|port| !used.contains(port))
+            .unwrap_or(ports[start]);
+        let p = &mut c.paths_tx[pi];
+        tracing::debug!(
+            conn = ci,
+            path = p.id,
+            old = p.src_port,
+            new = new_port,
+            "path failed: new source port"
+        );
+        p.fail(new_port, min_window);
+        c.stats.path_failures += 1;
+    }
+
+    /// After an ACK: time-based loss detection on every path, and paths that
+    /// lose packet after packet while others deliver are declared failed.
+    pub(crate) fn detect_path_losses(&mut self, ci: usize, now: Instant) {
+        let slack = self.config.ack_delay;
+        let Some(c) = self.conns[ci].as_mut() else {
+            return;
+        };
+        let evidence = c
+            .paths_tx
+            .iter()
+            .map(|p| p.newest_delivered)
+            .max()
+            .unwrap_or(Instant::ZERO);
+        let mut lost = Vec::new();
+        for p in c.paths_tx.iter_mut() {
+            p.detect_by_time(now, evidence, slack, |e| {
+                if let PathEvent::Lost { csn } = e {
+                    lost.push(csn);
+                }
+            });
+        }
+        if !lost.is_empty() {
+            c.in_flight = c.paths_tx.iter().map(|p| p.in_flight).sum();
+            c.stats.packets_lost += lost.len() as u64;
+            for csn in lost {
+                if c.queue_retransmit(csn) {
+                    c.stats.fast_retransmits += 1;
+                }
+            }
+        }
+        let failing: Vec<usize> = (0..c.paths_tx.len())
+            .filter(|&i| {
+                let p = &c.paths_tx[i];
+                p.state == crate::connection::PathState::Active
+                    && p.consecutive_lost >= crate::consts::PATH_FAIL_LOSSES
+                    && c.paths_tx
+                        .iter()
+                        .enumerate()
+                        .any(|(j, o)| j != i && o.newest_delivered > p.newest_delivered)
+            })
+            .collect();
+        for pi in failing {
+            self.fail_path(ci, pi);
+        }
+    }
+
     /// Requester: completes, in order, every request at the head of the send
     /// queue that is done.
     pub(crate) fn complete_in_order(&mut self, qpn: Qpn) {
@@ -321,43 +394,75 @@ impl Endpoint {
                 }
             }
         }
-        // Retransmission timeout.
-        if let Some(oldest) = c.oldest_outstanding() {
-            let rto = c.rto();
-            if oldest + rto <= now {
-                let cutoff =
-                    Instant::from_nanos(now.as_nanos().saturating_sub(crate::time::nanos(rto)));
-                let mut lost = Vec::new();
-                for p in c.paths_tx.iter_mut() {
-                    p.expire(cutoff, |e| {
-                        if let PathEvent::Lost { csn } = e {
-                            lost.push(csn);
-                        }
-                    });
+        // Retransmission timeouts, path by path.
+        let mut lost = Vec::new();
+        let mut fired = false;
+        let last_delivery_elsewhere = |paths: &[crate::connection::PathTx], me: usize| {
+            paths
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| i != me)
+                .map(|(_, p)| p.newest_delivered)
+                .max()
+        };
+        let npaths = c.paths_tx.len();
+        for pi in 0..npaths {
+            let Some(c) = self.conns[ci].as_mut() else {
+                return;
+            };
+            let p = &c.paths_tx[pi];
+            let (Some(oldest), Some(deadline)) = (p.oldest_outstanding(), p.deadline()) else {
+                continue;
+            };
+            if deadline > now {
+                continue;
+            }
+            let rto = p.rto();
+            // A path fails when it times out while another path delivered
+            // packets sent after this one's oldest: the network works, this
+            // route does not. (Alone, or with every path silent, it is only
+            // backed off: that is the peer or the whole network.)
+            let others_deliver =
+                last_delivery_elsewhere(&c.paths_tx, pi).is_some_and(|t| t > oldest);
+            let probing = p.state == crate::connection::PathState::Probing;
+            let cutoff =
+                Instant::from_nanos(now.as_nanos().saturating_sub(crate::time::nanos(rto)));
+            let p = &mut c.paths_tx[pi];
+            p.expire(cutoff, |e| {
+                if let PathEvent::Lost { csn } = e {
+                    lost.push(csn);
                 }
-                c.in_flight = c.paths_tx.iter().map(|p| p.in_flight).sum();
-                c.stats.rto_fires += 1;
-                c.stats.packets_lost += lost.len() as u64;
-                for csn in lost {
-                    c.queue_retransmit(csn);
-                }
-                c.rto_backoff += 1;
+            });
+            p.backoff += 1;
+            fired = true;
+            // A second timeout in a row while other paths deliver, or a
+            // probe that timed out, fails the path.
+            if probing || others_deliver && p.backoff >= 2 {
+                self.fail_path(ci, pi);
+            }
+        }
+        let Some(c) = self.conns[ci].as_mut() else {
+            return;
+        };
+        if fired {
+            c.in_flight = c.paths_tx.iter().map(|p| p.in_flight).sum();
+            c.stats.rto_fires += 1;
+            c.stats.packets_lost += lost.len() as u64;
+            for csn in lost.drain(..) {
+                c.queue_retransmit(csn);
+            }
+            // Timeouts count toward retry_cnt only while nothing gets through.
+            if c.last_progress <= c.last_timeout {
                 c.consecutive_rto = c.consecutive_rto.saturating_add(1);
-                tracing::debug!(
-                    conn = ci,
-                    rto_ns = crate::time::nanos(rto),
-                    n = c.consecutive_rto,
-                    "RTO fired"
-                );
-                if c.consecutive_rto > c.retry_cnt {
-                    c.ctrl = Some(Ctrl::Close(crate::wire::CloseCode::RetryExceeded));
-                    self.end_connection(
-                        ci,
-                        ConnectionState::Failed,
-                        ConnectionError::RetryExceeded,
-                    );
-                    return;
-                }
+            } else {
+                c.consecutive_rto = 1;
+            }
+            c.last_timeout = now;
+            tracing::debug!(conn = ci, n = c.consecutive_rto, "retransmission timeout");
+            if c.consecutive_rto > c.retry_cnt {
+                c.ctrl = Some(Ctrl::Close(crate::wire::CloseCode::RetryExceeded));
+                self.end_connection(ci, ConnectionState::Failed, ConnectionError::RetryExceeded);
+                return;
             }
         }
         // Progress probes: a QP whose requests were all delivered but not
@@ -398,7 +503,9 @@ impl Endpoint {
                 if c.ack_needed && !c.ack_now {
                     consider(c.ack_deadline);
                 }
-                consider(c.oldest_outstanding().map(|t| t + c.rto()));
+                for p in &c.paths_tx {
+                    consider(p.deadline());
+                }
                 let rto = c.rto();
                 for &qpn in &c.qps {
                     if let Some(q) = self.qp_index(qpn).and_then(|i| self.qps[i].as_ref()) {

@@ -682,7 +682,6 @@ impl Endpoint {
             return self.reject(RejectReason::WrongState, from);
         }
         c.stats.acks_received += 1;
-        let elapsed = now.saturating_since(c.last_ack_at);
         c.rate_hint_kbps = h.rate_hint_kbps;
         // RTT from the timestamp echo: unambiguous, every transmission has its own.
         let rtt_ns = now
@@ -691,34 +690,45 @@ impl Endpoint {
             .saturating_sub(h.ack_delay_ns);
         let rtt = core::time::Duration::from_nanos(u64::from(rtt_ns));
         let plausible = rtt < core::time::Duration::from_secs(1) && h.ts_echo != 0;
+        if plausible {
+            c.rtt.sample(rtt);
+        }
+        let base = c.rtt.min_rtt().unwrap_or(rtt);
         let mut delivered = Vec::new();
         let mut lost = Vec::new();
-        let (mut acked_bytes, mut echo_pkts, mut echo_marked) = (0u64, 0u64, 0u64);
         let mut bogus = false;
         for e in ack.paths() {
             let Some(p) = c.paths_tx.get_mut(usize::from(e.path_id)) else {
                 bogus = true;
                 continue;
             };
-            match p.on_ack(&e, |ev| match ev {
+            let mut acked_bytes = 0u64;
+            let echo = p.on_ack(&e, |ev| match ev {
                 PathEvent::Acked { csn, bytes } => {
                     acked_bytes += u64::from(bytes);
                     delivered.push(csn);
                 }
                 PathEvent::Lost { csn } => lost.push(csn),
-            }) {
-                Ok((pk, mk)) => {
-                    echo_pkts += pk;
-                    echo_marked += mk;
-                }
-                Err(_) => bogus = true,
-            }
+            });
+            let Ok((echo_pkts, echo_marked)) = echo else {
+                bogus = true;
+                continue;
+            };
             if plausible && e.path_id == h.echo_path {
                 p.rtt.sample(rtt);
             }
-        }
-        if plausible {
-            c.rtt.sample(rtt);
+            if acked_bytes > 0 {
+                p.delivered(now);
+            }
+            // Each path's window follows its own ECN marks and delay.
+            let latest = if p.rtt.srtt().is_some() {
+                p.rtt.latest()
+            } else {
+                rtt
+            };
+            let elapsed = now.saturating_since(p.last_ack_at);
+            p.last_ack_at = now;
+            p.cc.on_ack(acked_bytes, echo_pkts, echo_marked, latest, base, elapsed);
         }
         c.in_flight = c.paths_tx.iter().map(|p| p.in_flight).sum();
         // The connection-level point covers whatever path a CSN went on.
@@ -740,7 +750,6 @@ impl Endpoint {
         let progress = !kinds.is_empty();
         if progress {
             c.consecutive_rto = 0;
-            c.rto_backoff = 0;
             c.last_progress = now;
         }
         c.last_ack_at = now;
@@ -750,9 +759,6 @@ impl Endpoint {
                 c.stats.fast_retransmits += 1;
             }
         }
-        let latest = if plausible { rtt } else { c.rtt.latest() };
-        let base = c.rtt.min_rtt().unwrap_or(latest);
-        c.cc.on_ack(acked_bytes, echo_pkts, echo_marked, latest, base, elapsed);
         if bogus {
             self.stats.rejects.bump(RejectReason::BogusAck);
         }
@@ -786,6 +792,7 @@ impl Endpoint {
         for n in ack.naks() {
             self.on_nak(now, ci, n);
         }
+        self.detect_path_losses(ci, now);
         self.touch(ci, Some(now));
     }
 

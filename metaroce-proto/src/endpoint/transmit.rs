@@ -136,7 +136,7 @@ impl Endpoint {
                 continue;
             }
             let (kind, avoid) = (rec.kind, rec.last_path);
-            let Some(path) = c.pick_path(Some(avoid)) else {
+            let Some(path) = c.pick_path(Some(avoid), mtu as u64) else {
                 c.retx.push_front(csn);
                 if let Some(r) = c.record_mut(csn) {
                     r.queued = true;
@@ -163,7 +163,7 @@ impl Endpoint {
                     (q.remote_qpn, q.sq.front().map_or(q.next_msn, |w| w.msn))
                 };
                 let c = self.conns[ci].as_mut()?;
-                let path = c.pick_path(None)?;
+                let path = c.pick_path(None, mtu as u64)?;
                 c.stats.probes_sent += 1;
                 let csn = c.new_csn(CsnKind::Nop);
                 return self.emit_data(
@@ -208,7 +208,7 @@ impl Endpoint {
             let c = self.conns[ci].as_mut()?;
             c.qp_rr = (start + k + 1) % nq;
             // A path has room (checked above), so the segment always goes out.
-            let path = c.pick_path(None)?;
+            let path = c.pick_path(None, mtu as u64)?;
             let csn = c.new_csn(kind);
             let first = self.emit_data(ci, path, csn, kind, now, &mut buf[..mtu], false, None)?;
             return Some(self.extend_batch(ci, qpn, path, first, now, buf, mtu));
