@@ -17,6 +17,9 @@ pub enum DriverError {
     /// A socket operation failed.
     #[error("socket error: {0}")]
     Io(#[from] std::io::Error),
+    /// The io_uring backend was asked for and the kernel cannot run it.
+    #[error("io_uring unavailable: {0}")]
+    UringUnavailable(String),
     /// The endpoint configuration was refused.
     #[error(transparent)]
     Endpoint(#[from] metaroce_proto::EndpointError),

@@ -1,15 +1,30 @@
 //! Drivers that run the sans-IO [`metaroce_proto`] core on real UDP sockets.
 //!
-//! [`PortableDriver`] works on any kernel: `std` sockets set up with
-//! `socket2`, ECN and GRO through `quinn-udp`, one blocking wait per loop turn
-//! bounded by the core's next timer. One receive socket listens on the
-//! endpoint's port; one send socket per path source port gives each path its
-//! own ECMP entropy.
+//! Two backends behind one seam, the [`IoDriver`] trait:
+//!
+//! - [`UringDriver`] (Linux ≥ 6.0): a multishot `RECVMSG` into a registered
+//!   provided-buffer ring with UDP GRO and ECN from the control data,
+//!   `SENDMSG` with `UDP_SEGMENT` (GSO) and `IP_TOS`, `SENDMSG_ZC` (zero copy)
+//!   for large transmits, the core's timer as a `TIMEOUT` on the ring, and
+//!   one `io_uring_enter` per loop turn.
+//! - [`PortableDriver`]: `std` sockets set up with `socket2`, ECN, GRO and
+//!   GSO through `quinn-udp`, a `ppoll` wait bounded by the core's next timer.
+//!
+//! Both bind one receive socket on the endpoint's port and one send socket
+//! per path source port, so that each path has its own ECMP entropy.
+//! [`Driver::bind`] picks the backend: [`Backend::Auto`] (the default) takes
+//! io_uring when the kernel supports it ([`uring_probe`]) and falls back to
+//! the portable backend, logging which and why; [`Backend::Uring`] and
+//! [`Backend::Portable`] force one. Another backend (AF_XDP, say) plugs in
+//! by implementing [`IoDriver`] and adding a [`Driver`] variant.
 //!
 //! ```no_run
-//! use metaroce_io::{DriverConfig, PortableDriver};
+//! use metaroce_io::{Backend, Driver, DriverConfig};
 //! use std::time::Duration;
-//! let mut drv = PortableDriver::bind(DriverConfig::new("127.0.0.1:0".parse().unwrap())).unwrap();
+//! let mut cfg = DriverConfig::new("127.0.0.1:0".parse().unwrap());
+//! cfg.backend = Backend::Auto; // io_uring if the kernel can, else portable
+//! let mut drv = Driver::bind(cfg).unwrap();
+//! println!("running on {}", drv.backend());
 //! let peer = "127.0.0.2:4792".parse().unwrap();
 //! let now = drv.now();
 //! let conn = drv.endpoint().connect(now, peer).unwrap();
@@ -24,9 +39,224 @@
 //! ```
 
 mod clock;
+mod config;
 mod error;
 mod portable;
+#[cfg(target_os = "linux")]
+mod uring;
 
 pub use clock::Clock;
+pub use config::{Backend, DriverConfig, DriverStats, UnknownBackend, UringConfig};
 pub use error::DriverError;
-pub use portable::{DriverConfig, DriverStats, PortableDriver};
+pub use portable::PortableDriver;
+#[cfg(target_os = "linux")]
+pub use uring::{uring_probe, UringCaps, UringDriver};
+
+use metaroce_proto::{Endpoint, Instant};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Whether this kernel can run the io_uring backend (never, off Linux).
+#[cfg(not(target_os = "linux"))]
+pub fn uring_probe() -> Result<(), String> {
+    Err("io_uring exists on Linux only".into())
+}
+
+/// What every backend offers: an [`Endpoint`] on sockets, driven by
+/// [`poll`](IoDriver::poll). Code generic over it runs on any backend.
+pub trait IoDriver {
+    /// Binds the sockets and creates the endpoint.
+    fn bind(cfg: DriverConfig) -> Result<Self, DriverError>
+    where
+        Self: Sized;
+    /// Which backend this is (never [`Backend::Auto`]).
+    fn backend(&self) -> Backend;
+    /// The endpoint, to post work, connect, and poll completions and events.
+    fn endpoint(&mut self) -> &mut Endpoint;
+    /// The current time on the driver's clock.
+    fn now(&self) -> Instant;
+    /// The address peers reach this endpoint at.
+    fn local_addr(&self) -> SocketAddr;
+    /// Runs one turn of the loop: receives, runs due timers, sends, and if
+    /// nothing happened waits at most `max_wait` (or until the core's next
+    /// timer) for something to.
+    fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError>;
+    /// The driver's own counters.
+    fn stats(&self) -> DriverStats;
+}
+
+impl IoDriver for PortableDriver {
+    fn bind(cfg: DriverConfig) -> Result<Self, DriverError> {
+        PortableDriver::bind(cfg)
+    }
+    fn backend(&self) -> Backend {
+        Backend::Portable
+    }
+    fn endpoint(&mut self) -> &mut Endpoint {
+        PortableDriver::endpoint(self)
+    }
+    fn now(&self) -> Instant {
+        PortableDriver::now(self)
+    }
+    fn local_addr(&self) -> SocketAddr {
+        PortableDriver::local_addr(self)
+    }
+    fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError> {
+        PortableDriver::poll(self, max_wait)
+    }
+    fn stats(&self) -> DriverStats {
+        PortableDriver::stats(self)
+    }
+}
+
+/// A driver on the backend [`DriverConfig::backend`] chose.
+///
+/// Both variants are large (socket state and buffers' bookkeeping, the
+/// buffers themselves are on the heap); a program has one per endpoint and
+/// never moves it on a hot path, so they are not boxed.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
+pub enum Driver {
+    /// The io_uring backend.
+    #[cfg(target_os = "linux")]
+    Uring(UringDriver),
+    /// The portable backend.
+    Portable(PortableDriver),
+}
+
+macro_rules! each {
+    ($self:expr, $d:ident => $e:expr) => {
+        match $self {
+            #[cfg(target_os = "linux")]
+            Driver::Uring($d) => $e,
+            Driver::Portable($d) => $e,
+        }
+    };
+}
+
+impl Driver {
+    /// Binds on the configured backend. With [`Backend::Auto`], io_uring if
+    /// [`uring_probe`] passes and its set-up succeeds, else portable; one
+    /// `info` line says which and why. A forced [`Backend::Uring`] fails
+    /// with [`DriverError::UringUnavailable`] where io_uring cannot run.
+    pub fn bind(cfg: DriverConfig) -> Result<Self, DriverError> {
+        let (drv, why) = match cfg.backend {
+            Backend::Portable => (
+                Driver::Portable(PortableDriver::bind(cfg)?),
+                "configured".to_string(),
+            ),
+            #[cfg(target_os = "linux")]
+            Backend::Uring => (
+                Driver::Uring(UringDriver::bind(cfg)?),
+                "configured".to_string(),
+            ),
+            #[cfg(not(target_os = "linux"))]
+            Backend::Uring => {
+                return Err(DriverError::UringUnavailable(
+                    "io_uring exists on Linux only".into(),
+                ))
+            }
+            Backend::Auto => Self::bind_auto(cfg)?,
+        };
+        let mut drv = drv;
+        let gso_segments = drv.endpoint().config().max_gso_segments;
+        tracing::info!(
+            backend = %drv.backend(),
+            local = %drv.local_addr(),
+            gso_segments,
+            "metaroce driver: {} backend ({why})",
+            drv.backend()
+        );
+        Ok(drv)
+    }
+
+    #[cfg(target_os = "linux")]
+    fn bind_auto(cfg: DriverConfig) -> Result<(Driver, String), DriverError> {
+        match uring_probe() {
+            Ok(caps) => match UringDriver::bind(cfg.clone()) {
+                Ok(d) => Ok((
+                    Driver::Uring(d),
+                    format!(
+                        "auto: kernel supports io_uring (zero copy {})",
+                        if caps.sendmsg_zc {
+                            "available"
+                        } else {
+                            "unavailable"
+                        }
+                    ),
+                )),
+                Err(DriverError::UringUnavailable(why)) => Ok((
+                    Driver::Portable(PortableDriver::bind(cfg)?),
+                    format!("auto: io_uring set-up failed: {why}"),
+                )),
+                Err(e) => Err(e),
+            },
+            Err(why) => Ok((
+                Driver::Portable(PortableDriver::bind(cfg)?),
+                format!("auto: io_uring unavailable: {why}"),
+            )),
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn bind_auto(cfg: DriverConfig) -> Result<(Driver, String), DriverError> {
+        Ok((
+            Driver::Portable(PortableDriver::bind(cfg)?),
+            "auto: io_uring exists on Linux only".into(),
+        ))
+    }
+
+    /// Which backend runs (never [`Backend::Auto`]).
+    pub fn backend(&self) -> Backend {
+        each!(self, d => IoDriver::backend(d))
+    }
+
+    /// The endpoint, to post work, connect, and poll completions and events.
+    pub fn endpoint(&mut self) -> &mut Endpoint {
+        each!(self, d => IoDriver::endpoint(d))
+    }
+
+    /// The current time on the driver's clock.
+    pub fn now(&self) -> Instant {
+        each!(self, d => IoDriver::now(d))
+    }
+
+    /// The address peers reach this endpoint at.
+    pub fn local_addr(&self) -> SocketAddr {
+        each!(self, d => IoDriver::local_addr(d))
+    }
+
+    /// Runs one turn of the loop (see [`IoDriver::poll`]).
+    pub fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError> {
+        each!(self, d => IoDriver::poll(d, max_wait))
+    }
+
+    /// The driver's own counters.
+    pub fn stats(&self) -> DriverStats {
+        each!(self, d => IoDriver::stats(d))
+    }
+}
+
+impl IoDriver for Driver {
+    fn bind(cfg: DriverConfig) -> Result<Self, DriverError> {
+        Driver::bind(cfg)
+    }
+    fn backend(&self) -> Backend {
+        Driver::backend(self)
+    }
+    fn endpoint(&mut self) -> &mut Endpoint {
+        Driver::endpoint(self)
+    }
+    fn now(&self) -> Instant {
+        Driver::now(self)
+    }
+    fn local_addr(&self) -> SocketAddr {
+        Driver::local_addr(self)
+    }
+    fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError> {
+        Driver::poll(self, max_wait)
+    }
+    fn stats(&self) -> DriverStats {
+        Driver::stats(self)
+    }
+}

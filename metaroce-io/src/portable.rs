@@ -1,8 +1,8 @@
 //! The portable driver: `std` sockets, `quinn-udp` for ECN and GRO, a
 //! `ppoll` wait bounded by the core's next timer.
 
-use crate::{Clock, DriverError};
-use metaroce_proto::{Ecn, Endpoint, EndpointConfig, Instant};
+use crate::{Clock, DriverConfig, DriverError, DriverStats};
+use metaroce_proto::{Ecn, Endpoint, Instant};
 use quinn_udp::{EcnCodepoint, RecvMeta, Transmit as QTransmit, UdpSockRef, UdpSocketState};
 use socket2::{Domain, Protocol, Socket, Type};
 use std::collections::HashMap;
@@ -10,54 +10,6 @@ use std::io::IoSliceMut;
 use std::net::{SocketAddr, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::time::Duration;
-
-/// How to set a driver up.
-#[derive(Debug, Clone)]
-pub struct DriverConfig {
-    /// Address to receive on (port 0: any free port).
-    pub listen: SocketAddr,
-    /// The endpoint's configuration; `listen_port` and `source_ports` are
-    /// replaced by the ports actually bound.
-    pub endpoint: EndpointConfig,
-    /// Send sockets, one per source port (path entropy). Default: one per path.
-    pub send_sockets: usize,
-    /// Seed of the endpoint.
-    pub seed: u64,
-    /// Kernel socket buffer size to ask for, bytes.
-    pub socket_buffer: usize,
-    /// Most datagrams per GSO send (the kernel's limit applies too; 1 disables GSO).
-    pub max_gso_segments: usize,
-}
-
-impl DriverConfig {
-    /// Defaults around a listen address.
-    pub fn new(listen: SocketAddr) -> Self {
-        let endpoint = EndpointConfig::default();
-        DriverConfig {
-            listen,
-            send_sockets: usize::from(endpoint.paths),
-            endpoint,
-            seed: 0,
-            socket_buffer: 8 << 20,
-            max_gso_segments: 16,
-        }
-    }
-}
-
-/// Counters of the driver itself (the core keeps its own).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DriverStats {
-    /// Datagrams handed to the kernel.
-    pub datagrams_sent: u64,
-    /// Datagrams read from the kernel (GRO segments counted one by one).
-    pub datagrams_received: u64,
-    /// Receive calls that returned several datagrams at once (GRO).
-    pub gro_batches: u64,
-    /// Sends the kernel refused (logged; the protocol recovers the loss).
-    pub send_errors: u64,
-    /// Turns of the loop that waited for the network or a timer.
-    pub waits: u64,
-}
 
 struct SendSocket {
     sock: UdpSocket,
@@ -90,7 +42,8 @@ impl std::fmt::Debug for PortableDriver {
     }
 }
 
-fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<UdpSocket, DriverError> {
+/// A UDP socket bound to `addr` with kernel buffers of `buffer` bytes (blocking).
+pub(crate) fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<UdpSocket, DriverError> {
     let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
     // Larger kernel buffers absorb bursts; the kernel may clamp them.
     let _ = s.set_recv_buffer_size(buffer);
@@ -139,7 +92,7 @@ impl PortableDriver {
         ecfg.max_gso_segments = gso.clamp(1, cfg.max_gso_segments.max(1));
         let ep = Endpoint::new(ecfg, cfg.seed)?;
         let gro = recv_state.gro_segments().max(1);
-        tracing::info!(
+        tracing::debug!(
             %local,
             send_sockets = send.len(),
             gro_segments = gro,
@@ -231,8 +184,11 @@ impl PortableDriver {
             };
             match res {
                 Ok(()) => {
-                    self.stats.datagrams_sent +=
-                        t.segment_size.map_or(1, |s| t.size.div_ceil(s)) as u64
+                    let n = t.segment_size.map_or(1, |s| t.size.div_ceil(s)) as u64;
+                    self.stats.datagrams_sent += n;
+                    if n > 1 {
+                        self.stats.gso_sends += 1;
+                    }
                 }
                 Err(e) => {
                     // A lost datagram: the protocol recovers it like any loss.

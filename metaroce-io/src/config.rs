@@ -1,0 +1,160 @@
+//! What every backend is set up from, and what it counts.
+
+use metaroce_proto::EndpointConfig;
+use std::fmt;
+use std::net::SocketAddr;
+use std::str::FromStr;
+
+/// Which I/O backend runs the endpoint.
+///
+/// [`Driver::bind`](crate::Driver::bind) resolves [`Auto`](Backend::Auto)
+/// once, at bind time; a bound driver reports [`Uring`](Backend::Uring) or
+/// [`Portable`](Backend::Portable), never `Auto`.
+///
+/// ```
+/// use metaroce_io::Backend;
+/// assert_eq!("io_uring".parse::<Backend>(), Ok(Backend::Uring));
+/// assert_eq!(Backend::Portable.to_string(), "portable");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Backend {
+    /// io_uring when the kernel supports what it needs, else portable.
+    #[default]
+    Auto,
+    /// io_uring (multishot receive into a provided-buffer ring, GSO/GRO,
+    /// zero-copy sends, timers on the ring). Binding fails without it.
+    Uring,
+    /// `std` sockets and `quinn-udp`; works on any kernel.
+    Portable,
+}
+
+impl Backend {
+    /// The name used in logs, reports and [`FromStr`].
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Auto => "auto",
+            Backend::Uring => "io_uring",
+            Backend::Portable => "portable",
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A backend name that is not `auto`, `io_uring` (or `uring`) or `portable`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown backend `{0}` (expected auto, io_uring or portable)")]
+pub struct UnknownBackend(pub String);
+
+impl FromStr for Backend {
+    type Err = UnknownBackend;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Backend::Auto),
+            "io_uring" | "io-uring" | "uring" => Ok(Backend::Uring),
+            "portable" => Ok(Backend::Portable),
+            _ => Err(UnknownBackend(s.to_string())),
+        }
+    }
+}
+
+/// Settings only the io_uring backend reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UringConfig {
+    /// Submission queue entries (a power of two; the completion queue gets four times as many).
+    pub entries: u32,
+    /// Buffers in the provided-buffer ring the multishot receive fills (a
+    /// power of two, at most 32768). Each holds one receive, a GRO batch of
+    /// up to 64 KiB included.
+    pub recv_buffers: u16,
+    /// Send buffers (each up to 64 KiB). A transmit waits in the core while
+    /// all are with the kernel.
+    pub send_slots: usize,
+    /// Send large transmits with `IORING_OP_SENDMSG_ZC` (zero copy).
+    pub zero_copy: bool,
+    /// Smallest transmit (bytes, a whole GSO batch) sent with zero copy.
+    pub zero_copy_threshold: usize,
+}
+
+impl Default for UringConfig {
+    fn default() -> Self {
+        UringConfig {
+            entries: 256,
+            recv_buffers: 64,
+            send_slots: 32,
+            zero_copy: true,
+            zero_copy_threshold: 16 << 10,
+        }
+    }
+}
+
+/// How to set a driver up.
+#[derive(Debug, Clone)]
+pub struct DriverConfig {
+    /// Address to receive on (port 0: any free port).
+    pub listen: SocketAddr,
+    /// The endpoint's configuration; `listen_port`, `source_ports` and
+    /// `max_gso_segments` are replaced by what the driver actually bound and
+    /// what the kernel supports.
+    pub endpoint: EndpointConfig,
+    /// Send sockets, one per source port (path entropy). Default: one per path.
+    pub send_sockets: usize,
+    /// Seed of the endpoint.
+    pub seed: u64,
+    /// Kernel socket buffer size to ask for, bytes.
+    pub socket_buffer: usize,
+    /// Most datagrams per GSO send (the kernel's limit applies too; 1 disables GSO).
+    pub max_gso_segments: usize,
+    /// Which backend [`Driver::bind`](crate::Driver::bind) picks.
+    pub backend: Backend,
+    /// io_uring settings.
+    pub uring: UringConfig,
+}
+
+impl DriverConfig {
+    /// Defaults around a listen address.
+    pub fn new(listen: SocketAddr) -> Self {
+        let endpoint = EndpointConfig::default();
+        DriverConfig {
+            listen,
+            send_sockets: usize::from(endpoint.paths),
+            endpoint,
+            seed: 0,
+            socket_buffer: 8 << 20,
+            max_gso_segments: 16,
+            backend: Backend::Auto,
+            uring: UringConfig::default(),
+        }
+    }
+}
+
+/// Counters of the driver itself (the core keeps its own).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DriverStats {
+    /// Datagrams handed to the kernel.
+    pub datagrams_sent: u64,
+    /// Datagrams read from the kernel (GRO segments counted one by one).
+    pub datagrams_received: u64,
+    /// Sends that carried several datagrams (UDP GSO).
+    pub gso_sends: u64,
+    /// Receive calls that returned several datagrams at once (GRO).
+    pub gro_batches: u64,
+    /// Sends the kernel refused (logged; the protocol recovers the loss).
+    pub send_errors: u64,
+    /// Turns of the loop that waited for the network or a timer.
+    pub waits: u64,
+    /// Transmits sent with zero copy (io_uring only).
+    pub zero_copy_sends: u64,
+    /// Zero-copy sends the kernel copied after all (loopback always does).
+    pub zero_copy_copied: u64,
+    /// Times the multishot receive was armed (io_uring only; 1 if it never ended).
+    pub recv_arms: u64,
+    /// Received datagrams dropped by the driver (truncated, or bad metadata).
+    pub recv_dropped: u64,
+    /// `io_uring_enter` calls (io_uring only).
+    pub submits: u64,
+}

@@ -1,0 +1,466 @@
+//! The io_uring driver: one ring per driver (per thread), a multishot
+//! `RECVMSG` into a provided-buffer ring on the listen socket, `SENDMSG`
+//! (GSO and ECN in control data) or `SENDMSG_ZC` per transmit from a pool of
+//! send slots, and the core's next timer as a `TIMEOUT` on the ring, so one
+//! `io_uring_enter` per loop turn submits everything and waits for a
+//! datagram, a send completion or the timer, whichever comes first.
+//!
+//! All `unsafe` lives in [`sys`]; the control messages are parsed and built
+//! by safe code in [`cmsg`].
+
+mod cmsg;
+mod sys;
+
+use crate::portable::udp_socket;
+use crate::{Backend, Clock, DriverConfig, DriverError, DriverStats, IoDriver};
+use io_uring::cqueue;
+use io_uring::types::RecvMsgOut;
+use metaroce_proto::{Endpoint, Instant, Transmit};
+use std::collections::HashMap;
+use std::net::{SocketAddr, UdpSocket};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+pub use sys::UringCaps;
+use sys::{SendCqe, TAG_CTRL, TAG_MASK, TAG_RECV, TAG_SEND, TAG_TIMER};
+
+/// The kernel's `UDP_MAX_SEGMENTS` on every kernel with GSO (newer ones allow 128).
+const KERNEL_GSO_SEGMENTS: usize = 64;
+/// Largest UDP payload of one send (IPv4; a GSO batch included).
+const MAX_SEND: usize = 65_507;
+/// Largest GRO receive the kernel builds.
+const MAX_GRO_RECV: usize = 65_536;
+
+/// Whether this kernel can run the io_uring backend, probed once per process
+/// (ring creation, the opcodes used, a provided-buffer ring registration).
+///
+/// ```
+/// match metaroce_io::uring_probe() {
+///     Ok(caps) => println!("io_uring available, zero copy: {}", caps.sendmsg_zc),
+///     Err(reason) => println!("io_uring unavailable: {reason}"),
+/// }
+/// ```
+pub fn uring_probe() -> Result<UringCaps, String> {
+    static PROBE: OnceLock<Result<UringCaps, String>> = OnceLock::new();
+    PROBE.get_or_init(sys::probe_kernel).clone()
+}
+
+/// What a send slot's request was, for its completions.
+#[derive(Debug, Clone, Copy, Default)]
+struct SlotMeta {
+    /// Datagrams one successful result stands for.
+    datagrams: u64,
+    /// Sent with zero copy.
+    zc: bool,
+    /// Carried `UDP_SEGMENT`.
+    gso: bool,
+}
+
+/// Runs one [`Endpoint`] on io_uring. Same shape and loop as
+/// [`PortableDriver`](crate::PortableDriver): call [`poll`](Self::poll) in a
+/// loop and use [`endpoint`](Self::endpoint) in between.
+///
+/// ```no_run
+/// use metaroce_io::{DriverConfig, UringDriver};
+/// use std::time::Duration;
+/// let mut drv = UringDriver::bind(DriverConfig::new("127.0.0.1:0".parse().unwrap())).unwrap();
+/// drv.poll(Duration::from_millis(1)).unwrap();
+/// println!("{:?}", drv.stats());
+/// ```
+pub struct UringDriver {
+    ep: Endpoint,
+    clock: Clock,
+    recv_sock: UdpSocket,
+    send: Vec<UdpSocket>,
+    by_port: HashMap<u16, usize>,
+    local: SocketAddr,
+    v6: bool,
+    ring: sys::Ring,
+    free: Vec<usize>,
+    meta: Vec<SlotMeta>,
+    /// GSO still works (downgraded on EIO/EINVAL).
+    gso: bool,
+    /// Zero copy enabled and still working.
+    zc: bool,
+    zc_threshold: usize,
+    /// The armed timer: generation and deadline.
+    timer: Option<(u64, Instant)>,
+    timer_gen: u64,
+    stats: DriverStats,
+}
+
+impl std::fmt::Debug for UringDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UringDriver")
+            .field("local", &self.local)
+            .field("send_sockets", &self.send.len())
+            .field("gso", &self.gso)
+            .field("zero_copy", &self.zc)
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl UringDriver {
+    /// Probes io_uring, binds the receive socket and the send sockets, sets
+    /// up the ring and creates the endpoint. Fails with
+    /// [`DriverError::UringUnavailable`] on a kernel without what it needs.
+    pub fn bind(cfg: DriverConfig) -> Result<Self, DriverError> {
+        let caps = uring_probe().map_err(DriverError::UringUnavailable)?;
+        let recv_sock = udp_socket(cfg.listen, cfg.socket_buffer)?;
+        let local = recv_sock.local_addr()?;
+        let v6 = local.is_ipv6();
+        let rfd = recv_sock.as_raw_fd();
+        let tos = if v6 {
+            sys::setsockopt_int(rfd, libc::IPPROTO_IPV6, libc::IPV6_RECVTCLASS, 1)
+        } else {
+            sys::setsockopt_int(rfd, libc::IPPROTO_IP, libc::IP_RECVTOS, 1)
+        };
+        if let Err(e) = tos {
+            tracing::debug!(error = %e, "no ECN on receive");
+        }
+        let gro = sys::setsockopt_int(rfd, libc::SOL_UDP, cmsg::UDP_GRO, 1).is_ok();
+        let mut send = Vec::new();
+        let mut by_port = HashMap::new();
+        let mut ports = Vec::new();
+        let mut gso = cfg.max_gso_segments > 1;
+        for _ in 0..cfg.send_sockets.max(1) {
+            let sock = udp_socket(SocketAddr::new(local.ip(), 0), cfg.socket_buffer)?;
+            // Setting a default segment size of 0 (none) tells whether the
+            // kernel knows UDP_SEGMENT at all.
+            gso &=
+                sys::setsockopt_int(sock.as_raw_fd(), libc::SOL_UDP, cmsg::UDP_SEGMENT, 0).is_ok();
+            let port = sock.local_addr()?.port();
+            by_port.insert(port, send.len());
+            ports.push(port);
+            send.push(sock);
+        }
+        let mut ecfg = cfg.endpoint;
+        ecfg.listen_port = local.port();
+        ecfg.source_ports = ports;
+        ecfg.max_gso_segments = if gso {
+            KERNEL_GSO_SEGMENTS.clamp(1, cfg.max_gso_segments.max(1))
+        } else {
+            1
+        };
+        let segments = ecfg.max_gso_segments;
+        let recv_payload = if gro {
+            MAX_GRO_RECV
+        } else {
+            usize::from(metaroce_proto::consts::MAX_MTU)
+        };
+        let u = &cfg.uring;
+        let ring = sys::Ring::new(
+            u.entries.max(8).next_power_of_two(),
+            u.recv_buffers,
+            recv_payload,
+            u.send_slots,
+            MAX_SEND,
+            segments,
+        )
+        .map_err(|e| DriverError::UringUnavailable(format!("ring set-up failed: {e}")))?;
+        let ep = Endpoint::new(ecfg, cfg.seed)?;
+        let zc = u.zero_copy && caps.sendmsg_zc;
+        tracing::debug!(%local, send_sockets = send.len(), gro, gso_segments = segments, zero_copy = zc, "io_uring UDP driver bound");
+        let n = ring.slots();
+        Ok(UringDriver {
+            ep,
+            clock: Clock::new(),
+            recv_sock,
+            send,
+            by_port,
+            local,
+            v6,
+            ring,
+            free: (0..n).rev().collect(),
+            meta: vec![SlotMeta::default(); n],
+            gso,
+            zc,
+            zc_threshold: u.zero_copy_threshold,
+            timer: None,
+            timer_gen: 0,
+            stats: DriverStats::default(),
+        })
+    }
+
+    /// The endpoint, to post work, connect, and poll completions and events.
+    pub fn endpoint(&mut self) -> &mut Endpoint {
+        &mut self.ep
+    }
+
+    /// The address peers reach this endpoint at.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// The current time on the driver's clock.
+    pub fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    /// The driver's own counters.
+    pub fn stats(&self) -> DriverStats {
+        self.stats
+    }
+
+    /// Whether transmits of at least the configured threshold go out with
+    /// zero copy (false once the kernel refused it).
+    pub fn zero_copy(&self) -> bool {
+        self.zc
+    }
+
+    /// Runs one turn of the loop: hands what completed to the core (datagrams,
+    /// finished sends), runs due timers, queues what the core has to send,
+    /// and makes one `io_uring_enter`, which also waits (for a datagram, a
+    /// send completion or a timer at most `max_wait` or the core's next
+    /// timer away) when the turn had nothing to do.
+    pub fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError> {
+        let mut progress = self.reap();
+        let now = self.clock.now();
+        // Timers run after what already arrived: an ACK that is here must
+        // not lose the race against a retransmission timeout.
+        if self.ep.poll_timeout().is_some_and(|t| t <= now) {
+            // What the timers did (events, failed requests) is the caller's
+            // to see before this turn may sleep.
+            self.ep.handle_timeout(now);
+            progress = true;
+        }
+        progress |= self.flush()?;
+        if self.ring.arm_recv(self.recv_sock.as_raw_fd())? {
+            self.stats.recv_arms += 1;
+        }
+        let mut want = 0;
+        if !progress {
+            let mut wait = max_wait;
+            if let Some(t) = self.ep.poll_timeout() {
+                wait = wait.min(self.clock.until(t));
+            }
+            if !wait.is_zero() {
+                self.set_timer(self.clock.now() + wait)?;
+                want = 1;
+                self.stats.waits += 1;
+            }
+        }
+        self.ring.submit(want)?;
+        self.stats.submits += 1;
+        if want > 0 {
+            self.reap();
+        }
+        Ok(())
+    }
+
+    /// Makes sure a timer fires no later than `deadline`.
+    fn set_timer(&mut self, deadline: Instant) -> Result<(), DriverError> {
+        if let Some((gen, at)) = self.timer {
+            if at <= deadline {
+                return Ok(());
+            }
+            self.ring.remove_timer(gen)?;
+        }
+        self.timer_gen += 1;
+        self.ring
+            .arm_timer(self.clock.until(deadline), self.timer_gen)?;
+        self.timer = Some((self.timer_gen, deadline));
+        Ok(())
+    }
+
+    /// Handles every completion ready. Returns whether any datagram or send
+    /// completion (a freed slot) came.
+    fn reap(&mut self) -> bool {
+        let cqes = self.ring.reap();
+        let mut progress = false;
+        let now = self.clock.now();
+        for c in &cqes {
+            let tag = c.user_data() & TAG_MASK;
+            let low = c.user_data() & !TAG_MASK;
+            match tag {
+                TAG_RECV => progress |= self.on_recv(now, c),
+                TAG_SEND => {
+                    self.on_send(low as usize, c);
+                    progress = true;
+                }
+                TAG_TIMER => {
+                    if self.timer.is_some_and(|(g, _)| g == low) {
+                        self.timer = None;
+                    }
+                }
+                TAG_CTRL => {}
+                _ => tracing::debug!(user_data = c.user_data(), "stray completion"),
+            }
+        }
+        self.ring.restore(cqes);
+        self.ring.publish();
+        progress
+    }
+
+    /// One completion of the multishot receive: a buffer with one datagram
+    /// or a GRO batch of them.
+    fn on_recv(&mut self, now: Instant, c: &cqueue::Entry) -> bool {
+        let r = c.result();
+        if r < 0 {
+            // ENOBUFS: every buffer was in use; the receive ended and is
+            // re-armed once they are back. ECANCELED: its thread exited.
+            if r != -libc::ENOBUFS && r != -libc::ECANCELED {
+                tracing::debug!(error = %std::io::Error::from_raw_os_error(-r), "receive failed");
+            }
+            return false;
+        }
+        let Some((bid, data, hdr)) = self.ring.recv_buf(c) else {
+            self.stats.recv_dropped += 1;
+            return false;
+        };
+        let mut got = false;
+        match RecvMsgOut::parse(data, hdr) {
+            Ok(out) if !out.is_payload_truncated() && !out.is_name_data_truncated() => {
+                match cmsg::parse_sockaddr(out.name_data()) {
+                    Some(from) => {
+                        let meta = cmsg::parse_control(out.control_data());
+                        let p = out.payload_data();
+                        let stride = meta.stride.unwrap_or(p.len()).max(1);
+                        if p.len() > stride {
+                            self.stats.gro_batches += 1;
+                        }
+                        for dg in p.chunks(stride) {
+                            self.stats.datagrams_received += 1;
+                            self.ep.handle_datagram(now, from, meta.ecn, dg);
+                            got = true;
+                        }
+                    }
+                    None => self.stats.recv_dropped += 1,
+                }
+            }
+            _ => self.stats.recv_dropped += 1,
+        }
+        self.ring.recycle(bid);
+        got
+    }
+
+    /// One completion of a send slot (its result or a zero-copy notification).
+    fn on_send(&mut self, i: usize, c: &cqueue::Entry) {
+        let m = self.meta.get(i).copied().unwrap_or_default();
+        match self.ring.send_done(i, c) {
+            Some(SendCqe::Result(r)) if r >= 0 => {
+                self.stats.datagrams_sent += m.datagrams;
+                if m.gso {
+                    self.stats.gso_sends += 1;
+                }
+                if m.zc {
+                    self.stats.zero_copy_sends += 1;
+                }
+            }
+            Some(SendCqe::Result(r)) => {
+                // A lost datagram: the protocol recovers it like any loss.
+                self.stats.send_errors += 1;
+                let err = -r;
+                let refused = matches!(err, libc::EINVAL | libc::EIO | libc::EOPNOTSUPP);
+                if m.zc && refused && self.zc {
+                    self.zc = false;
+                    tracing::warn!(error = %std::io::Error::from_raw_os_error(err), "zero-copy send refused: sending with copies from now on");
+                } else if m.gso && !m.zc && matches!(err, libc::EINVAL | libc::EIO) && self.gso {
+                    self.gso = false;
+                    tracing::warn!(error = %std::io::Error::from_raw_os_error(err), "GSO send refused: sending segments one by one from now on");
+                } else {
+                    tracing::debug!(error = %std::io::Error::from_raw_os_error(err), "send failed");
+                }
+            }
+            Some(SendCqe::Notif { copied: true }) => self.stats.zero_copy_copied += 1,
+            Some(SendCqe::Notif { copied: false }) | None => {}
+        }
+        if i < self.ring.slots() && self.ring.slot_mut(i).is_free() && !self.free.contains(&i) {
+            self.free.push(i);
+        }
+    }
+
+    /// Queues a send for every transmit the core has, while send slots are
+    /// free. Returns whether any was queued.
+    fn flush(&mut self) -> Result<bool, DriverError> {
+        let mut any = false;
+        while let Some(&i) = self.free.last() {
+            let now = self.clock.now();
+            let Some((buf, _)) = self.ring.slot_mut(i).parts_mut() else {
+                self.free.pop();
+                continue;
+            };
+            let Some(t) = self.ep.poll_transmit(now, buf) else {
+                break;
+            };
+            self.free.pop();
+            any = true;
+            if let Err(e) = self.queue(i, &t) {
+                if self.ring.slot_mut(i).is_free() {
+                    self.free.push(i);
+                }
+                self.stats.send_errors += 1;
+                tracing::debug!(error = %e, dst = %t.dst, "send not queued");
+            }
+        }
+        Ok(any)
+    }
+
+    /// Queues slot `i`, filled with `t`.
+    fn queue(&mut self, i: usize, t: &Transmit) -> std::io::Result<()> {
+        let fd: RawFd = match self.by_port.get(&t.src_port) {
+            Some(&s) => self.send[s].as_raw_fd(),
+            None => self.recv_sock.as_raw_fd(),
+        };
+        // One segment is a plain datagram.
+        let seg = t.segment_size.filter(|&s| s > 0 && s < t.size);
+        let datagrams = seg.map_or(1, |s| t.size.div_ceil(s));
+        let v6 = self.v6;
+        let slot = self.ring.slot_mut(i);
+        match seg {
+            Some(s) if !self.gso => {
+                // GSO was refused at run time: one send per segment.
+                let (_, ctrl) = slot.parts_mut().expect("free slot");
+                let clen = cmsg::encode_send(&mut ctrl.0, v6, t.ecn, None);
+                for k in 0..datagrams {
+                    slot.set_msg(k, t.dst, k * s..((k + 1) * s).min(t.size), clen);
+                }
+                self.meta[i] = SlotMeta {
+                    datagrams: 1,
+                    zc: false,
+                    gso: false,
+                };
+                self.ring.send(i, datagrams, fd, false)
+            }
+            _ => {
+                let (_, ctrl) = slot.parts_mut().expect("free slot");
+                let seg16 = seg.and_then(|s| u16::try_from(s).ok());
+                let clen = cmsg::encode_send(&mut ctrl.0, v6, t.ecn, seg16);
+                slot.set_msg(0, t.dst, 0..t.size, clen);
+                let zc = self.zc && t.size >= self.zc_threshold;
+                self.meta[i] = SlotMeta {
+                    datagrams: datagrams as u64,
+                    zc,
+                    gso: seg.is_some(),
+                };
+                self.ring.send(i, 1, fd, zc)
+            }
+        }
+    }
+}
+
+impl IoDriver for UringDriver {
+    fn bind(cfg: DriverConfig) -> Result<Self, DriverError> {
+        UringDriver::bind(cfg)
+    }
+    fn backend(&self) -> Backend {
+        Backend::Uring
+    }
+    fn endpoint(&mut self) -> &mut Endpoint {
+        &mut self.ep
+    }
+    fn now(&self) -> Instant {
+        self.clock.now()
+    }
+    fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+    fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError> {
+        UringDriver::poll(self, max_wait)
+    }
+    fn stats(&self) -> DriverStats {
+        self.stats
+    }
+}

@@ -1,0 +1,565 @@
+#![cfg(target_os = "linux")]
+//! One end-to-end loopback suite, run against every backend: two endpoints
+//! on 127.0.0.1 talking the full protocol through the kernel, every payload
+//! byte checked. Generic over [`IoDriver`]; each test is bounded in time.
+//!
+//! Where io_uring is unavailable (no kernel support, `EPERM` in a sandbox)
+//! the io_uring variants print `skipped: io_uring unavailable: <reason>` and
+//! pass.
+
+use metaroce_io::{Backend, Driver, DriverConfig, IoDriver, PortableDriver, UringDriver};
+use metaroce_proto::verbs::*;
+use metaroce_proto::{EndpointConfig, Event};
+use std::time::{Duration, Instant};
+
+/// Every test ends within this (a hang is a failure, not a stuck CI job).
+const LIMIT: Duration = Duration::from_secs(30);
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn config(gso: usize) -> DriverConfig {
+    let mut c = DriverConfig::new("127.0.0.1:0".parse().unwrap());
+    c.endpoint = EndpointConfig {
+        paths: 4,
+        max_gso_segments: gso,
+        ..EndpointConfig::default()
+    };
+    c.send_sockets = 4;
+    c.max_gso_segments = gso;
+    c
+}
+
+/// Whether backend `D` can run here; prints the skip line if not.
+fn runnable(name: &str) -> bool {
+    if name == "io_uring" {
+        if let Err(why) = metaroce_io::uring_probe() {
+            println!("skipped: io_uring unavailable: {why}");
+            return false;
+        }
+    }
+    true
+}
+
+/// Two connected endpoints with a QP each, and a region on each side.
+struct Pair<D> {
+    a: D,
+    b: D,
+    qa: Qpn,
+    qb: Qpn,
+    cqa: CqHandle,
+    cqb: CqHandle,
+    pda: PdHandle,
+    pdb: PdHandle,
+    start: Instant,
+}
+
+impl<D: IoDriver> Pair<D> {
+    fn new(cfg: DriverConfig) -> Self {
+        let start = Instant::now();
+        let mut a = D::bind(cfg.clone()).expect("bind a");
+        let mut b = D::bind(cfg).expect("bind b");
+        let now = a.now();
+        let conn_a = a.endpoint().connect(now, b.local_addr()).unwrap();
+        let (mut up, mut conn_b) = (false, None);
+        let deadline = start + Duration::from_secs(10);
+        while !(up && conn_b.is_some()) {
+            assert!(Instant::now() < deadline, "handshake did not finish");
+            a.poll(Duration::ZERO).unwrap();
+            b.poll(Duration::ZERO).unwrap();
+            while let Some(e) = a.endpoint().poll_event() {
+                match e {
+                    Event::Connected(c) if c == conn_a => up = true,
+                    other => panic!("a: unexpected {other:?}"),
+                }
+            }
+            while let Some(e) = b.endpoint().poll_event() {
+                if let Event::Incoming { conn, .. } = e {
+                    conn_b = Some(conn);
+                }
+            }
+        }
+        let (pda, pdb) = (a.endpoint().alloc_pd(), b.endpoint().alloc_pd());
+        let (cqa, cqb) = (a.endpoint().create_cq(4096), b.endpoint().create_cq(4096));
+        let qa = a.endpoint().create_qp(QpInit::new(pda, cqa, cqa)).unwrap();
+        let qb = b.endpoint().create_qp(QpInit::new(pdb, cqb, cqb)).unwrap();
+        a.endpoint().connect_qp(qa, conn_a, qb).unwrap();
+        b.endpoint().connect_qp(qb, conn_b.unwrap(), qa).unwrap();
+        Pair {
+            a,
+            b,
+            qa,
+            qb,
+            cqa,
+            cqb,
+            pda,
+            pdb,
+            start,
+        }
+    }
+
+    /// Polls both sides until `n_a` completions on `a`'s CQ and `n_b` on
+    /// `b`'s have arrived; returns them.
+    fn complete(&mut self, n_a: usize, n_b: usize) -> (Vec<WorkCompletion>, Vec<WorkCompletion>) {
+        let (mut wa, mut wb) = (Vec::new(), Vec::new());
+        while wa.len() < n_a || wb.len() < n_b {
+            assert!(
+                self.start.elapsed() < LIMIT,
+                "timed out: {}/{n_a} and {}/{n_b} completions; a {:?}, b {:?}",
+                wa.len(),
+                wb.len(),
+                self.a.stats(),
+                self.b.stats()
+            );
+            self.a.poll(Duration::ZERO).unwrap();
+            self.b.poll(Duration::ZERO).unwrap();
+            self.a.endpoint().poll_cq(self.cqa, 256, &mut wa).unwrap();
+            self.b.endpoint().poll_cq(self.cqb, 256, &mut wb).unwrap();
+        }
+        for wc in wa.iter().chain(&wb) {
+            assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+        }
+        (wa, wb)
+    }
+}
+
+fn write_several_mib<D: IoDriver>(name: &str, gso: usize) -> Pair<D> {
+    const LEN: usize = 6 << 20;
+    let mut p = Pair::<D>::new(config(gso));
+    let data = pattern(1, LEN);
+    let src =
+        p.a.endpoint()
+            .reg_mr(p.pda, data.clone().into_boxed_slice(), 0, AccessFlags::NONE)
+            .unwrap();
+    let dst =
+        p.b.endpoint()
+            .reg_mr(
+                p.pdb,
+                vec![0u8; LEN].into_boxed_slice(),
+                0x10_0000,
+                AccessFlags::REMOTE_WRITE,
+            )
+            .unwrap();
+    // Three WRITEs of 2 MiB each.
+    let part = LEN / 3;
+    let now = p.a.now();
+    for k in 0..3u64 {
+        let off = k * part as u64;
+        let wr = SendWr::new(
+            k,
+            SendOp::Write(RemoteAddr {
+                rkey: dst.rkey,
+                addr: dst.addr + off,
+            }),
+            Sge {
+                lkey: src.lkey,
+                addr: src.addr + off,
+                len: part as u32,
+            },
+        );
+        p.a.endpoint().post_send(now, p.qa, wr).unwrap();
+    }
+    let (wa, _) = p.complete(3, 0);
+    assert_eq!(wa.len(), 3);
+    let got = p.b.endpoint().mr(dst.lkey).unwrap();
+    let bad = got.iter().zip(&data).filter(|(x, y)| x != y).count();
+    assert_eq!(bad, 0, "{name}: {bad} bytes differ");
+    p
+}
+
+fn write<D: IoDriver>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    let p = write_several_mib::<D>(name, 1);
+    assert_eq!(p.a.backend().name(), name);
+    assert_eq!(p.a.stats().gso_sends, 0, "GSO off: one datagram per send");
+    println!("{name}: a {:?}\n{name}: b {:?}", p.a.stats(), p.b.stats());
+}
+
+fn write_gso<D: IoDriver>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    let mut p = write_several_mib::<D>(name, 16);
+    let (sa, sb) = (p.a.stats(), p.b.stats());
+    println!("{name}: a {sa:?}\n{name}: b {sb:?}");
+    assert!(
+        p.a.endpoint().config().max_gso_segments > 1,
+        "{name}: the kernel has GSO"
+    );
+    assert!(
+        sa.gso_sends > 0,
+        "{name}: batches went out with UDP_SEGMENT"
+    );
+    assert!(
+        sa.datagrams_sent > sa.gso_sends,
+        "{name}: batches carry several datagrams"
+    );
+    assert!(sb.gro_batches > 0, "{name}: loopback delivers GRO batches");
+}
+
+fn send_recv<D: IoDriver>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    const N: usize = 16;
+    const MSG: usize = 100_000;
+    let mut p = Pair::<D>::new(config(16));
+    let data = pattern(2, N * MSG);
+    let src =
+        p.a.endpoint()
+            .reg_mr(p.pda, data.clone().into_boxed_slice(), 0, AccessFlags::NONE)
+            .unwrap();
+    let dst =
+        p.b.endpoint()
+            .reg_mr(
+                p.pdb,
+                vec![0u8; N * MSG].into_boxed_slice(),
+                0,
+                AccessFlags::LOCAL_WRITE,
+            )
+            .unwrap();
+    for i in 0..N {
+        let sge = Sge {
+            lkey: dst.lkey,
+            addr: (i * MSG) as u64,
+            len: MSG as u32,
+        };
+        p.b.endpoint()
+            .post_recv(
+                p.qb,
+                RecvWr {
+                    wr_id: i as u64,
+                    sge,
+                },
+            )
+            .unwrap();
+    }
+    let now = p.a.now();
+    for i in 0..N {
+        // Message i is shorter by i bytes: byte_len is checked too.
+        let len = MSG - i;
+        let wr = SendWr::new(
+            i as u64,
+            SendOp::SendImm(i as u32),
+            Sge {
+                lkey: src.lkey,
+                addr: (i * MSG) as u64,
+                len: len as u32,
+            },
+        );
+        p.a.endpoint().post_send(now, p.qa, wr).unwrap();
+    }
+    let (_, wb) = p.complete(N, N);
+    let got = p.b.endpoint().mr(dst.lkey).unwrap().to_vec();
+    for wc in &wb {
+        let i = wc.wr_id as usize;
+        assert_eq!(wc.imm, Some(i as u32));
+        assert_eq!(
+            wc.byte_len as usize,
+            MSG - i,
+            "{name}: length of message {i}"
+        );
+        let r = i * MSG..i * MSG + MSG - i;
+        assert!(got[r.clone()] == data[r], "{name}: message {i} differs");
+    }
+}
+
+fn read<D: IoDriver>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    const LEN: usize = 4 << 20;
+    let mut p = Pair::<D>::new(config(16));
+    let data = pattern(3, LEN);
+    let remote =
+        p.b.endpoint()
+            .reg_mr(
+                p.pdb,
+                data.clone().into_boxed_slice(),
+                0x4000_0000,
+                AccessFlags::REMOTE_READ,
+            )
+            .unwrap();
+    let local =
+        p.a.endpoint()
+            .reg_mr(
+                p.pda,
+                vec![0u8; LEN].into_boxed_slice(),
+                0,
+                AccessFlags::LOCAL_WRITE,
+            )
+            .unwrap();
+    let now = p.a.now();
+    let wr = SendWr::new(
+        9,
+        SendOp::Read(RemoteAddr {
+            rkey: remote.rkey,
+            addr: remote.addr,
+        }),
+        Sge {
+            lkey: local.lkey,
+            addr: 0,
+            len: LEN as u32,
+        },
+    );
+    p.a.endpoint().post_send(now, p.qa, wr).unwrap();
+    let (wa, _) = p.complete(1, 0);
+    assert_eq!(wa[0].wr_id, 9);
+    let got = p.a.endpoint().mr(local.lkey).unwrap();
+    assert!(got == &data[..], "{name}: READ data differs");
+}
+
+/// With nothing to do, `poll` sleeps until the core's timer (not busy, not
+/// forever): a connection to a port nobody serves fails after its HELLO
+/// retries, each retry woken by the driver's timer.
+fn timers_wake_the_wait<D: IoDriver>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    let mut cfg = config(1);
+    cfg.endpoint.handshake_rto = Duration::from_millis(20);
+    cfg.endpoint.handshake_retries = 3;
+    let mut a = D::bind(cfg).unwrap();
+    let dead = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let peer = dead.local_addr().unwrap();
+    drop(dead);
+    let t0 = Instant::now();
+    let now = a.now();
+    let conn = a.endpoint().connect(now, peer).unwrap();
+    let mut lost = false;
+    let mut polls = 0u32;
+    while !lost {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "{name}: no timeout fired"
+        );
+        a.poll(Duration::from_secs(1)).unwrap();
+        polls += 1;
+        while let Some(e) = a.endpoint().poll_event() {
+            if matches!(e, Event::ConnectionLost { conn: c, .. } if c == conn) {
+                lost = true;
+            }
+        }
+    }
+    let took = t0.elapsed();
+    println!(
+        "{name}: connection lost after {took:?}, {polls} polls, {:?}",
+        a.stats()
+    );
+    assert!(
+        took >= Duration::from_millis(50),
+        "{name}: retries were waited for"
+    );
+    assert!(polls < 500, "{name}: the driver slept between timers");
+    assert!(
+        took < Duration::from_millis(800),
+        "{name}: woken by the core's timers, not by max_wait"
+    );
+    assert!(a.stats().waits > 0);
+}
+
+/// Each side on its own thread with blocking waits, as `metaroce perf` runs.
+fn threaded_write<D: IoDriver + Send + 'static>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    const LEN: usize = 4 << 20;
+    let Pair {
+        mut a,
+        mut b,
+        qa,
+        cqa,
+        pda,
+        pdb,
+        start,
+        ..
+    } = Pair::<D>::new(config(16));
+    let data = pattern(4, LEN);
+    let src = a
+        .endpoint()
+        .reg_mr(pda, data.clone().into_boxed_slice(), 0, AccessFlags::NONE)
+        .unwrap();
+    let dst = b
+        .endpoint()
+        .reg_mr(
+            pdb,
+            vec![0u8; LEN].into_boxed_slice(),
+            0,
+            AccessFlags::REMOTE_WRITE,
+        )
+        .unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s2 = stop.clone();
+    let server = std::thread::spawn(move || {
+        while !s2.load(std::sync::atomic::Ordering::Relaxed) {
+            b.poll(Duration::from_millis(1)).unwrap();
+            assert!(start.elapsed() < LIMIT, "server timed out");
+        }
+        b
+    });
+    let now = a.now();
+    for k in 0..4u64 {
+        let off = k * (LEN as u64 / 4);
+        let wr = SendWr::new(
+            k,
+            SendOp::Write(RemoteAddr {
+                rkey: dst.rkey,
+                addr: dst.addr + off,
+            }),
+            Sge {
+                lkey: src.lkey,
+                addr: off,
+                len: LEN as u32 / 4,
+            },
+        );
+        a.endpoint().post_send(now, qa, wr).unwrap();
+    }
+    let mut wcs = Vec::new();
+    while wcs.len() < 4 {
+        assert!(start.elapsed() < LIMIT, "{name}: client timed out");
+        a.poll(Duration::from_millis(1)).unwrap();
+        a.endpoint().poll_cq(cqa, 16, &mut wcs).unwrap();
+    }
+    assert!(wcs.iter().all(|w| w.status == WcStatus::Success));
+    // The data is placed before the WRITE is acknowledged.
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut b = server.join().expect("server thread");
+    assert!(
+        b.endpoint().mr(dst.lkey).unwrap() == &data[..],
+        "{name}: data differs"
+    );
+    assert!(b.stats().waits > 0 || a.stats().waits > 0);
+}
+
+macro_rules! suite {
+    ($($test:ident),*) => {
+        mod portable {
+            $(#[test] fn $test() { super::$test::<super::PortableDriver>("portable") })*
+        }
+        mod io_uring {
+            $(#[test] fn $test() { super::$test::<super::UringDriver>("io_uring") })*
+        }
+    };
+}
+
+suite!(
+    write,
+    write_gso,
+    send_recv,
+    read,
+    timers_wake_the_wait,
+    threaded_write
+);
+
+#[test]
+fn auto_picks_io_uring_where_the_kernel_has_it() {
+    let d = Driver::bind(config(1)).unwrap();
+    match metaroce_io::uring_probe() {
+        Ok(_) => assert_eq!(d.backend(), Backend::Uring),
+        Err(why) => {
+            println!("skipped: io_uring unavailable: {why}");
+            assert_eq!(d.backend(), Backend::Portable);
+        }
+    }
+    let mut cfg = config(1);
+    cfg.backend = Backend::Portable;
+    assert_eq!(Driver::bind(cfg).unwrap().backend(), Backend::Portable);
+}
+
+#[test]
+fn the_enum_driver_runs_the_suite_too() {
+    // `Driver` implements the trait: a WRITE through the auto-chosen backend.
+    let p = write_several_mib::<Driver>("auto", 16);
+    assert_ne!(p.a.backend(), Backend::Auto);
+}
+
+#[test]
+fn zero_copy_sends_complete_and_are_counted() {
+    if !runnable("io_uring") {
+        return;
+    }
+    if !metaroce_io::uring_probe().unwrap().sendmsg_zc {
+        println!("skipped: no IORING_OP_SENDMSG_ZC");
+        return;
+    }
+    let p = write_several_mib::<UringDriver>("io_uring", 16);
+    let s = p.a.stats();
+    println!("zero copy: {s:?}");
+    assert!(
+        s.zero_copy_sends > 0,
+        "GSO batches above 16 KiB went zero-copy"
+    );
+    // Off: no zero-copy sends at all.
+    let mut cfg = config(16);
+    cfg.uring.zero_copy = false;
+    let d = UringDriver::bind(cfg).unwrap();
+    assert!(!d.zero_copy());
+}
+
+#[test]
+fn dropping_mid_transfer_waits_for_the_kernel() {
+    if !runnable("io_uring") {
+        return;
+    }
+    // Start a transfer, stop half-way and drop both drivers while sends and
+    // the multishot receive are in flight: `Drop` cancels and drains.
+    let mut p = Pair::<UringDriver>::new(config(16));
+    let src =
+        p.a.endpoint()
+            .reg_mr(
+                p.pda,
+                vec![7u8; 8 << 20].into_boxed_slice(),
+                0,
+                AccessFlags::NONE,
+            )
+            .unwrap();
+    let dst =
+        p.b.endpoint()
+            .reg_mr(
+                p.pdb,
+                vec![0u8; 8 << 20].into_boxed_slice(),
+                0,
+                AccessFlags::REMOTE_WRITE,
+            )
+            .unwrap();
+    let now = p.a.now();
+    let wr = SendWr::new(
+        1,
+        SendOp::Write(RemoteAddr {
+            rkey: dst.rkey,
+            addr: 0,
+        }),
+        Sge {
+            lkey: src.lkey,
+            addr: 0,
+            len: 8 << 20,
+        },
+    );
+    p.a.endpoint().post_send(now, p.qa, wr).unwrap();
+    for _ in 0..50 {
+        p.a.poll(Duration::ZERO).unwrap();
+        p.b.poll(Duration::ZERO).unwrap();
+    }
+    let t = Instant::now();
+    drop(p);
+    assert!(t.elapsed() < Duration::from_secs(3));
+}
+
+#[test]
+fn backend_names_parse() {
+    for b in [Backend::Auto, Backend::Uring, Backend::Portable] {
+        assert_eq!(b.name().parse::<Backend>(), Ok(b));
+    }
+    assert!("xdp".parse::<Backend>().is_err());
+}
