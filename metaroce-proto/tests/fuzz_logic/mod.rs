@@ -116,6 +116,9 @@ pub struct Net {
     pub mute_a: bool,
     pub incoming_b: Vec<ConnectionHandle>,
     pub connected_a: Vec<ConnectionHandle>,
+    /// Timer steps and datagrams moved so far (for diagnosing slow inputs).
+    pub steps: u64,
+    pub datagrams: u64,
 }
 
 impl Net {
@@ -134,6 +137,8 @@ impl Net {
             mute_a: false,
             incoming_b: Vec::new(),
             connected_a: Vec::new(),
+            steps: 0,
+            datagrams: 0,
         }
     }
 
@@ -158,6 +163,7 @@ impl Net {
                     };
                     assert!(t.size <= self.buf.len());
                     any = true;
+                    self.datagrams += 1;
                     if from_a && self.mute_a {
                         continue;
                     }
@@ -227,6 +233,7 @@ impl Net {
                 .min();
             match next {
                 Some(t) if t <= deadline => {
+                    self.steps += 1;
                     self.now = self.now.max(t);
                     for ep in [&mut self.a, &mut self.b] {
                         if ep.poll_timeout().is_some_and(|t| t <= self.now) {
