@@ -112,8 +112,9 @@ pub const DEFAULT_ACK_DELAY: Duration = Duration::from_micros(20);
 /// without waiting for the delayed-ACK timer (`DEFAULT_ACK_EVERY`).
 pub const DEFAULT_ACK_EVERY: u32 = 4;
 
-/// Default handshake retransmission interval (`DEFAULT_HANDSHAKE_RTO`).
-pub const DEFAULT_HANDSHAKE_RTO: Duration = Duration::from_millis(100);
+/// Default first HELLO retransmission interval (`DEFAULT_HANDSHAKE_RTO`);
+/// it doubles with each attempt (20, 40, 80 ms ...: about 5 s for 8 attempts).
+pub const DEFAULT_HANDSHAKE_RTO: Duration = Duration::from_millis(20);
 
 /// Default number of HELLO attempts before a connection attempt fails (`DEFAULT_HANDSHAKE_RETRIES`).
 pub const DEFAULT_HANDSHAKE_RETRIES: u8 = 8;

@@ -135,6 +135,8 @@ impl MetaroceParams {
             source_ports: (0..self.source_ports.max(1)).map(|i| 49_152 + i).collect(),
             initial_rto: Duration::from_nanos(initial_rto),
             min_rto: Duration::from_nanos(min_rto),
+            // A lost HELLO must not stall a flow for a host-stack timeout.
+            handshake_rto: Duration::from_nanos(initial_rto),
             ack_delay: Duration::from_nanos(self.ack_delay_ns),
             ack_every: self.ack_every.max(1),
             initial_window: self.initial_window.unwrap_or(env.bdp_bytes),
@@ -290,18 +292,25 @@ impl MetaroceFactory {
                     .iter()
                     .map(|p| {
                         format!(
-                            "{}:{}pk/{:.1}us/{}ce/{}lost",
+                            "{}:{}pk/{:.1}us/{}ce/{}lost/{}KBw/{}KBf/{}fail",
                             p.src_port,
                             p.packets_sent,
                             p.srtt_ns as f64 / 1e3,
                             p.ce_marks,
-                            p.packets_lost
+                            p.packets_lost,
+                            p.cwnd / 1000,
+                            p.in_flight / 1000,
+                            p.failures
                         )
                     })
                     .collect();
                 out.push(format!(
-                    "cwnd {} srtt {:.1}us rto {:.1}us | {}",
+                    "cwnd {} inflight {} rtos {} probes {} retx {} srtt {:.1}us rto {:.1}us | {}",
                     cs.cwnd,
+                    cs.in_flight,
+                    cs.rto_fires,
+                    cs.probes_sent,
+                    cs.retransmits,
                     cs.srtt_ns as f64 / 1e3,
                     cs.rto_ns as f64 / 1e3,
                     paths.join(" ")

@@ -178,6 +178,8 @@ impl PathTx {
     pub(crate) fn fail(&mut self, new_port: u16, min_window: u64) {
         self.state = PathState::Probing;
         self.src_port = new_port;
+        // A new route: its probe gets a plain timeout, not the old route's backoff.
+        self.backoff = 0;
         self.cc.reset(min_window);
         self.stats.failures += 1;
         self.stats.state = Some(PathState::Probing);

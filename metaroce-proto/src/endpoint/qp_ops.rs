@@ -140,7 +140,14 @@ impl Endpoint {
         let failing: Vec<usize> = (0..c.paths_tx.len())
             .filter(|&i| {
                 let p = &c.paths_tx[i];
+                // Random loss loses a packet now and then; a dead route loses
+                // everything and delivers nothing for several RTTs.
+                let silent = p
+                    .rtt
+                    .srtt()
+                    .is_some_and(|s| now.saturating_since(p.last_delivery) > s * 4);
                 p.state == crate::connection::PathState::Active
+                    && silent
                     && p.consecutive_lost >= crate::consts::PATH_FAIL_LOSSES
                     && c.paths_tx
                         .iter()

@@ -86,7 +86,9 @@ impl Endpoint {
             let len = match ctrl {
                 Ctrl::Hello => {
                     c.hello_attempts += 1;
-                    c.hello_deadline = Some(now + handshake_rto);
+                    // Exponential backoff from `handshake_rto`.
+                    let shift = u32::from(c.hello_attempts.saturating_sub(1)).min(16);
+                    c.hello_deadline = Some(now + handshake_rto * (1u32 << shift));
                     Hello {
                         src_cid: c.local_cid,
                         listen_port,

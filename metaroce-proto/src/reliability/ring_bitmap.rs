@@ -90,10 +90,17 @@ impl<const WORDS: usize> RingBitmap<WORDS> {
     pub(crate) fn insert_sliding(&mut self, s: u32) -> SeqAccept {
         if !seq_lt(s, self.cum) && seq_dist(self.cum, s) >= Self::SPAN {
             let new_min = s.wrapping_sub(Self::SPAN - 1);
-            while seq_lt(self.cum, new_min) {
-                let (w, m) = Self::slot(self.cum);
-                self.bits[w] &= !m;
-                self.cum = self.cum.wrapping_add(1);
+            if seq_dist(self.cum, new_min) >= Self::SPAN {
+                // The whole window is left behind: start afresh (constant
+                // time, however far the peer jumps).
+                self.bits.fill(0);
+                self.cum = new_min;
+            } else {
+                while seq_lt(self.cum, new_min) {
+                    let (w, m) = Self::slot(self.cum);
+                    self.bits[w] &= !m;
+                    self.cum = self.cum.wrapping_add(1);
+                }
             }
         }
         self.insert(s)
@@ -163,6 +170,12 @@ mod tests {
         assert!(b.contains(256) && !b.contains(2));
         assert_eq!(b.insert_sliding(0), SeqAccept::Duplicate);
         assert_eq!(b.insert_sliding(1000), SeqAccept::New);
+        // A jump of billions is handled at once, not step by step.
+        let mut far: RingBitmap<4> = RingBitmap::new(5);
+        far.insert_sliding(6);
+        assert_eq!(far.insert_sliding(0x6a00_0000), SeqAccept::New);
+        assert_eq!(far.cum(), 0x6a00_0000 - 255);
+        assert!(far.contains(0x6a00_0000) && !far.contains(0x6a00_0000 - 1));
         assert_eq!(b.cum(), 1000 - 255);
         assert!(!b.contains(1000 - 255));
         let mut sack = [0u8; 32];

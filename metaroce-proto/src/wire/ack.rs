@@ -322,6 +322,7 @@ pub struct AckBuilder<'b> {
     buf: &'b mut [u8],
     len: usize,
     stage: u8,
+    options_len: usize,
 }
 
 impl<'b> AckBuilder<'b> {
@@ -341,6 +342,7 @@ impl<'b> AckBuilder<'b> {
             buf,
             len: ACK_HEADER_LEN,
             stage: 0,
+            options_len: 0,
         })
     }
 
@@ -406,10 +408,14 @@ impl<'b> AckBuilder<'b> {
         Ok(())
     }
 
-    /// Adds an option.
+    /// Adds an option. Options take at most `MAX_OPTIONS_LEN` bytes in all.
     pub fn push_option(&mut self, kind: u8, value: &[u8]) -> Result<(), WireError> {
         let len =
             u8::try_from(value.len()).map_err(|_| WireError::InvalidField("option length"))?;
+        if self.options_len + 2 + value.len() > MAX_OPTIONS_LEN {
+            return Err(WireError::InvalidField("options length"));
+        }
+        self.options_len += 2 + value.len();
         check_out(&self.buf[self.len..], 2 + value.len())?;
         self.stage = 3;
         self.buf[self.len] = kind;

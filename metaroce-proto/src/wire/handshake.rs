@@ -58,6 +58,9 @@ impl Hello {
         if !(MIN_MTU..=MAX_MTU).contains(&mtu) {
             return Err(WireError::InvalidField("mtu"));
         }
+        if get_u16(buf, 12) == 0 {
+            return Err(WireError::InvalidField("listen_port"));
+        }
         let max_paths = buf[16];
         if max_paths == 0 || usize::from(max_paths) > MAX_PATHS {
             return Err(WireError::InvalidField("max_paths"));
