@@ -442,6 +442,48 @@ fn threaded_write<D: IoDriver + Send + 'static>(name: &str) {
     assert!(b.stats().waits > 0 || a.stats().waits > 0);
 }
 
+/// What a `poll` provoked leaves within that `poll`: the server answers the
+/// handshake in the call that reports `Incoming` (even one that slept first),
+/// so that a caller may stop polling it right then (as `metaroce perf`'s
+/// server does while it waits for the client's QP number).
+fn answers_leave_within_the_same_poll<D: IoDriver + Send + 'static>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    let mut a = D::bind(config(1)).unwrap();
+    let mut b = D::bind(config(1)).unwrap();
+    let server = b.local_addr();
+    let t0 = Instant::now();
+    // The server sleeps in `poll` when the client's datagrams arrive.
+    let srv = std::thread::spawn(move || {
+        loop {
+            assert!(t0.elapsed() < Duration::from_secs(5), "no Incoming");
+            b.poll(Duration::from_millis(50)).unwrap();
+            if let Some(Event::Incoming { .. }) = b.endpoint().poll_event() {
+                return b; // never polled again
+            }
+        }
+    });
+    std::thread::sleep(Duration::from_millis(20));
+    let now = a.now();
+    let conn = a.endpoint().connect(now, server).unwrap();
+    let mut connected = false;
+    while !connected {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "{name}: the ACCEPT stayed queued in the server"
+        );
+        // A slow client: its datagrams reach a server that sleeps.
+        std::thread::sleep(Duration::from_millis(5));
+        a.poll(Duration::ZERO).unwrap();
+        while let Some(e) = a.endpoint().poll_event() {
+            assert_eq!(e, Event::Connected(conn), "{name}");
+            connected = true;
+        }
+    }
+    drop(srv.join().unwrap());
+}
+
 macro_rules! suite {
     ($($test:ident),*) => {
         mod portable {
@@ -459,7 +501,8 @@ suite!(
     send_recv,
     read,
     timers_wake_the_wait,
-    threaded_write
+    threaded_write,
+    answers_leave_within_the_same_poll
 );
 
 #[test]

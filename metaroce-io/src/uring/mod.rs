@@ -212,24 +212,14 @@ impl UringDriver {
 
     /// Runs one turn of the loop: hands what completed to the core (datagrams,
     /// finished sends), runs due timers, queues what the core has to send,
-    /// and makes one `io_uring_enter`, which also waits (for a datagram, a
-    /// send completion or a timer at most `max_wait` or the core's next
-    /// timer away) when the turn had nothing to do.
+    /// and submits it all with one `io_uring_enter`. A turn with nothing to
+    /// do waits in that same call, for a datagram, a send completion or a
+    /// timer (at most `max_wait` or the core's next timer away), then hands
+    /// what woke it to the core and submits the answers (a second enter, only
+    /// if there are any), so that nothing the core produced waits for the
+    /// caller's next turn.
     pub fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError> {
-        let mut progress = self.reap();
-        let now = self.clock.now();
-        // Timers run after what already arrived: an ACK that is here must
-        // not lose the race against a retransmission timeout.
-        if self.ep.poll_timeout().is_some_and(|t| t <= now) {
-            // What the timers did (events, failed requests) is the caller's
-            // to see before this turn may sleep.
-            self.ep.handle_timeout(now);
-            progress = true;
-        }
-        progress |= self.flush()?;
-        if self.ring.arm_recv(self.recv_sock.as_raw_fd())? {
-            self.stats.recv_arms += 1;
-        }
+        let progress = self.work()?;
         let mut want = 0;
         if !progress {
             let mut wait = max_wait;
@@ -244,10 +234,31 @@ impl UringDriver {
         }
         self.ring.submit(want)?;
         self.stats.submits += 1;
-        if want > 0 {
-            self.reap();
+        if want > 0 && self.work()? && self.ring.queued() {
+            self.ring.submit(0)?;
+            self.stats.submits += 1;
         }
         Ok(())
+    }
+
+    /// Reaps completions, runs due timers, queues transmits and keeps the
+    /// receive armed. Returns whether anything happened.
+    fn work(&mut self) -> Result<bool, DriverError> {
+        let mut progress = self.reap();
+        let now = self.clock.now();
+        // Timers run after what already arrived: an ACK that is here must
+        // not lose the race against a retransmission timeout.
+        if self.ep.poll_timeout().is_some_and(|t| t <= now) {
+            // What the timers did (events, failed requests) is the caller's
+            // to see before this turn may sleep.
+            self.ep.handle_timeout(now);
+            progress = true;
+        }
+        progress |= self.flush()?;
+        if self.ring.arm_recv(self.recv_sock.as_raw_fd())? {
+            self.stats.recv_arms += 1;
+        }
+        Ok(progress)
     }
 
     /// Makes sure a timer fires no later than `deadline`.

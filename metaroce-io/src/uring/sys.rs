@@ -367,8 +367,13 @@ pub(super) enum SendCqe {
 pub(super) struct Ring {
     ring: IoUring,
     recv_hdr: Box<libc::msghdr>,
-    /// Whether a multishot receive is in flight.
-    recv_armed: bool,
+    /// The current multishot receive: its generation and the thread that
+    /// armed it (its completions run as task work of that thread).
+    recv: Option<(u64, std::thread::ThreadId)>,
+    /// Generation of the last receive armed.
+    recv_gen: u64,
+    /// Multishot receives still in flight (a replaced one until it ends).
+    recv_live: u32,
     bufs: BufRing,
     slots: Box<[SendSlot]>,
     timespec: Box<Timespec>,
@@ -399,9 +404,19 @@ impl Ring {
         slot_size: usize,
         max_msgs: usize,
     ) -> io::Result<Self> {
-        let ring = IoUring::builder()
-            .setup_cqsize(entries.saturating_mul(4))
-            .build(entries)?;
+        // COOP_TASKRUN: completions are posted when we enter the kernel
+        // (every turn does) instead of interrupting the thread for each.
+        let builder = |coop: bool| {
+            let mut b = IoUring::builder();
+            b.setup_cqsize(entries.saturating_mul(4));
+            if coop {
+                b.setup_coop_taskrun();
+            }
+            b.build(entries)
+        };
+        // COOP_TASKRUN (5.19): completions are posted when the thread enters
+        // the kernel (every turn does) instead of interrupting it for each.
+        let ring = builder(true).or_else(|_| builder(false))?;
         let mut bufs = BufRing::new(
             recv_buffers,
             RECVMSG_OUT_LEN + RECV_NAME_LEN + RECV_CONTROL_LEN + recv_payload,
@@ -426,7 +441,9 @@ impl Ring {
         Ok(Ring {
             ring,
             recv_hdr,
-            recv_armed: false,
+            recv: None,
+            recv_gen: 0,
+            recv_live: 0,
             bufs,
             slots: (0..slots.max(1))
                 .map(|_| SendSlot::new(slot_size, max_msgs))
@@ -457,19 +474,34 @@ impl Ring {
             .map_err(|_| io::Error::new(io::ErrorKind::WouldBlock, "submission queue full"))
     }
 
-    /// Arms the multishot receive on `fd` unless it is armed.
+    /// Arms the multishot receive on `fd` unless one armed by this thread
+    /// is in flight. One armed by another thread (the driver moved) is
+    /// cancelled and replaced, so that receive completions are posted by the
+    /// thread that polls. Returns whether it armed one.
     pub(super) fn arm_recv(&mut self, fd: RawFd) -> io::Result<bool> {
-        if self.recv_armed {
-            return Ok(false);
+        let me = std::thread::current().id();
+        match self.recv {
+            Some((_, owner)) if owner == me => return Ok(false),
+            Some((gen, _)) => {
+                let e = opcode::AsyncCancel::new(TAG_RECV | gen)
+                    .build()
+                    .user_data(TAG_CTRL);
+                // SAFETY: a cancellation refers to no memory.
+                unsafe { self.push(&e)? };
+            }
+            None => {}
         }
+        self.recv_gen += 1;
         let e = opcode::RecvMsgMulti::new(Fd(fd), &*self.recv_hdr, self.bufs.bgid)
             .build()
-            .user_data(TAG_RECV);
+            .user_data(TAG_RECV | self.recv_gen);
         // SAFETY: `recv_hdr` is boxed in `self` and stays until `Drop` has
-        // seen this receive end; the buffers it fills belong to the
-        // registered buffer ring, handed over and back under `BufRing`'s rules.
+        // seen every receive end (`recv_live`); the buffers it fills belong
+        // to the registered buffer ring, handed over and back under
+        // `BufRing`'s rules.
         unsafe { self.push(&e)? };
-        self.recv_armed = true;
+        self.recv = Some((self.recv_gen, me));
+        self.recv_live += 1;
         Ok(true)
     }
 
@@ -569,6 +601,11 @@ impl Ring {
         }
     }
 
+    /// Whether submissions are queued.
+    pub(super) fn queued(&mut self) -> bool {
+        !self.ring.submission().is_empty()
+    }
+
     /// Moves the ready completions into an internal list and returns it
     /// (taken: give it back with [`restore`](Self::restore)). Keeps the
     /// receive bookkeeping: a receive completion without `F_MORE` ends it.
@@ -578,7 +615,11 @@ impl Ring {
         out.extend(self.ring.completion());
         for c in &out {
             if c.user_data() & TAG_MASK == TAG_RECV && !cqueue::more(c.flags()) {
-                self.recv_armed = false;
+                self.recv_live = self.recv_live.saturating_sub(1);
+                let gen = c.user_data() & !TAG_MASK;
+                if self.recv.is_some_and(|(g, _)| g == gen) {
+                    self.recv = None;
+                }
             }
         }
         out
@@ -631,7 +672,7 @@ impl Ring {
                 }
             }
             self.restore(cqes);
-            let busy = self.recv_armed || self.slots.iter().any(|s| s.inflight != 0);
+            let busy = self.recv_live > 0 || self.slots.iter().any(|s| s.inflight != 0);
             if !busy {
                 return true;
             }
