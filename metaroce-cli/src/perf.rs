@@ -14,7 +14,7 @@
 
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
-use metaroce_io::{DriverConfig, PortableDriver};
+use metaroce_io::{Backend, Driver, DriverConfig};
 use metaroce_proto::verbs::*;
 use metaroce_proto::{EndpointConfig, Event};
 use serde::Serialize;
@@ -57,6 +57,9 @@ pub struct PerfArgs {
     /// Print one JSON object instead of the report.
     #[arg(long)]
     json: bool,
+    /// I/O backend: auto (io_uring when the kernel has it), io_uring, portable.
+    #[arg(long, default_value = "auto")]
+    backend: Backend,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -95,7 +98,7 @@ struct PathReport {
 #[derive(Debug, Serialize)]
 struct Report {
     op: Op,
-    backend: &'static str,
+    backend: String,
     msg_size: u64,
     iterations: u64,
     bytes: u64,
@@ -163,19 +166,20 @@ fn endpoint_config(paths: u8) -> EndpointConfig {
     }
 }
 
-fn bind(paths: u8, seed: u64) -> anyhow::Result<PortableDriver> {
+fn bind(paths: u8, seed: u64, backend: Backend) -> anyhow::Result<Driver> {
     let mut cfg = DriverConfig::new("127.0.0.1:0".parse()?);
+    cfg.backend = backend;
     cfg.endpoint = endpoint_config(paths);
     cfg.send_sockets = usize::from(paths);
     cfg.seed = seed;
-    Ok(PortableDriver::bind(cfg)?)
+    Ok(Driver::bind(cfg)?)
 }
 
 /// Runs `drv` until `done` says so or `limit` passes.
 fn drive(
-    drv: &mut PortableDriver,
+    drv: &mut Driver,
     limit: Duration,
-    mut done: impl FnMut(&mut PortableDriver) -> bool,
+    mut done: impl FnMut(&mut Driver) -> bool,
 ) -> anyhow::Result<bool> {
     let start = Instant::now();
     while start.elapsed() < limit {
@@ -190,7 +194,7 @@ fn drive(
 /// The loopback server: accepts one connection, exposes a region, verifies.
 fn server(
     args: &PerfArgs,
-    mut drv: PortableDriver,
+    mut drv: Driver,
     to_client: mpsc::Sender<ServerInfo>,
     from_client: mpsc::Receiver<Qpn>,
     client_done: mpsc::Receiver<u64>,
@@ -314,9 +318,9 @@ pub fn run(args: PerfArgs) -> anyhow::Result<()> {
     if args.duration <= 0.0 || !args.duration.is_finite() {
         bail!("--duration must be a positive number of seconds");
     }
-    let server_drv = bind(args.paths, 1).context("binding the server")?;
+    let server_drv = bind(args.paths, 1, args.backend).context("binding the server")?;
     let server_addr = server_drv.local_addr();
-    let mut client = bind(args.paths, 2).context("binding the client")?;
+    let mut client = bind(args.paths, 2, args.backend).context("binding the client")?;
     let (info_tx, info_rx) = mpsc::channel();
     let (qpn_tx, qpn_rx) = mpsc::channel();
     let (done_tx, done_rx) = mpsc::channel();
@@ -347,7 +351,7 @@ pub fn run(args: PerfArgs) -> anyhow::Result<()> {
 
 fn client_side(
     args: &PerfArgs,
-    drv: &mut PortableDriver,
+    drv: &mut Driver,
     server_addr: std::net::SocketAddr,
     from_server: mpsc::Receiver<ServerInfo>,
     to_server: mpsc::Sender<Qpn>,
@@ -484,7 +488,7 @@ fn client_side(
     let us = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
     Ok(Report {
         op: args.op,
-        backend: "portable",
+        backend: drv.backend().to_string(),
         msg_size: size,
         iterations: completed,
         bytes,
