@@ -160,7 +160,15 @@ fn stream(backend: Backend, msg: usize, secs: f64, zero_copy: bool) -> Result<Ru
         client.endpoint().poll_cq(cq, 64, &mut wcs)?;
         for wc in &wcs {
             if wc.status != WcStatus::Success {
-                return Err(format!("WRITE failed: {:?}", wc.status).into());
+                stop.store(true, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(50));
+                return Err(format!(
+                    "{backend} WRITE failed: {:?} after {:?}; client {:?}",
+                    wc.status,
+                    start.elapsed(),
+                    client.stats()
+                )
+                .into());
             }
             outstanding -= 1;
             done_bytes += msg as u64;

@@ -6,7 +6,8 @@
 //!   provided-buffer ring with UDP GRO and ECN from the control data,
 //!   `SENDMSG` with `UDP_SEGMENT` (GSO) and `IP_TOS`, `SENDMSG_ZC` (zero copy)
 //!   for large transmits, the core's timer as a `TIMEOUT` on the ring, and
-//!   one `io_uring_enter` per loop turn.
+//!   one `io_uring_enter` per busy loop turn (a turn that sleeps adds one
+//!   to send what woke it).
 //! - [`PortableDriver`]: `std` sockets set up with `socket2`, ECN, GRO and
 //!   GSO through `quinn-udp`, a `ppoll` wait bounded by the core's next timer.
 //!

@@ -3,7 +3,9 @@
 //! (GSO and ECN in control data) or `SENDMSG_ZC` per transmit from a pool of
 //! send slots, and the core's next timer as a `TIMEOUT` on the ring, so one
 //! `io_uring_enter` per loop turn submits everything and waits for a
-//! datagram, a send completion or the timer, whichever comes first.
+//! datagram, a send completion or the timer, whichever comes first (and a
+//! second one sends what the wake-up provoked). A driver moved to another
+//! thread re-arms its receive there on the next turn.
 //!
 //! All `unsafe` lives in [`sys`]; the control messages are parsed and built
 //! by safe code in [`cmsg`].
@@ -97,6 +99,8 @@ impl std::fmt::Debug for UringDriver {
             .field("send_sockets", &self.send.len())
             .field("gso", &self.gso)
             .field("zero_copy", &self.zc)
+            .field("free_slots", &self.free.len())
+            .field("timer", &self.timer)
             .field("stats", &self.stats)
             .finish_non_exhaustive()
     }
