@@ -1,69 +1,5 @@
-//! The endpoint: one per host (or per set of sockets), owning the verbs
-//! objects and the connections, driven by datagrams and time.
-//!
-//! The driver loop, after quinn-proto:
-//!
-//! - [`Endpoint::handle_datagram`] for every datagram received,
-//! - [`Endpoint::poll_transmit`] until it returns `None`, sending each transmit,
-//! - [`Endpoint::poll_timeout`] to know when to call [`Endpoint::handle_timeout`],
-//! - [`Endpoint::poll_event`] for connection events, and
-//!   [`Endpoint::poll_cq`] for work completions.
-//!
-//! ```
-//! use metaroce_proto::{Endpoint, EndpointConfig, Instant, Event};
-//! use metaroce_proto::verbs::*;
-//! use std::net::SocketAddr;
-//!
-//! let a_addr: SocketAddr = "10.0.0.1:4792".parse().unwrap();
-//! let b_addr: SocketAddr = "10.0.0.2:4792".parse().unwrap();
-//! let mut a = Endpoint::new(EndpointConfig::default(), 1).unwrap();
-//! let mut b = Endpoint::new(EndpointConfig::default(), 2).unwrap();
-//!
-//! // Verbs objects on both sides.
-//! let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
-//! let (ca, cb) = (a.create_cq(64), b.create_cq(64));
-//! let src = a.reg_mr(pa, vec![7u8; 10_000].into_boxed_slice(), 0, AccessFlags::NONE).unwrap();
-//! let dst = b.reg_mr(pb, vec![0u8; 10_000].into_boxed_slice(), 0x9000, AccessFlags::REMOTE_WRITE).unwrap();
-//! let qa = a.create_qp(QpInit::new(pa, ca, ca)).unwrap();
-//! let qb = b.create_qp(QpInit::new(pb, cb, cb)).unwrap();
-//!
-//! // Connect, exchanging QP numbers out of band.
-//! let mut now = Instant::ZERO;
-//! let conn_a = a.connect(now, b_addr).unwrap();
-//! let mut buf = vec![0u8; 9000];
-//! let mut conn_b = None;
-//! let mut pump = |a: &mut Endpoint, b: &mut Endpoint, now: Instant, conn_b: &mut Option<_>| {
-//!     for _ in 0..100 {
-//!         let mut moved = false;
-//!         while let Some(t) = a.poll_transmit(now, &mut buf) {
-//!             b.handle_datagram(now, a_addr, t.ecn, &buf[..t.size]);
-//!             moved = true;
-//!         }
-//!         while let Some(t) = b.poll_transmit(now, &mut buf) {
-//!             a.handle_datagram(now, b_addr, t.ecn, &buf[..t.size]);
-//!             moved = true;
-//!         }
-//!         while let Some(e) = b.poll_event() {
-//!             if let Event::Incoming { conn, .. } = e { *conn_b = Some(conn); }
-//!         }
-//!         if !moved { break; }
-//!     }
-//! };
-//! pump(&mut a, &mut b, now, &mut conn_b);
-//! a.connect_qp(qa, conn_a, qb).unwrap();
-//! b.connect_qp(qb, conn_b.unwrap(), qa).unwrap();
-//!
-//! // WRITE 10 000 bytes and wait for the completion.
-//! let wr = SendWr::new(1, SendOp::Write(RemoteAddr { rkey: dst.rkey, addr: dst.addr }),
-//!                      Sge { lkey: src.lkey, addr: 0, len: 10_000 });
-//! a.post_send(now, qa, wr).unwrap();
-//! now = Instant::from_nanos(1_000);
-//! pump(&mut a, &mut b, now, &mut conn_b);
-//! let mut wcs = Vec::new();
-//! a.poll_cq(ca, 16, &mut wcs).unwrap();
-//! assert_eq!(wcs[0].status, WcStatus::Success);
-//! assert!(b.mr(dst.lkey).unwrap().iter().all(|&x| x == 7));
-//! ```
+//! The endpoint: demultiplexing, handshake, and the receive and transmit
+//! paths. See [`Endpoint`] for the driver loop.
 
 mod cookie;
 mod qp_ops;
@@ -194,7 +130,72 @@ struct StatelessReply {
     len: usize,
 }
 
-/// A metaroce endpoint. See the [module documentation](self) for the driver loop.
+/// A metaroce endpoint: one per host (or per set of sockets), owning the verbs
+/// objects and the connections, driven by datagrams and time.
+///
+/// The driver loop, after quinn-proto:
+///
+/// - [`Endpoint::handle_datagram`] for every datagram received,
+/// - [`Endpoint::poll_transmit`] until it returns `None`, sending each transmit,
+/// - [`Endpoint::poll_timeout`] to know when to call [`Endpoint::handle_timeout`],
+/// - [`Endpoint::poll_event`] for connection events, and
+///   [`Endpoint::poll_cq`] for work completions.
+///
+/// ```
+/// use metaroce_proto::{Endpoint, EndpointConfig, Instant, Event};
+/// use metaroce_proto::verbs::*;
+/// use std::net::SocketAddr;
+///
+/// let a_addr: SocketAddr = "10.0.0.1:4792".parse().unwrap();
+/// let b_addr: SocketAddr = "10.0.0.2:4792".parse().unwrap();
+/// let mut a = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+/// let mut b = Endpoint::new(EndpointConfig::default(), 2).unwrap();
+///
+/// // Verbs objects on both sides.
+/// let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
+/// let (ca, cb) = (a.create_cq(64), b.create_cq(64));
+/// let src = a.reg_mr(pa, vec![7u8; 10_000].into_boxed_slice(), 0, AccessFlags::NONE).unwrap();
+/// let dst = b.reg_mr(pb, vec![0u8; 10_000].into_boxed_slice(), 0x9000, AccessFlags::REMOTE_WRITE).unwrap();
+/// let qa = a.create_qp(QpInit::new(pa, ca, ca)).unwrap();
+/// let qb = b.create_qp(QpInit::new(pb, cb, cb)).unwrap();
+///
+/// // Connect, exchanging QP numbers out of band.
+/// let mut now = Instant::ZERO;
+/// let conn_a = a.connect(now, b_addr).unwrap();
+/// let mut buf = vec![0u8; 9000];
+/// let mut conn_b = None;
+/// let mut pump = |a: &mut Endpoint, b: &mut Endpoint, now: Instant, conn_b: &mut Option<_>| {
+///     for _ in 0..100 {
+///         let mut moved = false;
+///         while let Some(t) = a.poll_transmit(now, &mut buf) {
+///             b.handle_datagram(now, a_addr, t.ecn, &buf[..t.size]);
+///             moved = true;
+///         }
+///         while let Some(t) = b.poll_transmit(now, &mut buf) {
+///             a.handle_datagram(now, b_addr, t.ecn, &buf[..t.size]);
+///             moved = true;
+///         }
+///         while let Some(e) = b.poll_event() {
+///             if let Event::Incoming { conn, .. } = e { *conn_b = Some(conn); }
+///         }
+///         if !moved { break; }
+///     }
+/// };
+/// pump(&mut a, &mut b, now, &mut conn_b);
+/// a.connect_qp(qa, conn_a, qb).unwrap();
+/// b.connect_qp(qb, conn_b.unwrap(), qa).unwrap();
+///
+/// // WRITE 10 000 bytes and wait for the completion.
+/// let wr = SendWr::new(1, SendOp::Write(RemoteAddr { rkey: dst.rkey, addr: dst.addr }),
+///                      Sge { lkey: src.lkey, addr: 0, len: 10_000 });
+/// a.post_send(now, qa, wr).unwrap();
+/// now = Instant::from_nanos(1_000);
+/// pump(&mut a, &mut b, now, &mut conn_b);
+/// let mut wcs = Vec::new();
+/// a.poll_cq(ca, 16, &mut wcs).unwrap();
+/// assert_eq!(wcs[0].status, WcStatus::Success);
+/// assert!(b.mr(dst.lkey).unwrap().iter().all(|&x| x == 7));
+/// ```
 #[derive(Debug)]
 pub struct Endpoint {
     config: EndpointConfig,
