@@ -1170,6 +1170,14 @@ fn lost_acks_are_recovered_by_probes() {
         p.b.mr(win.lkey).unwrap().iter().all(|&x| x == 4),
         "data placed despite the lost ACKs"
     );
+    eprintln!(
+        "DBG {:?}",
+        p.a.connection_stats(p.conn_a.unwrap()).map(|s| (
+            s.rto_fires,
+            s.data_packets_sent,
+            s.paths.iter().map(|x| x.packets_sent).collect::<Vec<_>>()
+        ))
+    );
     p.cut = (false, false);
     let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(5));
     assert_eq!(wa[0].status, WcStatus::Success);
@@ -1270,4 +1278,54 @@ fn remote_qp_in_error_is_remote_operation_error() {
             (2, WcStatus::WrFlushError)
         ]
     );
+}
+
+#[test]
+fn a_stall_that_times_out_every_path_is_not_eight_retries() {
+    // One packet on each of eight paths, sent a little apart; the link goes
+    // dark for longer than one RTO (a scheduling stall on a loaded host),
+    // so every path times out, each at its own moment. That is one round of
+    // timeouts, not eight retries: the requests must still succeed.
+    let (mut p, v) = pair(26, LinkConfig::perfect());
+    let src = reg(&mut p.a, v.pda, pattern(26, 8 * 1000), 0, AccessFlags::NONE);
+    let win = reg(
+        &mut p.b,
+        v.pdb,
+        vec![0; 8 * 1000],
+        0,
+        AccessFlags::REMOTE_WRITE,
+    );
+    p.run_for(Duration::from_micros(100));
+    p.cut = (true, true);
+    for i in 0..8u64 {
+        let r = RemoteAddr {
+            rkey: win.rkey,
+            addr: i * 1000,
+        };
+        p.a.post_send(
+            p.now,
+            v.qa,
+            SendWr::new(
+                i,
+                SendOp::Write(r),
+                Sge {
+                    lkey: src.lkey,
+                    addr: i * 1000,
+                    len: 1000,
+                },
+            ),
+        )
+        .unwrap();
+        p.run_for(Duration::from_micros(100));
+    }
+    p.run_for(Duration::from_millis(3));
+    let s = p.a.connection_stats(p.conn_a.unwrap()).unwrap();
+    assert!(
+        s.paths.iter().all(|x| x.packets_sent > 0),
+        "one packet per path: {s:?}"
+    );
+    p.cut = (false, false);
+    let wa = wait_cq(&mut p, true, v.cqa, 8, Duration::from_secs(5));
+    assert!(wa.iter().all(|w| w.status == WcStatus::Success), "{wa:?}");
+    assert_eq!(p.b.mr(win.lkey).unwrap(), &pattern(26, 8 * 1000)[..]);
 }

@@ -458,13 +458,20 @@ impl Endpoint {
             for csn in lost.drain(..) {
                 c.queue_retransmit(csn);
             }
-            // Timeouts count toward retry_cnt only while nothing gets through.
-            if c.last_progress <= c.last_timeout {
-                c.consecutive_rto = c.consecutive_rto.saturating_add(1);
-            } else {
+            // Timeouts count toward retry_cnt only while nothing gets
+            // through, and once per backed-off round: eight paths timing out
+            // together after one scheduling stall are one timeout, not eight.
+            if c.last_progress > c.last_timeout {
                 c.consecutive_rto = 1;
+                c.last_timeout = now;
+            } else {
+                let shift = u32::from(c.consecutive_rto.saturating_sub(1)).min(16);
+                let round = (c.rto() * (1u32 << shift)).min(c.rtt.max_rto());
+                if now >= c.last_timeout + round || c.consecutive_rto == 0 {
+                    c.consecutive_rto = c.consecutive_rto.saturating_add(1);
+                    c.last_timeout = now;
+                }
             }
-            c.last_timeout = now;
             tracing::debug!(conn = ci, n = c.consecutive_rto, "retransmission timeout");
             if c.consecutive_rto > c.retry_cnt {
                 c.ctrl = Some(Ctrl::Close(crate::wire::CloseCode::RetryExceeded));
