@@ -141,21 +141,33 @@ fn pattern(iter: u64, k: u64) -> u64 {
 }
 
 fn fill(buf: &mut [u8], iter: u64) {
-    for (k, w) in buf.chunks_mut(8).enumerate() {
-        let v = pattern(iter, k as u64).to_le_bytes();
-        w.copy_from_slice(&v[..w.len()]);
+    let mut words = buf.chunks_exact_mut(8);
+    let mut k = 0u64;
+    for w in &mut words {
+        w.copy_from_slice(&pattern(iter, k).to_le_bytes());
+        k += 1;
     }
+    let rest = words.into_remainder();
+    let v = pattern(iter, k).to_le_bytes();
+    rest.copy_from_slice(&v[..rest.len()]);
 }
 
 /// Returns the number of bytes that differ from the pattern of `iter`.
 fn check(buf: &[u8], iter: u64) -> u64 {
-    let mut bad = 0;
-    for (k, w) in buf.chunks(8).enumerate() {
-        let v = pattern(iter, k as u64).to_le_bytes();
-        if w != &v[..w.len()] {
-            bad += w.iter().zip(&v).filter(|(a, b)| a != b).count() as u64;
+    let mut words = buf.chunks_exact(8);
+    let mut k = 0u64;
+    let mut bad = 0u64;
+    for w in &mut words {
+        let got = u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]);
+        let diff = got ^ pattern(iter, k);
+        if diff != 0 {
+            bad += u64::from((0..8).filter(|i| (diff >> (8 * i)) & 0xff != 0).count() as u32);
         }
+        k += 1;
     }
+    let rest = words.remainder();
+    let v = pattern(iter, k).to_le_bytes();
+    bad += rest.iter().zip(&v).filter(|(a, b)| a != b).count() as u64;
     bad
 }
 
