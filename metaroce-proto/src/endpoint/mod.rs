@@ -627,18 +627,7 @@ impl Endpoint {
         } = self;
         let q = qps[idx].as_mut().ok_or(VerbsError::InvalidQp(qpn))?;
         if q.state == QpState::Error {
-            let w = SendWqe {
-                wr,
-                msn: 0,
-                recv_seq: 0,
-                gen: 0,
-                rnr_retries: 0,
-                read_received: 0,
-                read_seen: false,
-                local_error: None,
-                has_ref: false,
-            };
-            let wc = q.send_wc(&w, WcStatus::WrFlushError);
+            let wc = q.send_wc(&SendWqe::new(wr, 0, 0, None, false), WcStatus::WrFlushError);
             qp_ops::push_wc(cqs, events, q.send_cq, wc);
             return Ok(());
         }
@@ -664,21 +653,17 @@ impl Endpoint {
         if consumes_recv(&wr.op) {
             q.next_recv_seq = recv_seq.wrapping_add(1);
         }
-        q.sq.push_back(SendWqe {
+        q.sq.push_back(SendWqe::new(
             wr,
             msn,
             recv_seq,
-            gen: 0,
-            rnr_retries: 0,
-            read_received: 0,
-            read_seen: false,
-            local_error: if ok {
+            if ok {
                 None
             } else {
                 Some(WcStatus::LocalProtectionError)
             },
             has_ref,
-        });
+        ));
         if let Some(c) = q.conn {
             self.touch(c.0 as usize, Some(now));
         }
@@ -851,18 +836,7 @@ impl Endpoint {
     /// Recomputes a connection's timer and readiness after anything changed it.
     pub(crate) fn touch(&mut self, ci: usize, now: Option<Instant>) {
         let next = self.conn_deadline(ci);
-        let Some(c) = self.conns[ci].as_mut() else {
-            return;
-        };
-        if c.timer_key != next {
-            if let Some(k) = c.timer_key.take() {
-                self.timers.remove(&(k, ci));
-            }
-            if let Some(k) = next {
-                self.timers.insert((k, ci));
-                c.timer_key = Some(k);
-            }
-        }
+        self.set_timer(ci, next);
         if let Some(n) = now {
             self.last_now = self.last_now.max(n);
         }

@@ -125,6 +125,27 @@ pub(crate) struct SendWqe {
 }
 
 impl SendWqe {
+    /// A request as posted: first generation, nothing received yet.
+    pub(crate) fn new(
+        wr: SendWr,
+        msn: u32,
+        recv_seq: u32,
+        local_error: Option<WcStatus>,
+        has_ref: bool,
+    ) -> Self {
+        SendWqe {
+            wr,
+            msn,
+            recv_seq,
+            gen: 0,
+            rnr_retries: 0,
+            read_received: 0,
+            read_seen: false,
+            local_error,
+            has_ref,
+        }
+    }
+
     pub(crate) fn opcode(&self) -> Opcode {
         match self.wr.op {
             SendOp::Send => Opcode::Send,
@@ -634,25 +655,12 @@ mod tests {
     }
 
     fn wqe(msn: u32, op: SendOp, len: u32) -> SendWqe {
-        SendWqe {
-            wr: SendWr::new(
-                msn.into(),
-                op,
-                super::super::Sge {
-                    lkey: 0,
-                    addr: 0,
-                    len,
-                },
-            ),
-            msn,
-            recv_seq: 0,
-            gen: 0,
-            rnr_retries: 0,
-            read_received: 0,
-            read_seen: false,
-            local_error: None,
-            has_ref: false,
-        }
+        let local = super::super::Sge {
+            lkey: 0,
+            addr: 0,
+            len,
+        };
+        SendWqe::new(SendWr::new(msn.into(), op, local), msn, 0, None, false)
     }
 
     #[test]
