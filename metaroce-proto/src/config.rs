@@ -55,6 +55,9 @@ pub struct EndpointConfig {
     /// Queueing delay (RTT above the smallest RTT seen) the sender tolerates
     /// before it slows down.
     pub delay_target: Duration,
+    /// How long a sender counts as active for the receiver's grant after its
+    /// last data packet.
+    pub receiver_active_window: Duration,
     /// Largest number of datagrams one [`Transmit`](crate::Transmit) may carry
     /// (UDP GSO): drivers that can segment set it; 1 sends single datagrams.
     pub max_gso_segments: usize,
@@ -84,6 +87,7 @@ impl Default for EndpointConfig {
             max_window: DEFAULT_MAX_WINDOW,
             delay_target: DEFAULT_DELAY_TARGET,
             receiver_capacity_kbps: None,
+            receiver_active_window: DEFAULT_RECEIVER_ACTIVE_WINDOW,
             max_gso_segments: 1,
         }
     }

@@ -136,5 +136,9 @@ pub const DEFAULT_DELAY_TARGET: Duration = Duration::from_micros(100);
 /// Random loss of 10% reaches it once in 10^4 packets; a dead route at once.
 pub const PATH_FAIL_LOSSES: u32 = 4;
 
+/// Default time a sender counts as active for the receiver's grant after its
+/// last data packet (`DEFAULT_RECEIVER_ACTIVE_WINDOW`).
+pub const DEFAULT_RECEIVER_ACTIVE_WINDOW: Duration = Duration::from_micros(100);
+
 /// Default largest number of outstanding RDMA READs per QP (`DEFAULT_MAX_RD_ATOMIC`).
 pub const DEFAULT_MAX_RD_ATOMIC: u8 = 16;

@@ -1329,3 +1329,59 @@ fn a_stall_that_times_out_every_path_is_not_eight_retries() {
     assert!(wa.iter().all(|w| w.status == WcStatus::Success), "{wa:?}");
     assert_eq!(p.b.mr(win.lkey).unwrap(), &pattern(26, 8 * 1000)[..]);
 }
+
+#[test]
+fn the_receivers_grant_caps_the_sender() {
+    let run = |grant: Option<u64>| {
+        let cb = EndpointConfig {
+            receiver_capacity_kbps: grant,
+            ..EndpointConfig::default()
+        };
+        let mut p = Pair::new(EndpointConfig::default(), cb, 27, LinkConfig::perfect());
+        p.connect();
+        let v = Verbs::setup(&mut p);
+        let len = 4 << 20;
+        let src = reg(&mut p.a, v.pda, pattern(27, len), 0, AccessFlags::NONE);
+        let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+        let r = RemoteAddr {
+            rkey: win.rkey,
+            addr: 0,
+        };
+        let t0 = p.now;
+        p.a.post_send(
+            t0,
+            v.qa,
+            SendWr::new(
+                1,
+                SendOp::Write(r),
+                Sge {
+                    lkey: src.lkey,
+                    addr: 0,
+                    len: len as u32,
+                },
+            ),
+        )
+        .unwrap();
+        let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(5));
+        assert_eq!(wa[0].status, WcStatus::Success);
+        assert!(p.b.mr(win.lkey).unwrap() == &pattern(27, len)[..]);
+        let hint =
+            p.a.connection_stats(p.conn_a.unwrap())
+                .unwrap()
+                .rate_hint_kbps;
+        (p.now - t0, hint)
+    };
+    let (free, no_hint) = run(None);
+    // 8 Gbit/s granted: 4 MiB take at least ~4 ms.
+    let (capped, hint) = run(Some(8_000_000));
+    assert_eq!(no_hint, 0);
+    assert_eq!(hint, 8_000_000, "one active sender gets the whole capacity");
+    assert!(
+        capped >= Duration::from_millis(3),
+        "capped transfer took {capped:?}"
+    );
+    assert!(
+        capped > free * 4,
+        "grant had no effect: {capped:?} vs {free:?}"
+    );
+}

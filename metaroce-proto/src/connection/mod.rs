@@ -11,7 +11,7 @@ mod path;
 pub(crate) use path::{PathEvent, PathRx, PathTx};
 pub use path::{PathState, PathStats};
 
-use crate::cc::{ReceiverCc, SenderCc};
+use crate::cc::SenderCc;
 use crate::config::EndpointConfig;
 use crate::consts::{COOKIE_LEN, CSN_WINDOW};
 use crate::reliability::{RingBitmap, RttEstimator, SeqAccept};
@@ -193,9 +193,10 @@ pub(crate) struct Connection {
     pub(crate) last_rx_ts: u32,
     pub(crate) last_rx_path: u8,
     pub(crate) last_rx_at: Instant,
+    /// Whether any DATA packet has arrived (the connection counts as a sender).
+    pub(crate) rx_seen: bool,
     pub(crate) naks: VecDeque<NakEntry>,
     pub(crate) dirty_streams: Vec<Qpn>,
-    pub(crate) rcc: ReceiverCc,
 
     // Streams.
     pub(crate) qps: Vec<Qpn>,
@@ -282,9 +283,9 @@ impl Connection {
             last_rx_ts: 0,
             last_rx_path: 0,
             last_rx_at: now,
+            rx_seen: false,
             naks: VecDeque::new(),
             dirty_streams: Vec::new(),
-            rcc: ReceiverCc::new(config.receiver_capacity_kbps),
             qps: Vec::new(),
             qp_rr: 0,
             timer_key: None,
@@ -439,6 +440,7 @@ impl Connection {
         ack_every: u32,
         delay: Duration,
     ) {
+        self.rx_seen = true;
         self.last_rx_ts = tx_ts;
         self.last_rx_path = path;
         self.last_rx_at = now;

@@ -219,6 +219,8 @@ pub struct Endpoint {
     last_now: Instant,
     /// Connections in the `Established` state.
     established: usize,
+    /// The receiver's grant to its senders.
+    rcc: crate::cc::ReceiverCc,
 }
 
 impl Endpoint {
@@ -227,6 +229,7 @@ impl Endpoint {
     pub fn new(config: EndpointConfig, seed: u64) -> Result<Self, EndpointError> {
         config.validate()?;
         let mut rng = Rng::new(seed);
+        let rcc_config = (config.receiver_capacity_kbps, config.receiver_active_window);
         let cookie_key = (rng.next_u64(), rng.next_u64());
         Ok(Endpoint {
             config,
@@ -248,6 +251,7 @@ impl Endpoint {
             local_ip: None,
             last_now: Instant::ZERO,
             established: 0,
+            rcc: crate::cc::ReceiverCc::new(rcc_config.0, rcc_config.1),
         })
     }
 
@@ -260,6 +264,11 @@ impl Endpoint {
     /// with several local addresses; `None` lets the driver choose).
     pub fn set_local_ip(&mut self, ip: Option<IpAddr>) {
         self.local_ip = ip;
+    }
+
+    /// Connections currently established.
+    pub fn established_connections(&self) -> usize {
+        self.established
     }
 
     /// Endpoint-wide counters.

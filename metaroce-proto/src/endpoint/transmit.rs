@@ -451,9 +451,31 @@ impl Endpoint {
         })
     }
 
+    /// The receiver's grant for each sender: its inbound capacity shared by
+    /// the connections that delivered data recently. The count is refreshed
+    /// at most every quarter of the activity window, so an ACK costs no scan.
+    fn rate_hint(&mut self, now: Instant) -> u32 {
+        if !self.rcc.enabled() {
+            return 0;
+        }
+        if self.rcc.stale(now) {
+            let window = self.rcc.window();
+            let active = self
+                .conns
+                .iter()
+                .flatten()
+                .filter(|c| {
+                    c.is_established() && c.rx_seen && now.saturating_since(c.last_rx_at) <= window
+                })
+                .count();
+            self.rcc.set_active(now, active);
+        }
+        self.rcc.hint_kbps()
+    }
+
     /// Encodes an ACK with everything the peer is owed that fits.
     fn emit_ack(&mut self, ci: usize, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
-        let active = self.established;
+        let hint = self.rate_hint(now);
         let c = self.conns[ci].as_mut()?;
         let hdr = AckHeader {
             flags: 0,
@@ -462,7 +484,7 @@ impl Endpoint {
             ts_echo: c.last_rx_ts,
             ack_delay_ns: u32::try_from(now.saturating_since(c.last_rx_at).as_nanos())
                 .unwrap_or(u32::MAX),
-            rate_hint_kbps: c.rcc.hint_kbps(active),
+            rate_hint_kbps: hint,
             echo_path: c.last_rx_path,
         };
         let streams: Vec<Qpn> = std::mem::take(&mut c.dirty_streams);
