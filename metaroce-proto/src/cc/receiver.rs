@@ -54,7 +54,7 @@ impl ReceiverCc {
         self.window
     }
 
-    /// Whether the count of active senders should be refreshed (every quarter window).
+    /// Whether the count of active senders should be refreshed (16 times a window).
     pub fn stale(&self, now: Instant) -> bool {
         self.counted_at
             .is_none_or(|t| now.saturating_since(t) >= self.window / 4)

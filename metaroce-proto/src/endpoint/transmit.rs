@@ -453,7 +453,7 @@ impl Endpoint {
 
     /// The receiver's grant for each sender: its inbound capacity shared by
     /// the connections that delivered data recently. The count is refreshed
-    /// at most every quarter of the activity window, so an ACK costs no scan.
+    /// at most 16 times per activity window, so an ACK rarely costs a scan.
     fn rate_hint(&mut self, now: Instant) -> u32 {
         if !self.rcc.enabled() {
             return 0;
