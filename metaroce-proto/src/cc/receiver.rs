@@ -57,7 +57,7 @@ impl ReceiverCc {
     /// Whether the count of active senders should be refreshed (16 times a window).
     pub fn stale(&self, now: Instant) -> bool {
         self.counted_at
-            .is_none_or(|t| now.saturating_since(t) >= self.window / 4)
+            .is_none_or(|t| now.saturating_since(t) >= self.window / 16)
     }
 
     /// Records how many senders are active.
