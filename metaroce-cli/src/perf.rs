@@ -182,7 +182,7 @@ fn bind(paths: u8, seed: u64, backend: Backend) -> anyhow::Result<Driver> {
     let mut cfg = DriverConfig::new("127.0.0.1:0".parse()?);
     cfg.backend = backend;
     cfg.endpoint = endpoint_config(paths);
-    cfg.send_sockets = usize::from(paths);
+    cfg.send_sockets = 2 * usize::from(paths);
     cfg.seed = seed;
     Ok(Driver::bind(cfg)?)
 }

@@ -101,7 +101,8 @@ pub struct DriverConfig {
     /// `max_gso_segments` are replaced by what the driver actually bound and
     /// what the kernel supports.
     pub endpoint: EndpointConfig,
-    /// Send sockets, one per source port (path entropy). Default: one per path.
+    /// Send sockets, one per source port (path entropy). Default: twice the
+    /// paths, so that a failed path can move to a port no other path uses.
     pub send_sockets: usize,
     /// Seed of the endpoint.
     pub seed: u64,
@@ -121,7 +122,8 @@ impl DriverConfig {
         let endpoint = EndpointConfig::default();
         DriverConfig {
             listen,
-            send_sockets: usize::from(endpoint.paths),
+            // Twice the paths: a failed path moves to a port no path uses.
+            send_sockets: 2 * usize::from(endpoint.paths),
             endpoint,
             seed: 0,
             socket_buffer: 8 << 20,

@@ -12,7 +12,7 @@
 //!   GSO through `quinn-udp`, a `ppoll` wait bounded by the core's next timer.
 //!
 //! Both bind one receive socket on the endpoint's port and one send socket
-//! per path source port, so that each path has its own ECMP entropy.
+//! per path source port, so that each path has its own ECMP entropy (twice as many send sockets as paths by default, so that a failed path can move to an unused port).
 //! [`Driver::bind`] picks the backend: [`Backend::Auto`] (the default) takes
 //! io_uring when the kernel supports it ([`uring_probe`]) and falls back to
 //! the portable backend, logging which and why; [`Backend::Uring`] and

@@ -200,7 +200,9 @@ impl PathTx {
         let Some(srtt) = self.rtt.srtt() else {
             return 0;
         };
-        let wait = srtt + srtt / 4 + self.rtt.rttvar() * 2 + slack;
+        // Never quicker than a quarter of the minimum RTO: on a host stack
+        // RTTs jump with scheduling, and a spurious loss costs a resend.
+        let wait = (srtt + srtt / 4 + self.rtt.rttvar() * 2 + slack).max(self.rtt.min_rto() / 4);
         let by_age = Instant::from_nanos(now.as_nanos().saturating_sub(crate::time::nanos(wait)));
         let cutoff = by_age.min(Instant::from_nanos(evidence.as_nanos().saturating_sub(1)));
         match self.oldest_outstanding() {

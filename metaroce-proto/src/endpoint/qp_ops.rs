@@ -91,10 +91,12 @@ impl Endpoint {
         let used: Vec<u16> = c.paths_tx.iter().map(|p| p.src_port).collect();
         let ports = &self.config.source_ports;
         let start = self.rng.next_u32() as usize % ports.len();
+        // A port no path uses; with none to spare the path keeps its port
+        // (and its route) but still probes before it carries traffic again.
         let new_port = (0..ports.len())
             .map(|k| ports[(start + k) % ports.len()])
             .find(|port| !used.contains(port))
-            .unwrap_or(ports[start]);
+            .unwrap_or(c.paths_tx[pi].src_port);
         let p = &mut c.paths_tx[pi];
         tracing::debug!(
             conn = ci,

@@ -86,6 +86,11 @@ impl RttEstimator {
     pub fn max_rto(&self) -> Duration {
         self.max_rto
     }
+
+    /// Lower bound of the timeout.
+    pub fn min_rto(&self) -> Duration {
+        self.min_rto
+    }
 }
 
 #[cfg(test)]
