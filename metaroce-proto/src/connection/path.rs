@@ -70,7 +70,8 @@ pub(crate) struct PathTx {
     pub(crate) src_port: u16,
     pub(crate) next_psn: u32,
     pub(crate) una: u32,
-    ring: Box<[SentPkt]>,
+    /// Send records, allocated on the first send (an idle path costs none).
+    ring: Vec<SentPkt>,
     pub(crate) in_flight: u64,
     pub(crate) rtt: RttEstimator,
     /// The path's own congestion window.
@@ -111,7 +112,7 @@ impl PathTx {
             src_port,
             next_psn: 0,
             una: 0,
-            ring: vec![SentPkt::default(); SACK_BITS as usize].into_boxed_slice(),
+            ring: Vec::new(),
             in_flight: 0,
             rtt,
             cc,
@@ -230,6 +231,9 @@ impl PathTx {
     ) -> u32 {
         debug_assert!(self.has_room());
         let psn = self.next_psn;
+        if self.ring.is_empty() {
+            self.ring = vec![SentPkt::default(); SACK_BITS as usize];
+        }
         self.ring[Self::slot(psn)] = SentPkt {
             csn,
             sent_at: now,

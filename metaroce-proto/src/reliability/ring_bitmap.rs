@@ -20,7 +20,9 @@ pub(crate) enum SeqAccept {
 #[derive(Debug, Clone)]
 pub(crate) struct RingBitmap<const WORDS: usize> {
     cum: u32,
-    bits: Box<[u64; WORDS]>,
+    /// Allocated when the first number beyond `cum` is recorded: a window
+    /// that only ever advances in order costs no memory.
+    bits: Option<Box<[u64; WORDS]>>,
 }
 
 impl<const WORDS: usize> RingBitmap<WORDS> {
@@ -29,7 +31,7 @@ impl<const WORDS: usize> RingBitmap<WORDS> {
     pub(crate) fn new(start: u32) -> Self {
         RingBitmap {
             cum: start,
-            bits: Box::new([0; WORDS]),
+            bits: None,
         }
     }
 
@@ -54,7 +56,7 @@ impl<const WORDS: usize> RingBitmap<WORDS> {
             return false;
         }
         let (w, m) = Self::slot(s);
-        self.bits[w] & m != 0
+        self.bits.as_ref().is_some_and(|b| b[w] & m != 0)
     }
 
     /// Records `s`; advances `cum` over every contiguous seen number.
@@ -65,23 +67,33 @@ impl<const WORDS: usize> RingBitmap<WORDS> {
         if seq_dist(self.cum, s) >= Self::SPAN {
             return SeqAccept::OutOfWindow;
         }
+        if s == self.cum {
+            // In order: advance over it and whatever was seen beyond it.
+            self.cum = self.cum.wrapping_add(1);
+            self.sweep();
+            return SeqAccept::New;
+        }
+        let bits = self.bits.get_or_insert_with(|| Box::new([0; WORDS]));
         let (w, m) = Self::slot(s);
-        if self.bits[w] & m != 0 {
+        if bits[w] & m != 0 {
             return SeqAccept::Duplicate;
         }
-        self.bits[w] |= m;
-        while {
-            let (w, m) = Self::slot(self.cum);
-            if self.bits[w] & m != 0 {
-                self.bits[w] &= !m;
-                true
-            } else {
-                false
-            }
-        } {
-            self.cum = self.cum.wrapping_add(1);
-        }
+        bits[w] |= m;
         SeqAccept::New
+    }
+
+    /// Advances `cum` over numbers already seen, clearing their bits.
+    fn sweep(&mut self) {
+        if let Some(bits) = self.bits.as_mut() {
+            loop {
+                let (w, m) = Self::slot(self.cum);
+                if bits[w] & m == 0 {
+                    break;
+                }
+                bits[w] &= !m;
+                self.cum = self.cum.wrapping_add(1);
+            }
+        }
     }
 
     /// Records `s`, sliding the window forward when `s` lies beyond it: the
@@ -90,18 +102,25 @@ impl<const WORDS: usize> RingBitmap<WORDS> {
     pub(crate) fn insert_sliding(&mut self, s: u32) -> SeqAccept {
         if !seq_lt(s, self.cum) && seq_dist(self.cum, s) >= Self::SPAN {
             let new_min = s.wrapping_sub(Self::SPAN - 1);
-            if seq_dist(self.cum, new_min) >= Self::SPAN {
-                // The whole window is left behind: start afresh (constant
-                // time, however far the peer jumps).
-                self.bits.fill(0);
-                self.cum = new_min;
-            } else {
-                while seq_lt(self.cum, new_min) {
-                    let (w, m) = Self::slot(self.cum);
-                    self.bits[w] &= !m;
-                    self.cum = self.cum.wrapping_add(1);
+            match self.bits.as_mut() {
+                // The whole window is left behind, or there is nothing
+                // recorded: start afresh (constant time, however far the
+                // peer jumps).
+                None => self.cum = new_min,
+                Some(bits) if seq_dist(self.cum, new_min) >= Self::SPAN => {
+                    bits.fill(0);
+                    self.cum = new_min;
+                }
+                Some(bits) => {
+                    while seq_lt(self.cum, new_min) {
+                        let (w, m) = Self::slot(self.cum);
+                        bits[w] &= !m;
+                        self.cum = self.cum.wrapping_add(1);
+                    }
                 }
             }
+            // The new start may be a number already seen.
+            self.sweep();
         }
         self.insert(s)
     }
@@ -110,8 +129,11 @@ impl<const WORDS: usize> RingBitmap<WORDS> {
     /// `i` (byte `i/8`, bit `i%8` from the LSB) stands for `cum + 1 + i`.
     pub(crate) fn sack_into(&self, out: &mut [u8]) {
         out.fill(0);
+        let Some(bits) = self.bits.as_ref() else {
+            return;
+        };
         // Walk the words rather than every bit: most are zero.
-        for (wi, &word) in self.bits.iter().enumerate() {
+        for (wi, &word) in bits.iter().enumerate() {
             let mut word = word;
             while word != 0 {
                 let b = word.trailing_zeros();
