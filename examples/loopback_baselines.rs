@@ -1,0 +1,347 @@
+//! metaroce against the baselines it must be compared with, measured in the
+//! same run on the same loopback: TCP (one stream), raw UDP with GSO/GRO
+//! (the same datagram size metaroce sends), and a raw UDP ping-pong for
+//! small-message latency.
+//!
+//! ```sh
+//! cargo run --release --example loopback_baselines -- [SECONDS]
+//! ```
+//!
+//! Prints each figure and metaroce's ratio to it. The machine is shared and
+//! noisy: compare ratios, not absolute numbers.
+
+use metaroce_io::{Driver, DriverConfig};
+use metaroce_proto::verbs::*;
+use metaroce_proto::Event;
+use quinn_udp::{RecvMeta, Transmit, UdpSockRef, UdpSocketState};
+use std::io::{IoSliceMut, Read, Write};
+use std::net::{TcpListener, TcpStream, UdpSocket};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const DATAGRAM: usize = 4160;
+
+fn tcp_gbps(secs: f64) -> f64 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let reader = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut n = 0u64;
+        while let Ok(k) = s.read(&mut buf) {
+            if k == 0 {
+                break;
+            }
+            n += k as u64;
+        }
+        n
+    });
+    let mut s = TcpStream::connect(addr).unwrap();
+    let buf = vec![7u8; 64 << 10];
+    let t0 = Instant::now();
+    while t0.elapsed().as_secs_f64() < secs {
+        s.write_all(&buf).unwrap();
+    }
+    drop(s);
+    let n = reader.join().unwrap();
+    n as f64 * 8.0 / t0.elapsed().as_secs_f64() / 1e9
+}
+
+fn udp_gso_gbps(secs: f64) -> f64 {
+    let rx = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let socket2 = socket2::SockRef::from(&rx);
+    let _ = socket2.set_recv_buffer_size(8 << 20);
+    rx.set_read_timeout(Some(Duration::from_millis(50)))
+        .unwrap();
+    let rx_state = UdpSocketState::new(UdpSockRef::from(&rx)).unwrap();
+    let dst = rx.local_addr().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let reader = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 64 * 65536];
+        let mut n = 0u64;
+        while !stop2.load(Ordering::Relaxed) {
+            let mut meta = [RecvMeta::default()];
+            let mut bufs = [IoSliceMut::new(&mut buf)];
+            if let Ok(k) = rx_state.recv(UdpSockRef::from(&rx), &mut bufs, &mut meta) {
+                n += meta[..k].iter().map(|m| m.len as u64).sum::<u64>();
+            }
+        }
+        n
+    });
+    let tx = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let tx_state = UdpSocketState::new(UdpSockRef::from(&tx)).unwrap();
+    // A GSO send is at most one 64 KiB UDP payload.
+    let segs = tx_state.max_gso_segments().clamp(1, 65_507 / DATAGRAM);
+    let payload = vec![9u8; DATAGRAM * segs];
+    let t0 = Instant::now();
+    while t0.elapsed().as_secs_f64() < secs {
+        let t = Transmit {
+            destination: dst,
+            ecn: None,
+            contents: &payload,
+            segment_size: (segs > 1).then_some(DATAGRAM),
+            src_ip: None,
+        };
+        let _ = tx_state.try_send(UdpSockRef::from(&tx), &t);
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    std::thread::sleep(Duration::from_millis(100));
+    stop.store(true, Ordering::Relaxed);
+    reader.join().unwrap() as f64 * 8.0 / elapsed / 1e9
+}
+
+fn udp_ping_pong_us(rounds: usize) -> (f64, f64) {
+    let a = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let b = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let (aa, ba) = (a.local_addr().unwrap(), b.local_addr().unwrap());
+    let echo = std::thread::spawn(move || {
+        let mut buf = [0u8; 64];
+        for _ in 0..rounds {
+            let (n, from) = b.recv_from(&mut buf).unwrap();
+            b.send_to(&buf[..n], from).unwrap();
+        }
+    });
+    let mut lat = Vec::with_capacity(rounds);
+    let mut buf = [0u8; 64];
+    for _ in 0..rounds {
+        let t0 = Instant::now();
+        a.send_to(&[1u8; 8], ba).unwrap();
+        a.recv_from(&mut buf).unwrap();
+        lat.push(t0.elapsed());
+    }
+    echo.join().unwrap();
+    let _ = aa;
+    lat.sort();
+    let q = |x: f64| lat[((lat.len() - 1) as f64 * x) as usize].as_secs_f64() * 1e6;
+    (q(0.5), q(0.99))
+}
+
+/// Two endpoints on loopback, connected, with one QP pair.
+struct Pair {
+    a: Driver,
+    b: Driver,
+    qa: Qpn,
+    qb: Qpn,
+    cqa: CqHandle,
+    cqb: CqHandle,
+    pda: PdHandle,
+    pdb: PdHandle,
+}
+
+fn pair() -> Pair {
+    let mut a = Driver::bind(DriverConfig::new("127.0.0.1:0".parse().unwrap())).unwrap();
+    let mut b = Driver::bind(DriverConfig::new("127.0.0.1:0".parse().unwrap())).unwrap();
+    let now = a.now();
+    let ca = a.endpoint().connect(now, b.local_addr()).unwrap();
+    let mut cb = None;
+    let mut up = false;
+    while cb.is_none() || !up {
+        a.poll(Duration::from_millis(1)).unwrap();
+        b.poll(Duration::from_millis(1)).unwrap();
+        while let Some(e) = b.endpoint().poll_event() {
+            if let Event::Incoming { conn, .. } = e {
+                cb = Some(conn);
+            }
+        }
+        while let Some(e) = a.endpoint().poll_event() {
+            up |= e == Event::Connected(ca);
+        }
+    }
+    let (pda, pdb) = (a.endpoint().alloc_pd(), b.endpoint().alloc_pd());
+    let (cqa, cqb) = (a.endpoint().create_cq(1024), b.endpoint().create_cq(1024));
+    let qa = a.endpoint().create_qp(QpInit::new(pda, cqa, cqa)).unwrap();
+    let qb = b.endpoint().create_qp(QpInit::new(pdb, cqb, cqb)).unwrap();
+    a.endpoint().connect_qp(qa, ca, qb).unwrap();
+    b.endpoint().connect_qp(qb, cb.unwrap(), qa).unwrap();
+    Pair {
+        a,
+        b,
+        qa,
+        qb,
+        cqa,
+        cqb,
+        pda,
+        pdb,
+    }
+}
+
+/// 64 KiB WRITEs, 16 outstanding, both endpoints driven from one thread
+/// each (server on its own thread), for `secs`.
+fn metaroce_write_gbps(secs: f64) -> f64 {
+    let Pair {
+        mut a,
+        mut b,
+        qa,
+        cqa,
+        pda,
+        pdb,
+        ..
+    } = pair();
+    let size = 64usize << 10;
+    let src = a
+        .endpoint()
+        .reg_mr(
+            pda,
+            vec![3u8; 16 * size].into_boxed_slice(),
+            0,
+            AccessFlags::NONE,
+        )
+        .unwrap();
+    let win = b
+        .endpoint()
+        .reg_mr(
+            pdb,
+            vec![0u8; 16 * size].into_boxed_slice(),
+            0,
+            AccessFlags::REMOTE_WRITE,
+        )
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let server = std::thread::spawn(move || {
+        while !stop2.load(Ordering::Relaxed) {
+            b.poll(Duration::from_micros(200)).unwrap();
+        }
+    });
+    let (mut posted, mut done) = (0u64, 0u64);
+    let mut wcs = Vec::new();
+    let t0 = Instant::now();
+    loop {
+        let sending = t0.elapsed().as_secs_f64() < secs;
+        let now = a.now();
+        let e = a.endpoint();
+        while sending && posted - done < 16 {
+            let slot = posted % 16;
+            let r = RemoteAddr {
+                rkey: win.rkey,
+                addr: slot * size as u64,
+            };
+            let local = Sge {
+                lkey: src.lkey,
+                addr: slot * size as u64,
+                len: size as u32,
+            };
+            e.post_send(now, qa, SendWr::new(posted, SendOp::Write(r), local))
+                .unwrap();
+            posted += 1;
+        }
+        wcs.clear();
+        e.poll_cq(cqa, 64, &mut wcs).unwrap();
+        done += wcs.len() as u64;
+        if !sending && done == posted {
+            break;
+        }
+        a.poll(Duration::from_micros(200)).unwrap();
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    server.join().unwrap();
+    done as f64 * size as f64 * 8.0 / elapsed / 1e9
+}
+
+/// 8-byte SEND/RECV round trips, both endpoints polled from this thread.
+fn metaroce_ping_pong_us(rounds: usize) -> (f64, f64) {
+    let Pair {
+        mut a,
+        mut b,
+        qa,
+        qb,
+        cqa,
+        cqb,
+        pda,
+        pdb,
+    } = pair();
+    let ma = a
+        .endpoint()
+        .reg_mr(
+            pda,
+            vec![0u8; 16].into_boxed_slice(),
+            0,
+            AccessFlags::LOCAL_WRITE,
+        )
+        .unwrap();
+    let mb = b
+        .endpoint()
+        .reg_mr(
+            pdb,
+            vec![0u8; 16].into_boxed_slice(),
+            0,
+            AccessFlags::LOCAL_WRITE,
+        )
+        .unwrap();
+    let recv = |m: &MrInfo| RecvWr {
+        wr_id: 0,
+        sge: Sge {
+            lkey: m.lkey,
+            addr: 8,
+            len: 8,
+        },
+    };
+    let send = |m: &MrInfo| {
+        SendWr::new(
+            0,
+            SendOp::Send,
+            Sge {
+                lkey: m.lkey,
+                addr: 0,
+                len: 8,
+            },
+        )
+    };
+    a.endpoint().post_recv(qa, recv(&ma)).unwrap();
+    b.endpoint().post_recv(qb, recv(&mb)).unwrap();
+    let mut lat = Vec::with_capacity(rounds);
+    let mut wcs = Vec::new();
+    for _ in 0..rounds {
+        let t0 = Instant::now();
+        let now = a.now();
+        a.endpoint().post_send(now, qa, send(&ma)).unwrap();
+        let mut back = false;
+        while !back {
+            a.poll(Duration::ZERO).unwrap();
+            b.poll(Duration::ZERO).unwrap();
+            wcs.clear();
+            b.endpoint().poll_cq(cqb, 8, &mut wcs).unwrap();
+            for wc in &wcs {
+                if wc.opcode == WcOpcode::Recv {
+                    let now = b.now();
+                    b.endpoint().post_recv(qb, recv(&mb)).unwrap();
+                    b.endpoint().post_send(now, qb, send(&mb)).unwrap();
+                }
+            }
+            wcs.clear();
+            a.endpoint().poll_cq(cqa, 8, &mut wcs).unwrap();
+            for wc in &wcs {
+                if wc.opcode == WcOpcode::Recv {
+                    a.endpoint().post_recv(qa, recv(&ma)).unwrap();
+                    back = true;
+                }
+            }
+        }
+        lat.push(t0.elapsed());
+    }
+    lat.sort();
+    let q = |x: f64| lat[((lat.len() - 1) as f64 * x) as usize].as_secs_f64() * 1e6;
+    (q(0.5), q(0.99))
+}
+
+fn main() {
+    let secs: f64 = std::env::args()
+        .nth(1)
+        .map_or(2.0, |a| a.parse().expect("seconds"));
+    let tcp = tcp_gbps(secs);
+    let udp = udp_gso_gbps(secs);
+    let mr = metaroce_write_gbps(secs);
+    println!("throughput (Gbit/s): metaroce WRITE 64 KiB {mr:.2} | raw UDP GSO/GRO {udp:.2} | TCP {tcp:.2}");
+    println!(
+        "  metaroce / raw UDP = {:.2}   metaroce / TCP = {:.2}",
+        mr / udp,
+        mr / tcp
+    );
+    let (up50, up99) = udp_ping_pong_us(20_000);
+    let (mp50, mp99) = metaroce_ping_pong_us(20_000);
+    println!("8 B round trip (us): metaroce SEND p50 {mp50:.1} p99 {mp99:.1} | raw UDP p50 {up50:.1} p99 {up99:.1}");
+    println!("  metaroce / raw UDP p50 = {:.2}", mp50 / up50);
+}
