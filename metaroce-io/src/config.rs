@@ -1,5 +1,6 @@
 //! What every backend is set up from, and what it counts.
 
+use crate::FaultConfig;
 use metaroce_proto::EndpointConfig;
 use std::fmt;
 use std::net::SocketAddr;
@@ -114,6 +115,8 @@ pub struct DriverConfig {
     pub backend: Backend,
     /// io_uring settings.
     pub uring: UringConfig,
+    /// Faults to inject into received datagrams (default: none).
+    pub faults: FaultConfig,
 }
 
 impl DriverConfig {
@@ -130,6 +133,7 @@ impl DriverConfig {
             max_gso_segments: 16,
             backend: Backend::Auto,
             uring: UringConfig::default(),
+            faults: FaultConfig::default(),
         }
     }
 }
@@ -159,4 +163,10 @@ pub struct DriverStats {
     pub recv_dropped: u64,
     /// `io_uring_enter` calls (io_uring only).
     pub submits: u64,
+    /// Received datagrams the fault injector dropped.
+    pub faults_dropped: u64,
+    /// Received datagrams the fault injector delivered twice.
+    pub faults_duplicated: u64,
+    /// Received datagrams the fault injector held back (reordered).
+    pub faults_delayed: u64,
 }

@@ -42,6 +42,7 @@
 mod clock;
 mod config;
 mod error;
+mod fault;
 mod portable;
 #[cfg(target_os = "linux")]
 mod uring;
@@ -49,6 +50,7 @@ mod uring;
 pub use clock::Clock;
 pub use config::{Backend, DriverConfig, DriverStats, UnknownBackend, UringConfig};
 pub use error::DriverError;
+pub use fault::FaultConfig;
 pub use portable::PortableDriver;
 #[cfg(target_os = "linux")]
 pub use uring::{uring_probe, UringCaps, UringDriver};
@@ -84,6 +86,9 @@ pub trait IoDriver {
     fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError>;
     /// The driver's own counters.
     fn stats(&self) -> DriverStats;
+    /// Replaces the fault injection (see [`FaultConfig`]); datagrams held
+    /// back by the old one are still delivered when due.
+    fn set_faults(&mut self, faults: FaultConfig);
 }
 
 impl IoDriver for PortableDriver {
@@ -107,6 +112,9 @@ impl IoDriver for PortableDriver {
     }
     fn stats(&self) -> DriverStats {
         PortableDriver::stats(self)
+    }
+    fn set_faults(&mut self, faults: FaultConfig) {
+        PortableDriver::set_faults(self, faults)
     }
 }
 
@@ -236,6 +244,11 @@ impl Driver {
     pub fn stats(&self) -> DriverStats {
         each!(self, d => IoDriver::stats(d))
     }
+
+    /// Replaces the fault injection (see [`IoDriver::set_faults`]).
+    pub fn set_faults(&mut self, faults: FaultConfig) {
+        each!(self, d => IoDriver::set_faults(d, faults))
+    }
 }
 
 impl IoDriver for Driver {
@@ -259,5 +272,8 @@ impl IoDriver for Driver {
     }
     fn stats(&self) -> DriverStats {
         Driver::stats(self)
+    }
+    fn set_faults(&mut self, faults: FaultConfig) {
+        Driver::set_faults(self, faults)
     }
 }

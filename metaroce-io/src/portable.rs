@@ -1,7 +1,8 @@
 //! The portable driver: `std` sockets, `quinn-udp` for ECN and GRO, a
 //! `ppoll` wait bounded by the core's next timer.
 
-use crate::{Clock, DriverConfig, DriverError, DriverStats};
+use crate::fault::{self, Faults};
+use crate::{Clock, DriverConfig, DriverError, DriverStats, FaultConfig};
 use metaroce_proto::{Ecn, Endpoint, Instant};
 use quinn_udp::{EcnCodepoint, RecvMeta, Transmit as QTransmit, UdpSockRef, UdpSocketState};
 use socket2::{Domain, Protocol, Socket, Type};
@@ -30,6 +31,7 @@ pub struct PortableDriver {
     rx_buf: Vec<u8>,
     tx_buf: Vec<u8>,
     stats: DriverStats,
+    faults: Option<Box<Faults>>,
 }
 
 impl std::fmt::Debug for PortableDriver {
@@ -91,6 +93,7 @@ impl PortableDriver {
             .unwrap_or(1);
         ecfg.max_gso_segments = gso.clamp(1, cfg.max_gso_segments.max(1));
         let ep = Endpoint::new(ecfg, cfg.seed)?;
+        let faults = Faults::new(&cfg.faults);
         let gro = recv_state.gro_segments().max(1);
         tracing::debug!(
             %local,
@@ -110,6 +113,7 @@ impl PortableDriver {
             rx_buf: vec![0u8; 65_536 * gro.min(64)],
             tx_buf: vec![0u8; 65_536],
             stats: DriverStats::default(),
+            faults,
         })
     }
 
@@ -133,21 +137,30 @@ impl PortableDriver {
         self.stats
     }
 
+    /// Replaces the fault injection (see [`IoDriver::set_faults`](crate::IoDriver::set_faults)).
+    pub fn set_faults(&mut self, faults: FaultConfig) {
+        fault::replace(&mut self.faults, &faults, self.clock.now(), &mut self.ep);
+    }
+
     /// Runs one turn of the loop: sends what the core has, reads what the
     /// kernel has, runs due timers; if nothing happened, waits for a datagram
     /// for at most `max_wait` or until the core's next timer.
     pub fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError> {
         let sent = self.flush()?;
-        let got = self.receive()?;
+        let got = self.receive()? | self.release();
         if !sent && !got {
             let mut wait = max_wait;
             if let Some(t) = self.ep.poll_timeout() {
+                wait = wait.min(self.clock.until(t));
+            }
+            if let Some(t) = self.faults.as_ref().and_then(|f| f.next_due()) {
                 wait = wait.min(self.clock.until(t));
             }
             if !wait.is_zero() {
                 self.stats.waits += 1;
                 self.wait_readable(wait)?;
                 self.receive()?;
+                self.release();
             }
         }
         let now = self.clock.now();
@@ -229,11 +242,27 @@ impl PortableDriver {
                 }
                 for dg in self.rx_buf[..m.len].chunks(stride.max(1)) {
                     self.stats.datagrams_received += 1;
-                    self.ep.handle_datagram(now, m.addr, ecn, dg);
+                    fault::deliver(
+                        &mut self.faults,
+                        now,
+                        m.addr,
+                        ecn,
+                        dg,
+                        &mut self.ep,
+                        &mut self.stats,
+                    );
                 }
             }
         }
         Ok(any)
+    }
+
+    /// Delivers the held-back datagrams that are due. Returns whether any was.
+    fn release(&mut self) -> bool {
+        match &mut self.faults {
+            Some(f) => f.release(self.clock.now(), &mut self.ep),
+            None => false,
+        }
     }
 
     /// Blocks until the receive socket is readable or `timeout` passes.

@@ -13,8 +13,9 @@
 mod cmsg;
 mod sys;
 
+use crate::fault::{self, Faults};
 use crate::portable::udp_socket;
-use crate::{Backend, Clock, DriverConfig, DriverError, DriverStats, IoDriver};
+use crate::{Backend, Clock, DriverConfig, DriverError, DriverStats, FaultConfig, IoDriver};
 use io_uring::cqueue;
 use io_uring::types::RecvMsgOut;
 use metaroce_proto::{Endpoint, Instant, Transmit};
@@ -90,6 +91,7 @@ pub struct UringDriver {
     timer: Option<(u64, Instant)>,
     timer_gen: u64,
     stats: DriverStats,
+    faults: Option<Box<Faults>>,
 }
 
 impl std::fmt::Debug for UringDriver {
@@ -165,6 +167,7 @@ impl UringDriver {
         )
         .map_err(|e| DriverError::UringUnavailable(format!("ring set-up failed: {e}")))?;
         let ep = Endpoint::new(ecfg, cfg.seed)?;
+        let faults = Faults::new(&cfg.faults);
         let zc = u.zero_copy && caps.sendmsg_zc;
         tracing::debug!(%local, send_sockets = send.len(), gro, gso_segments = segments, zero_copy = zc, "io_uring UDP driver bound");
         let n = ring.slots();
@@ -185,6 +188,7 @@ impl UringDriver {
             timer: None,
             timer_gen: 0,
             stats: DriverStats::default(),
+            faults,
         })
     }
 
@@ -214,6 +218,11 @@ impl UringDriver {
         self.zc
     }
 
+    /// Replaces the fault injection (see [`IoDriver::set_faults`]).
+    pub fn set_faults(&mut self, faults: FaultConfig) {
+        fault::replace(&mut self.faults, &faults, self.clock.now(), &mut self.ep);
+    }
+
     /// Runs one turn of the loop: hands what completed to the core (datagrams,
     /// finished sends), runs due timers, queues what the core has to send,
     /// and submits it all with one `io_uring_enter`. A turn with nothing to
@@ -228,6 +237,9 @@ impl UringDriver {
         if !progress {
             let mut wait = max_wait;
             if let Some(t) = self.ep.poll_timeout() {
+                wait = wait.min(self.clock.until(t));
+            }
+            if let Some(t) = self.faults.as_ref().and_then(|f| f.next_due()) {
                 wait = wait.min(self.clock.until(t));
             }
             if !wait.is_zero() {
@@ -250,6 +262,9 @@ impl UringDriver {
     fn work(&mut self) -> Result<bool, DriverError> {
         let mut progress = self.reap();
         let now = self.clock.now();
+        if let Some(f) = &mut self.faults {
+            progress |= f.release(now, &mut self.ep);
+        }
         // Timers run after what already arrived: an ACK that is here must
         // not lose the race against a retransmission timeout.
         if self.ep.poll_timeout().is_some_and(|t| t <= now) {
@@ -338,7 +353,15 @@ impl UringDriver {
                         }
                         for dg in p.chunks(stride) {
                             self.stats.datagrams_received += 1;
-                            self.ep.handle_datagram(now, from, meta.ecn, dg);
+                            fault::deliver(
+                                &mut self.faults,
+                                now,
+                                from,
+                                meta.ecn,
+                                dg,
+                                &mut self.ep,
+                                &mut self.stats,
+                            );
                             got = true;
                         }
                     }
@@ -477,5 +500,8 @@ impl IoDriver for UringDriver {
     }
     fn stats(&self) -> DriverStats {
         self.stats
+    }
+    fn set_faults(&mut self, faults: FaultConfig) {
+        UringDriver::set_faults(self, faults)
     }
 }

@@ -1,0 +1,430 @@
+#![cfg(target_os = "linux")]
+//! Transfers over loopback through the driver's fault injector, on both
+//! backends: seeded loss (1% and 10%), duplication and reordering of every
+//! received datagram, and a path whose every datagram is dropped. Every
+//! payload byte must arrive intact and every completion be a success, within
+//! a few seconds.
+//!
+//! The tests take a lock, so that they run one at a time and each one's
+//! time bound measures it alone (two busy-polling endpoints per test).
+//! Where io_uring is unavailable the io_uring variants print
+//! `skipped: io_uring unavailable: <reason>` and pass.
+
+use metaroce_io::{DriverConfig, FaultConfig, IoDriver, PortableDriver, UringDriver};
+use metaroce_proto::verbs::*;
+use metaroce_proto::{EndpointConfig, Event};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Every test ends within this.
+const LIMIT: Duration = Duration::from_secs(8);
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn config() -> DriverConfig {
+    let mut c = DriverConfig::new("127.0.0.1:0".parse().unwrap());
+    c.endpoint = EndpointConfig {
+        paths: 4,
+        ..EndpointConfig::default()
+    };
+    c.send_sockets = 8;
+    c
+}
+
+/// Loss `p`, plus 1% duplication and 2% reordering (held 300 µs).
+fn lossy(seed: u64, p: f64) -> FaultConfig {
+    FaultConfig {
+        seed,
+        drop: p,
+        duplicate: 0.01,
+        reorder: 0.02,
+        reorder_delay: Duration::from_micros(300),
+        per_path: None,
+    }
+}
+
+fn runnable(name: &str) -> bool {
+    if name == "io_uring" {
+        if let Err(why) = metaroce_io::uring_probe() {
+            println!("skipped: io_uring unavailable: {why}");
+            return false;
+        }
+    }
+    true
+}
+
+struct Pair<D> {
+    a: D,
+    b: D,
+    conn_a: ConnectionHandle,
+    qa: Qpn,
+    qb: Qpn,
+    cqa: CqHandle,
+    cqb: CqHandle,
+    pda: PdHandle,
+    pdb: PdHandle,
+    start: Instant,
+}
+
+impl<D: IoDriver> Pair<D> {
+    /// Connects cleanly, then turns the faults on at both ends.
+    fn new(fa: FaultConfig, fb: FaultConfig) -> Self {
+        let start = Instant::now();
+        let mut a = D::bind(config()).expect("bind a");
+        let mut b = D::bind(config()).expect("bind b");
+        let now = a.now();
+        let conn_a = a.endpoint().connect(now, b.local_addr()).unwrap();
+        let (mut up, mut conn_b) = (false, None);
+        while !(up && conn_b.is_some()) {
+            assert!(start.elapsed() < LIMIT, "handshake did not finish");
+            a.poll(Duration::ZERO).unwrap();
+            b.poll(Duration::ZERO).unwrap();
+            while let Some(e) = a.endpoint().poll_event() {
+                if matches!(e, Event::Connected(c) if c == conn_a) {
+                    up = true;
+                }
+            }
+            while let Some(e) = b.endpoint().poll_event() {
+                if let Event::Incoming { conn, .. } = e {
+                    conn_b = Some(conn);
+                }
+            }
+        }
+        let (pda, pdb) = (a.endpoint().alloc_pd(), b.endpoint().alloc_pd());
+        let (cqa, cqb) = (a.endpoint().create_cq(4096), b.endpoint().create_cq(4096));
+        let qa = a.endpoint().create_qp(QpInit::new(pda, cqa, cqa)).unwrap();
+        let qb = b.endpoint().create_qp(QpInit::new(pdb, cqb, cqb)).unwrap();
+        a.endpoint().connect_qp(qa, conn_a, qb).unwrap();
+        b.endpoint().connect_qp(qb, conn_b.unwrap(), qa).unwrap();
+        a.set_faults(fa);
+        b.set_faults(fb);
+        Pair {
+            a,
+            b,
+            conn_a,
+            qa,
+            qb,
+            cqa,
+            cqb,
+            pda,
+            pdb,
+            start,
+        }
+    }
+
+    fn complete(&mut self, n_a: usize, n_b: usize) -> (Vec<WorkCompletion>, Vec<WorkCompletion>) {
+        let (mut wa, mut wb) = (Vec::new(), Vec::new());
+        while wa.len() < n_a || wb.len() < n_b {
+            assert!(
+                self.start.elapsed() < LIMIT,
+                "timed out: {}/{n_a} and {}/{n_b} completions; a {:?}, b {:?}",
+                wa.len(),
+                wb.len(),
+                self.a.stats(),
+                self.b.stats()
+            );
+            self.a.poll(Duration::ZERO).unwrap();
+            self.b.poll(Duration::ZERO).unwrap();
+            self.a.endpoint().poll_cq(self.cqa, 256, &mut wa).unwrap();
+            self.b.endpoint().poll_cq(self.cqb, 256, &mut wb).unwrap();
+        }
+        for wc in wa.iter().chain(&wb) {
+            assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+        }
+        (wa, wb)
+    }
+
+    fn report(&mut self, what: &str) {
+        let cs = self.a.endpoint().connection_stats(self.conn_a).unwrap();
+        println!(
+            "{what}: {:?}; a {:?}; b {:?}; a's connection: {} retransmits ({} fast), {} RTO fires, {} path failures",
+            self.start.elapsed(),
+            self.a.stats(),
+            self.b.stats(),
+            cs.retransmits,
+            cs.fast_retransmits,
+            cs.rto_fires,
+            cs.path_failures
+        );
+    }
+}
+
+/// Two 2 MiB WRITEs from `a` to `b`, checked byte by byte.
+fn write_through<D: IoDriver>(name: &str, fa: FaultConfig, fb: FaultConfig) -> Pair<D> {
+    const LEN: usize = 4 << 20;
+    let mut p = Pair::<D>::new(fa, fb);
+    let data = pattern(1, LEN);
+    let src =
+        p.a.endpoint()
+            .reg_mr(p.pda, data.clone().into_boxed_slice(), 0, AccessFlags::NONE)
+            .unwrap();
+    let dst =
+        p.b.endpoint()
+            .reg_mr(
+                p.pdb,
+                vec![0u8; LEN].into_boxed_slice(),
+                0x10_0000,
+                AccessFlags::REMOTE_WRITE,
+            )
+            .unwrap();
+    let part = LEN / 2;
+    let now = p.a.now();
+    for k in 0..2u64 {
+        let off = k * part as u64;
+        let wr = SendWr::new(
+            k,
+            SendOp::Write(RemoteAddr {
+                rkey: dst.rkey,
+                addr: dst.addr + off,
+            }),
+            Sge {
+                lkey: src.lkey,
+                addr: src.addr + off,
+                len: part as u32,
+            },
+        );
+        p.a.endpoint().post_send(now, p.qa, wr).unwrap();
+    }
+    let (wa, _) = p.complete(2, 0);
+    assert_eq!(wa.len(), 2);
+    let got = p.b.endpoint().mr(dst.lkey).unwrap();
+    let bad = got.iter().zip(&data).filter(|(x, y)| x != y).count();
+    assert_eq!(bad, 0, "{name}: {bad} bytes differ");
+    p
+}
+
+fn write_loss<D: IoDriver>(name: &str, loss: f64) {
+    if !runnable(name) {
+        return;
+    }
+    let mut p = write_through::<D>(name, lossy(1, loss), lossy(2, loss));
+    p.report(&format!("{name}: WRITE at {}% loss", loss * 100.0));
+    let (sa, sb) = (p.a.stats(), p.b.stats());
+    assert!(sb.faults_dropped > 0, "loss was injected");
+    if loss >= 0.1 {
+        assert!(sa.faults_dropped > 0, "ACKs were lost too");
+    }
+    assert!(sb.faults_duplicated > 0 && sb.faults_delayed > 0);
+    let cs = p.a.endpoint().connection_stats(p.conn_a).unwrap();
+    assert!(cs.retransmits > 0, "{name}: losses were repaired");
+}
+
+fn write_1pct<D: IoDriver>(name: &str) {
+    write_loss::<D>(name, 0.01)
+}
+
+fn write_10pct<D: IoDriver>(name: &str) {
+    write_loss::<D>(name, 0.10)
+}
+
+/// SEND/RECV with immediates at 10% loss both ways.
+fn send_recv_10pct<D: IoDriver>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    const N: usize = 16;
+    const MSG: usize = 128_000;
+    let mut p = Pair::<D>::new(lossy(3, 0.10), lossy(4, 0.10));
+    let data = pattern(2, N * MSG);
+    let src =
+        p.a.endpoint()
+            .reg_mr(p.pda, data.clone().into_boxed_slice(), 0, AccessFlags::NONE)
+            .unwrap();
+    let dst =
+        p.b.endpoint()
+            .reg_mr(
+                p.pdb,
+                vec![0u8; N * MSG].into_boxed_slice(),
+                0,
+                AccessFlags::LOCAL_WRITE,
+            )
+            .unwrap();
+    for i in 0..N {
+        let sge = Sge {
+            lkey: dst.lkey,
+            addr: (i * MSG) as u64,
+            len: MSG as u32,
+        };
+        let wr = RecvWr {
+            wr_id: i as u64,
+            sge,
+        };
+        p.b.endpoint().post_recv(p.qb, wr).unwrap();
+    }
+    let now = p.a.now();
+    for i in 0..N {
+        let wr = SendWr::new(
+            i as u64,
+            SendOp::SendImm(i as u32),
+            Sge {
+                lkey: src.lkey,
+                addr: (i * MSG) as u64,
+                len: (MSG - i) as u32,
+            },
+        );
+        p.a.endpoint().post_send(now, p.qa, wr).unwrap();
+    }
+    let (_, wb) = p.complete(N, N);
+    let got = p.b.endpoint().mr(dst.lkey).unwrap().to_vec();
+    for wc in &wb {
+        let i = wc.wr_id as usize;
+        assert_eq!(wc.imm, Some(i as u32));
+        assert_eq!(wc.byte_len as usize, MSG - i);
+        let r = i * MSG..i * MSG + MSG - i;
+        assert!(got[r.clone()] == data[r], "{name}: message {i} differs");
+    }
+    p.report(&format!("{name}: SEND/RECV at 10% loss"));
+    assert!(p.b.stats().faults_dropped > 0);
+}
+
+/// A READ of 4 MiB at 10% loss both ways (the data flows from `b`).
+fn read_10pct<D: IoDriver>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    const LEN: usize = 4 << 20;
+    let mut p = Pair::<D>::new(lossy(5, 0.10), lossy(6, 0.10));
+    let data = pattern(3, LEN);
+    let remote =
+        p.b.endpoint()
+            .reg_mr(
+                p.pdb,
+                data.clone().into_boxed_slice(),
+                0x4000_0000,
+                AccessFlags::REMOTE_READ,
+            )
+            .unwrap();
+    let local =
+        p.a.endpoint()
+            .reg_mr(
+                p.pda,
+                vec![0u8; LEN].into_boxed_slice(),
+                0,
+                AccessFlags::LOCAL_WRITE,
+            )
+            .unwrap();
+    let now = p.a.now();
+    let wr = SendWr::new(
+        9,
+        SendOp::Read(RemoteAddr {
+            rkey: remote.rkey,
+            addr: remote.addr,
+        }),
+        Sge {
+            lkey: local.lkey,
+            addr: 0,
+            len: LEN as u32,
+        },
+    );
+    p.a.endpoint().post_send(now, p.qa, wr).unwrap();
+    let (wa, _) = p.complete(1, 0);
+    assert_eq!(wa[0].wr_id, 9);
+    let got = p.a.endpoint().mr(local.lkey).unwrap();
+    assert!(got == &data[..], "{name}: READ data differs");
+    p.report(&format!("{name}: READ at 10% loss"));
+    assert!(p.a.stats().faults_dropped > 0);
+}
+
+/// `b` drops everything that comes from one of `a`'s path source ports:
+/// the core declares the path failed, moves it to another port, and the
+/// WRITE completes.
+fn one_path_blackholed<D: IoDriver>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    // a's path ports are known once the connection is up: the faults go on after.
+    let mut p = Pair::<D>::new(FaultConfig::default(), FaultConfig::default());
+    let before = p.a.endpoint().connection_stats(p.conn_a).unwrap();
+    let port = before.paths[0].src_port;
+    p.b.set_faults(FaultConfig::blackhole(vec![port]));
+    let start = p.start;
+    const LEN: usize = 4 << 20;
+    let data = pattern(7, LEN);
+    let src =
+        p.a.endpoint()
+            .reg_mr(p.pda, data.clone().into_boxed_slice(), 0, AccessFlags::NONE)
+            .unwrap();
+    let dst =
+        p.b.endpoint()
+            .reg_mr(
+                p.pdb,
+                vec![0u8; LEN].into_boxed_slice(),
+                0,
+                AccessFlags::REMOTE_WRITE,
+            )
+            .unwrap();
+    let now = p.a.now();
+    let wr = SendWr::new(
+        1,
+        SendOp::Write(RemoteAddr {
+            rkey: dst.rkey,
+            addr: dst.addr,
+        }),
+        Sge {
+            lkey: src.lkey,
+            addr: src.addr,
+            len: LEN as u32,
+        },
+    );
+    p.a.endpoint().post_send(now, p.qa, wr).unwrap();
+    p.complete(1, 0);
+    let got = p.b.endpoint().mr(dst.lkey).unwrap();
+    assert!(got == &data[..], "{name}: WRITE data differs");
+    let after = p.a.endpoint().connection_stats(p.conn_a).unwrap();
+    p.report(&format!("{name}: path on port {port} blackholed"));
+    println!(
+        "{name}: path ports before {:?}, after {:?}, took {:?}",
+        before.paths.iter().map(|s| s.src_port).collect::<Vec<_>>(),
+        after.paths.iter().map(|s| s.src_port).collect::<Vec<_>>(),
+        start.elapsed()
+    );
+    assert!(
+        p.b.stats().faults_dropped > 0,
+        "the path's datagrams were dropped"
+    );
+    assert!(
+        after.path_failures > 0,
+        "{name}: the path was declared failed"
+    );
+    assert!(
+        after.paths.iter().all(|s| s.src_port != port),
+        "{name}: no path uses the dead port any more"
+    );
+}
+
+macro_rules! suite {
+    ($($test:ident),*) => {
+        mod portable {
+            $(#[test] fn $test() {
+                let _g = super::SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+                super::$test::<super::PortableDriver>("portable")
+            })*
+        }
+        mod io_uring {
+            $(#[test] fn $test() {
+                let _g = super::SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+                super::$test::<super::UringDriver>("io_uring")
+            })*
+        }
+    };
+}
+
+suite!(
+    write_1pct,
+    write_10pct,
+    send_recv_10pct,
+    read_10pct,
+    one_path_blackholed
+);
