@@ -88,12 +88,30 @@ pub struct SimArgs {
     /// ECN marking threshold per switch port, bytes.
     #[arg(long)]
     pub ecn_threshold_bytes: Option<u64>,
+    /// Switches mark ECN above the threshold: on or off (ablation).
+    #[arg(long, default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
+    pub ecn: bool,
+    /// metaroce: receiver hints (each receiver grants its senders a share of
+    /// its link rate in every ACK): on or off (ablation).
+    #[arg(long, default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
+    pub receiver_hints: bool,
+    /// Width of a time-series bin in µs (goodput series, recovery, convergence).
+    #[arg(long, default_value_t = 10.0)]
+    pub bin_us: f64,
     /// A grid over one parameter, e.g. `loss=0,0.001,0.01,0.05,0.1`.
     #[arg(long)]
     pub sweep: Option<String>,
     /// Print JSON (one object, or an array for several runs) instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+fn on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" | "true" | "1" => Ok(true),
+        "off" | "false" | "0" => Ok(false),
+        _ => Err(format!("expected on or off, got {s:?}")),
+    }
 }
 
 /// The configurations to run, in output order.
@@ -135,6 +153,11 @@ fn configs(a: &SimArgs) -> anyhow::Result<Vec<SimConfig>> {
     if let Some(k) = a.ecn_threshold_bytes {
         base.ecn_threshold_bytes = k;
     }
+    base.ecn_marking = a.ecn;
+    if !(a.bin_us > 0.0 && a.bin_us.is_finite()) {
+        bail!("--bin-us must be positive");
+    }
+    base.bin_ns = ((a.bin_us * NS_PER_US as f64).round() as u64).max(1);
     let many_flows = matches!(pattern, Pattern::AllToAll);
     base.pattern = pattern;
     let m = &mut base.metaroce;
@@ -147,6 +170,7 @@ fn configs(a: &SimArgs) -> anyhow::Result<Vec<SimConfig>> {
     m.initial_window = a.initial_window;
     m.max_window = a.max_window;
     m.verify_every = a.verify_every;
+    m.receiver_hints = a.receiver_hints;
     if a.duration_ms <= 0.0 || !a.duration_ms.is_finite() {
         bail!("--duration-ms must be positive");
     }
@@ -182,6 +206,35 @@ fn configs(a: &SimArgs) -> anyhow::Result<Vec<SimConfig>> {
         }
     }
     Ok(out)
+}
+
+/// The derived metrics of a run (recovery, incast), one line each, if any.
+fn render_metrics(r: &SimReport) -> String {
+    let us = |v: Option<f64>| v.map_or_else(|| "never".to_owned(), |x| format!("{x:.0} us"));
+    let mut out = String::new();
+    if r.goodput_after_fault_gbps.is_some() {
+        out += &format!(
+            "{} loss {}: recovery to 85% of line {} (bins of {} us); goodput after the fault {:.2} Gb/s\n",
+            r.transport,
+            r.loss,
+            us(r.recovery_us),
+            r.bin_us,
+            r.goodput_after_fault_gbps.unwrap_or(0.0)
+        );
+    }
+    if let Some(u) = r.receiver_utilization {
+        out += &format!(
+            "{} loss {}: receiver link {:.1}% utilised, Jain {:.4}, receiver queue max {:.1} KB, convergence {} (windows of {:.0} us)\n",
+            r.transport,
+            r.loss,
+            100.0 * u,
+            r.jain_fairness.unwrap_or(0.0),
+            r.receiver_max_queue_bytes.unwrap_or(0) as f64 / 1e3,
+            us(r.convergence_us),
+            r.convergence_window_us.unwrap_or(0.0)
+        );
+    }
+    out
 }
 
 pub fn run(a: SimArgs) -> anyhow::Result<()> {
@@ -233,6 +286,9 @@ pub fn run(a: SimArgs) -> anyhow::Result<()> {
         println!("{s}");
     } else {
         print!("{}", render_table(&reports));
+        for r in &reports {
+            print!("{}", render_metrics(r));
+        }
         if reports.iter().any(|r| r.bytes_lost > 0) {
             println!("\nWARNING: some runs lost application bytes (column `lost B`).");
         }

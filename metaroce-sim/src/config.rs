@@ -104,6 +104,9 @@ pub struct SimConfig {
     pub buffer_bytes: u64,
     /// ECN marking threshold K per switch port.
     pub ecn_threshold_bytes: u64,
+    /// Switches mark CE above the threshold (`--ecn on|off`); off, no
+    /// packet is ever marked.
+    pub ecn_marking: bool,
     /// Maximum transport payload per packet.
     pub mtu: u32,
     /// Random loss probability (`--loss`) on `loss_links`.
@@ -123,6 +126,8 @@ pub struct SimConfig {
     pub routing_convergence_ns: Nanos,
     /// Seed of every random choice (`--seed`).
     pub seed: u64,
+    /// Width of a time-series bin (`--bin-us`), see [`crate::series`].
+    pub bin_ns: Nanos,
     /// Tuning of the baseline transports.
     pub baseline: BaselineParams,
     /// Tuning of the metaroce transport.
@@ -142,6 +147,7 @@ impl Default for SimConfig {
             prop_delay_ns: 1_000,
             buffer_bytes: 1_000_000,
             ecn_threshold_bytes: 100_000,
+            ecn_marking: true,
             mtu: 4096,
             loss: 0.0,
             loss_links: LossLinks::default(),
@@ -151,6 +157,7 @@ impl Default for SimConfig {
             faults: Vec::new(),
             routing_convergence_ns: 0,
             seed: 1,
+            bin_ns: 10_000,
             baseline: BaselineParams::default(),
             metaroce: MetaroceParams::default(),
         }
@@ -209,6 +216,9 @@ impl SimConfig {
         }
         if self.duration_ns == 0 {
             return bad("duration must be positive".into());
+        }
+        if self.bin_ns == 0 {
+            return bad("time-series bin must be positive".into());
         }
         if self.buffer_bytes < self.mtu as u64 + 128 {
             return bad("switch buffer smaller than one packet".into());

@@ -23,7 +23,8 @@
 //! - fabric: [`packet`], [`addr`], [`topology`], [`queue`], [`ecmp`], `host`
 //! - scenario: [`config`], [`traffic`], [`faults`]
 //! - transports: [`transport`] (the trait), [`metaroce`] (the real core), [`baselines`]
-//! - results: `flows` (delivery accounting), [`report`]
+//! - results: `flows` (delivery accounting), [`series`] (time series and
+//!   the metrics derived from them), [`report`]
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -41,6 +42,7 @@ pub mod packet;
 pub mod queue;
 pub mod report;
 pub mod rng;
+pub mod series;
 mod sim;
 pub mod time;
 pub mod topology;

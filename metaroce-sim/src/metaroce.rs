@@ -98,6 +98,10 @@ pub struct MetaroceParams {
     pub ack_every: u32,
     /// Verify the placed bytes of every n-th WRITE (1: all, 0: none).
     pub verify_every: u32,
+    /// Receiver hints (`--receiver-hints`): the endpoint shares its host's
+    /// link rate among its active senders and grants each its share in
+    /// every ACK (`EndpointConfig::receiver_capacity_kbps`); off, no grants.
+    pub receiver_hints: bool,
 }
 
 impl Default for MetaroceParams {
@@ -114,6 +118,7 @@ impl Default for MetaroceParams {
             ack_delay_ns: 2 * NS_PER_US,
             ack_every: 4,
             verify_every: 1,
+            receiver_hints: true,
         }
     }
 }
@@ -141,6 +146,9 @@ impl MetaroceParams {
             ack_every: self.ack_every.max(1),
             initial_window: self.initial_window.unwrap_or(env.bdp_bytes),
             max_window: self.max_window.unwrap_or(defaults.max_window),
+            receiver_capacity_kbps: self
+                .receiver_hints
+                .then(|| (env.link_gbps * 1e6).round() as u64),
             ..defaults
         }
     }

@@ -129,6 +129,28 @@ pub struct SimReport {
     /// Wall-clock seconds the run took (the only non-deterministic field,
     /// with `events_per_s`).
     pub wall_s: f64,
+    /// Width of a time-series bin, µs ([`crate::SimConfig::bin_ns`]).
+    pub bin_us: f64,
+    /// Goodput per bin, Gbit/s per receiving host (see [`crate::series`]).
+    pub goodput_series_gbps: Vec<f64>,
+    /// With a `Fail` fault: µs from the first failure until goodput,
+    /// averaged over [`crate::series::RECOVERY_HOLD_BINS`] bins, is back at
+    /// [`crate::series::RECOVERY_FRACTION`] of the line rate (`None`: never).
+    pub recovery_us: Option<f64>,
+    /// With a `Fail` fault: mean goodput per receiving host from the first
+    /// failure to the end, Gbit/s.
+    pub goodput_after_fault_gbps: Option<f64>,
+    /// Jain's index over the bytes delivered from each sending host.
+    pub jain_fairness: Option<f64>,
+    /// Incast: wire bytes the receiver's downlink carried over its capacity.
+    pub receiver_utilization: Option<f64>,
+    /// Incast: deepest queue of the receiver's downlink port.
+    pub receiver_max_queue_bytes: Option<u64>,
+    /// Incast: µs from the start until every sender is within ±10% of its
+    /// fair share (see [`crate::series`]; `None`: never).
+    pub convergence_us: Option<f64>,
+    /// Incast: the window over which `convergence_us` measures rates.
+    pub convergence_window_us: Option<f64>,
     /// The metaroce core's own counters (metaroce runs only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metaroce: Option<crate::metaroce::MetaroceSummary>,

@@ -15,8 +15,10 @@ use crate::metaroce::MetaroceFactory;
 use crate::packet::{HostId, PacketSlab, IPPROTO_UDP};
 use crate::report::{percentile_us, LinkStat, PacketCounters, SimReport};
 use crate::rng::SimRng;
+use crate::series::{recovery_ns, Timeline, RECOVERY_FRACTION};
 use crate::time::{ps_per_byte, ps_to_ns_ceil, Nanos, PS_PER_NS};
 use crate::topology::{Fabric, LinkId, LinkKind, TopologySpec};
+use crate::traffic::Pattern;
 use crate::traffic::{NewFlow, Traffic};
 use crate::transport::{
     AppEvent, Delivery, FlowStart, PlaneMask, SimTransport, TransportEnv, TransportStats,
@@ -83,6 +85,7 @@ struct Simulator<'c, T: SimTransport> {
     infinite_flows: u64,
     dirty: Vec<HostId>,
     events: u64,
+    timeline: Timeline,
 }
 
 impl<T: SimTransport> std::fmt::Debug for Simulator<'_, T> {
@@ -106,7 +109,11 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
             spine_gbps: cfg.spine_link_gbps(),
             prop_ns: cfg.prop_delay_ns,
             buffer_bytes: cfg.buffer_bytes,
-            ecn_threshold_bytes: cfg.ecn_threshold_bytes,
+            ecn_threshold_bytes: if cfg.ecn_marking {
+                cfg.ecn_threshold_bytes
+            } else {
+                u64::MAX
+            },
         };
         let mut fabric = Fabric::new(spec, cfg.seed);
         if cfg.loss > 0.0 {
@@ -156,6 +163,7 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
             infinite_flows: 0,
             dirty: Vec::new(),
             events: 0,
+            timeline: Timeline::new(cfg.hosts, cfg.bin_ns, cfg.duration_ns),
         }
     }
 
@@ -185,6 +193,7 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
 
     fn start_flow(&mut self, nf: NewFlow) {
         let flow = self.flows.add(nf.src, nf.dst, nf.bytes, self.now);
+        self.timeline.flow_started(nf.src);
         match nf.bytes {
             Some(_) => self.finite_active += 1,
             None => self.infinite_flows += 1,
@@ -209,9 +218,14 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
         match ev {
             AppEvent::Delivered { flow, offset, len } => {
                 let in_order = self.hosts[host as usize].transport.delivery() == Delivery::InOrder;
-                if self.flows.delivered(flow, offset, len, in_order, self.now)
-                    == DeliveryOutcome::Completed
-                {
+                let before = self.flows.intact_bytes;
+                let outcome = self.flows.delivered(flow, offset, len, in_order, self.now);
+                let fresh = self.flows.intact_bytes - before;
+                if fresh > 0 {
+                    let src = self.flows.get(flow).src;
+                    self.timeline.delivered(self.now, src, fresh);
+                }
+                if outcome == DeliveryOutcome::Completed {
                     self.finite_active -= 1;
                     let rec = self.flows.get(flow);
                     let (src, dst) = (rec.src, rec.dst);
@@ -408,6 +422,7 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
             LinkKind::LeafDown { host, .. } => {
                 let pkt = self.slab.remove(idx);
                 self.counters.delivered += 1;
+                self.timeline.arrived(self.now, pkt.src, host, pkt.size);
                 if pkt.ecn.is_capable() {
                     self.ect_delivered += 1;
                     if pkt.ecn == crate::packet::Ecn::Ce {
@@ -488,7 +503,12 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
             }
         }
         let mut rng = SimRng::stream(self.cfg.seed, 2);
-        for nf in self.traffic.initial(&mut rng) {
+        let initial = self.traffic.initial(&mut rng);
+        if matches!(self.cfg.pattern, Pattern::Incast { .. }) {
+            let senders = self.traffic.incast_senders().to_vec();
+            self.timeline.track_incast(0, &senders);
+        }
+        for nf in initial {
             self.launch(nf);
         }
         self.drain_dirty();
@@ -575,6 +595,32 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
             .max()
             .unwrap_or(0);
         let frac = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        let line_gbps = cfg.link_gbps * cfg.planes as f64;
+        let series = self.timeline.goodput_series(sim_ns, receivers);
+        let fail_at = cfg
+            .faults
+            .iter()
+            .filter(|f| f.action == FaultAction::Fail)
+            .map(|f| f.at_ns)
+            .min();
+        let recovery_us = fail_at.and_then(|at| {
+            recovery_ns(&series, cfg.bin_ns, at, RECOVERY_FRACTION * line_gbps)
+                .map(|ns| ns as f64 / 1e3)
+        });
+        let goodput_after_fault_gbps = fail_at.filter(|&at| at < sim_ns).map(|at| {
+            let first = at.div_ceil(cfg.bin_ns) as usize;
+            let tail = &series[first.min(series.len())..];
+            tail.iter().sum::<f64>() / tail.len().max(1) as f64
+        });
+        let packet_bytes = cfg.mtu as u64 + crate::baselines::header::DATA_OVERHEAD as u64;
+        let incast = self
+            .timeline
+            .incast_metrics(sim_ns, cfg.link_gbps, packet_bytes);
+        let receiver_max_queue_bytes = incast.map(|_| {
+            self.fabric.links[self.fabric.leaf_down(0, 0) as usize]
+                .queue
+                .max_bytes()
+        });
         let mut fcts = std::mem::take(&mut self.flows.fcts);
         let mut steps = std::mem::take(&mut self.traffic.step_times);
         let f = &self.flows;
@@ -614,6 +660,15 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
                 0.0
             },
             wall_s,
+            bin_us: cfg.bin_ns as f64 / 1e3,
+            goodput_series_gbps: series,
+            recovery_us,
+            goodput_after_fault_gbps,
+            jain_fairness: self.timeline.jain_fairness(),
+            receiver_utilization: incast.map(|m| m.utilization),
+            receiver_max_queue_bytes,
+            convergence_us: incast.and_then(|m| m.convergence_ns.map(|ns| ns as f64 / 1e3)),
+            convergence_window_us: incast.map(|m| m.window_ns as f64 / 1e3),
             metaroce: None,
             links: self
                 .fabric

@@ -157,6 +157,11 @@ impl Traffic {
         }
     }
 
+    /// The incast senders (after [`Traffic::initial`]); empty otherwise.
+    pub(crate) fn incast_senders(&self) -> &[HostId] {
+        &self.incast_senders
+    }
+
     pub(crate) fn initial(&mut self, rng: &mut SimRng) -> Vec<NewFlow> {
         let n = self.hosts;
         let bytes = self.flow_bytes;
