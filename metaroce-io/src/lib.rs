@@ -11,6 +11,11 @@
 //! - [`PortableDriver`]: `std` sockets set up with `socket2`, ECN, GRO and
 //!   GSO through `quinn-udp`, a `ppoll` wait bounded by the core's next timer.
 //!
+//! Around them: [`FaultConfig`] injects seeded loss, duplication and
+//! reordering into what both backends receive (off by default, for tests),
+//! and [`Metrics`] turns the core's stats into Prometheus metrics, served by
+//! [`MetricsServer`] on `/metrics`.
+//!
 //! Both bind one receive socket on the endpoint's port and one send socket
 //! per path source port, so that each path has its own ECMP entropy (twice as many send sockets as paths by default, so that a failed path can move to an unused port).
 //! [`Driver::bind`] picks the backend: [`Backend::Auto`] (the default) takes
@@ -43,6 +48,7 @@ mod clock;
 mod config;
 mod error;
 mod fault;
+mod metrics;
 mod portable;
 #[cfg(target_os = "linux")]
 mod uring;
@@ -51,6 +57,7 @@ pub use clock::Clock;
 pub use config::{Backend, DriverConfig, DriverStats, UnknownBackend, UringConfig};
 pub use error::DriverError;
 pub use fault::FaultConfig;
+pub use metrics::{Metrics, MetricsServer};
 pub use portable::PortableDriver;
 #[cfg(target_os = "linux")]
 pub use uring::{uring_probe, UringCaps, UringDriver};
