@@ -1,0 +1,204 @@
+//! Regression tests of the multipath and congestion-control targets
+//! (docs/BENCHMARKS.md, "Multipath and congestion-control targets") at a
+//! small scale: 16 hosts, short runs, fast in debug builds.
+//!
+//! The thresholds sit below the values the current core measured (noted
+//! next to each assertion, release and debug give the same numbers: the
+//! simulation is deterministic); they catch regressions, they are not the
+//! targets themselves (those are measured at 64 hosts with `metaroce sim`).
+
+use metaroce_sim::series::recovery_ns;
+use metaroce_sim::time::NS_PER_US;
+use metaroce_sim::{run, FaultSpec, Pattern, SimConfig, SimReport, TransportKind};
+
+/// 16 hosts, 4 leaves of 4, 4 spines, 100 Gbit/s, long-running
+/// permutation flows, 64 KiB WRITEs, no byte verification (speed).
+fn small(duration_us: u64) -> SimConfig {
+    let mut c = SimConfig {
+        transport: TransportKind::Metaroce,
+        hosts: 16,
+        spines: 4,
+        duration_ns: duration_us * NS_PER_US,
+        ..SimConfig::default()
+    };
+    c.metaroce.chunk_bytes = 64 * 1024;
+    c.metaroce.verify_every = 0;
+    c
+}
+
+fn go(c: &SimConfig) -> SimReport {
+    let r = run(c);
+    eprint!("{}", metaroce_sim::render_table(std::slice::from_ref(&r)));
+    eprintln!(
+        "jain {:?} util {:?} rxq {:?} conv {:?} recovery {:?} after {:?}",
+        r.jain_fairness,
+        r.receiver_utilization,
+        r.receiver_max_queue_bytes,
+        r.convergence_us,
+        r.recovery_us,
+        r.goodput_after_fault_gbps
+    );
+    assert_eq!(r.bytes_lost, 0, "bytes lost");
+    assert!(r.packets.is_conserved());
+    r
+}
+
+fn with_loss(c: &SimConfig, loss: f64) -> SimConfig {
+    SimConfig { loss, ..c.clone() }
+}
+
+#[test]
+fn series_covers_the_run_and_sums_to_goodput() {
+    let c = small(300);
+    let r = go(&c);
+    assert_eq!(r.bin_us, 10.0);
+    assert_eq!(r.goodput_series_gbps.len(), 30);
+    let mean = r.goodput_series_gbps.iter().sum::<f64>() / 30.0;
+    assert!(
+        (mean - r.goodput_gbps).abs() < 1e-6,
+        "{mean} vs {}",
+        r.goodput_gbps
+    );
+    // Deterministic.
+    assert_eq!(go(&c).without_wall_clock(), r.without_wall_clock());
+}
+
+#[test]
+fn lossless_permutation_goodput() {
+    let r = go(&small(500));
+    // Measured 0.773 (start-up included; the handshake and first RTTs
+    // weigh on a 0.5 ms run).
+    assert!(r.goodput_fraction >= 0.70, "{}", r.goodput_fraction);
+}
+
+#[test]
+fn loss_1_percent_keeps_most_of_lossless() {
+    let c = small(500);
+    let base = go(&c).goodput_gbps;
+    let r = go(&with_loss(&c, 0.01));
+    // Measured 72.5 / 77.3 = 0.937.
+    assert!(
+        r.goodput_gbps >= 0.90 * base,
+        "{} vs {base}",
+        r.goodput_gbps
+    );
+}
+
+#[test]
+fn loss_10_percent_keeps_a_share_of_lossless() {
+    let c = small(1_000);
+    let base = go(&c).goodput_gbps;
+    let r = go(&with_loss(&c, 0.1));
+    let ratio = r.goodput_gbps / base;
+    // Measured 49.8 / 79.6 = 0.626 (a 1 ms run: lost handshakes and the
+    // first RTTs weigh more than in the 10 ms benchmark).
+    assert!(ratio >= 0.55, "{ratio}");
+}
+
+#[test]
+fn loss_1_percent_beats_go_back_n() {
+    let c = with_loss(&small(500), 0.01);
+    let m = go(&c).goodput_gbps;
+    let g = go(&SimConfig {
+        transport: TransportKind::RoceV2Gbn,
+        ..c
+    })
+    .goodput_gbps;
+    // Measured 72.5 vs 48.0 (1.5x; the 5x target is at 64 hosts).
+    assert!(m >= 1.3 * g, "{m} vs {g}");
+}
+
+#[test]
+fn spine_failure_loses_nothing_and_recovers() {
+    // 2 leaves of 8, 8 spines: spine 1 fails at 400 µs (7/8 of the
+    // inter-leaf capacity left).
+    let mut c = SimConfig {
+        spines: 8,
+        bin_ns: 20 * NS_PER_US,
+        faults: vec!["spine:1@0.4".parse::<FaultSpec>().unwrap()],
+        ..small(800)
+    };
+    c.metaroce.outstanding = 8;
+    let r = go(&c);
+    let after = r.goodput_after_fault_gbps.expect("a failure");
+    // Back at 0.85 of line (averaged over 5 bins of 20 µs): measured 20 µs.
+    let rec = r.recovery_us.expect("recovers");
+    assert!(rec <= 100.0, "{rec}");
+    // The same from the series, at a lower bar.
+    let low = recovery_ns(&r.goodput_series_gbps, c.bin_ns, 400 * NS_PER_US, 60.0);
+    assert!(low.is_some_and(|ns| ns as f64 <= rec * 1e3), "{low:?}");
+    // Measured 85.1 Gb/s from the failure to the end.
+    assert!(after >= 75.0, "{after}");
+}
+
+#[test]
+fn incast_is_fair_and_fills_the_receiver() {
+    let mut c = SimConfig {
+        pattern: Pattern::Incast { senders: 8 },
+        ..small(1_000)
+    };
+    c.metaroce.outstanding = 8;
+    let r = go(&c);
+    let util = r.receiver_utilization.unwrap();
+    let jain = r.jain_fairness.unwrap();
+    // Measured 0.914 and 0.9990.
+    assert!(util >= 0.85, "{util}");
+    assert!(jain >= 0.98, "{jain}");
+    assert!(r.receiver_max_queue_bytes.is_some());
+    assert!(r.convergence_window_us.is_some());
+}
+
+#[test]
+fn ablation_one_path_costs_goodput() {
+    let c = small(500);
+    let eight = go(&c).goodput_gbps;
+    let mut one = c.clone();
+    one.metaroce.paths = 1;
+    let one = go(&one).goodput_gbps;
+    // Measured 77.3 (8 paths) vs 62.3 (1 path).
+    assert!(one < 0.9 * eight, "{one} vs {eight}");
+}
+
+#[test]
+fn ablation_ecn_off_marks_nothing() {
+    let mut c = SimConfig {
+        pattern: Pattern::Incast { senders: 8 },
+        ecn_marking: false,
+        ..small(500)
+    };
+    c.metaroce.receiver_hints = false;
+    let off = go(&c);
+    assert_eq!(off.ecn_marked_fraction, 0.0);
+    let on = go(&SimConfig {
+        ecn_marking: true,
+        ..c
+    });
+    assert!(on.ecn_marked_fraction > 0.0);
+    // Without ECN (and without hints) the receiver's queue is deeper:
+    // measured 998 KB (tail drops) against 713 KB.
+    assert!(
+        off.receiver_max_queue_bytes >= on.receiver_max_queue_bytes,
+        "{:?} vs {:?}",
+        off.receiver_max_queue_bytes,
+        on.receiver_max_queue_bytes
+    );
+}
+
+#[test]
+fn ablation_receiver_hints_change_the_incast() {
+    let mut c = SimConfig {
+        pattern: Pattern::Incast { senders: 8 },
+        ..small(500)
+    };
+    let on = go(&c);
+    c.metaroce.receiver_hints = false;
+    let off = go(&c);
+    // With hints the senders hold about one grant's worth in flight: fewer
+    // CE marks at the receiver's port (measured 12.0% against 95.8%).
+    assert!(
+        on.ecn_marked_fraction < off.ecn_marked_fraction,
+        "{} vs {}",
+        on.ecn_marked_fraction,
+        off.ecn_marked_fraction
+    );
+}
