@@ -286,8 +286,9 @@ pub fn run(a: SimArgs) -> anyhow::Result<()> {
         println!("{s}");
     } else {
         print!("{}", render_table(&reports));
-        for r in &reports {
-            print!("{}", render_metrics(r));
+        let metrics: String = reports.iter().map(render_metrics).collect();
+        if !metrics.is_empty() {
+            print!("\n{metrics}");
         }
         if reports.iter().any(|r| r.bytes_lost > 0) {
             println!("\nWARNING: some runs lost application bytes (column `lost B`).");

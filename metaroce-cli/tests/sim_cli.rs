@@ -109,7 +109,10 @@ fn sim_sweep_gives_an_array_and_a_table() {
     let out = metaroce().args(args).output().unwrap();
     assert!(out.status.success());
     let table = String::from_utf8(out.stdout).unwrap();
-    assert_eq!(table.lines().count(), 2 + 4, "{table}");
+    // The table, a blank line, then one metrics line per run with a fault.
+    let (rows, metrics) = table.split_once("\n\n").expect("metrics block");
+    assert_eq!(rows.lines().count(), 2 + 4, "{table}");
+    assert_eq!(metrics.lines().count(), 4, "{table}");
     assert!(table.starts_with("transport"));
 }
 
@@ -126,4 +129,52 @@ fn sim_rejects_bad_arguments() {
         assert!(!out.status.success(), "{bad:?} succeeded");
         assert!(!out.stderr.is_empty());
     }
+}
+
+#[test]
+fn sim_series_incast_metrics_and_ablation_knobs() {
+    let out = metaroce()
+        .args([
+            "sim",
+            "--hosts",
+            "8",
+            "--spines",
+            "4",
+            "--pattern",
+            "incast:4",
+            "--duration-ms",
+            "0.2",
+            "--bin-us",
+            "20",
+            "--receiver-hints",
+            "off",
+            "--ecn",
+            "off",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["bin_us"], 20.0);
+    assert_eq!(v["goodput_series_gbps"].as_array().unwrap().len(), 10);
+    assert_eq!(v["ecn_marked_fraction"], 0.0);
+    for f in [
+        "jain_fairness",
+        "receiver_utilization",
+        "receiver_max_queue_bytes",
+        "convergence_window_us",
+    ] {
+        assert!(v[f].is_number(), "{f}: {v}");
+    }
+    assert!(v["recovery_us"].is_null());
+    let bad = metaroce()
+        .args(["sim", "--hosts", "8", "--ecn", "maybe"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
 }
