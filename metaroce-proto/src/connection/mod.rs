@@ -321,15 +321,19 @@ impl Connection {
     }
 
     /// The cap the receiver's rate grant puts on bytes in flight: the grant
-    /// times the smallest RTT seen (with headroom for ACK timing).
+    /// times the smoothed RTT (with headroom for ACK timing).
     pub(crate) fn rate_cap(&self) -> Option<u64> {
         if self.rate_hint_kbps == 0 {
             return None;
         }
-        let base = self.rtt.min_rtt()?;
+        // The smoothed RTT, not the smallest: a grant must still fill the
+        // pipe when the fabric queues a little (a cap on the base RTT held
+        // lone senders below their grant). The queue itself is bounded by
+        // the paths' ECN and delay reactions.
+        let rtt = self.rtt.srtt()?;
         let bytes_per_sec = u64::from(self.rate_hint_kbps) * 1000 / 8;
-        let cap = (bytes_per_sec as f64 * base.as_secs_f64() * 1.25) as u64;
-        Some(cap.max(2 * self.mtu as u64))
+        let cap = (bytes_per_sec as f64 * rtt.as_secs_f64() * 1.25) as u64;
+        Some(cap.max(self.mtu as u64))
     }
 
     /// Whether a new CSN may be assigned (window of the peer's duplicate filter).
