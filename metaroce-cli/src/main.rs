@@ -5,6 +5,7 @@
 //! - `metaroce sim`: the packet-level fabric simulator, metaroce against the
 //!   transports it replaces.
 
+mod oob;
 mod perf;
 mod sim;
 
