@@ -1170,14 +1170,6 @@ fn lost_acks_are_recovered_by_probes() {
         p.b.mr(win.lkey).unwrap().iter().all(|&x| x == 4),
         "data placed despite the lost ACKs"
     );
-    eprintln!(
-        "DBG {:?}",
-        p.a.connection_stats(p.conn_a.unwrap()).map(|s| (
-            s.rto_fires,
-            s.data_packets_sent,
-            s.paths.iter().map(|x| x.packets_sent).collect::<Vec<_>>()
-        ))
-    );
     p.cut = (false, false);
     let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(5));
     assert_eq!(wa[0].status, WcStatus::Success);

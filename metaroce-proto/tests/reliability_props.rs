@@ -250,14 +250,6 @@ fn run_case(case: &Case) {
     );
     p.link = link;
     let (conn_a, conn_b) = (p.conn_a.unwrap(), p.conn_b.unwrap());
-    eprintln!(
-        "DBG {:?} {:?} {:?} {:?} now {:?}",
-        p.a.connection_state(conn_a),
-        p.b.connection_state(conn_b),
-        p.events_a,
-        p.events_b,
-        p.now
-    );
 
     // Verbs objects: one PD, one send CQ and one receive CQ per side; QP pairs.
     let (pda, pdb) = (p.a.alloc_pd(), p.b.alloc_pd());
