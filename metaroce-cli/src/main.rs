@@ -2,9 +2,14 @@
 //!
 //! - `metaroce perf`: throughput and latency of the transport (our
 //!   ib_write_bw/iperf3); with no arguments, a self-contained loopback run.
+//! - `metaroce perf server` / `metaroce perf client ADDR`: the same between
+//!   two hosts, with a TCP control connection as perftest's.
+//! - `metaroce fabric`: a namespace testbed of parallel ECMP spine links
+//!   (rate limits, cuts, loss) to run `perf` across (root only).
 //! - `metaroce sim`: the packet-level fabric simulator, metaroce against the
 //!   transports it replaces.
 
+mod fabric;
 mod oob;
 mod perf;
 mod sim;
@@ -24,6 +29,8 @@ struct Cli {
 enum Command {
     /// Measure throughput and latency (loopback by default).
     Perf(perf::PerfArgs),
+    /// A multipath testbed in network namespaces (root only).
+    Fabric(fabric::FabricArgs),
     /// Simulate a data-centre fabric running metaroce or a baseline transport.
     Sim(Box<sim::SimArgs>),
 }
@@ -40,6 +47,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Perf(a) => perf::run(a),
         Command::Sim(a) => sim::run(*a),
+        Command::Fabric(a) => fabric::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,432 @@
+//! `metaroce fabric`: a small multipath testbed in network namespaces.
+//!
+//! Two hosts, `mr-h1` (10.77.1.1) and `mr-h2` (10.77.2.1), each behind a
+//! router, `mr-r1` and `mr-r2`; the routers are joined by N parallel veth
+//! "spine" links `sp0..spN-1` (10.77.{10+k}.1 ↔ .2) with an ECMP route over
+//! all of them, hashed on the L4 5-tuple (`fib_multipath_hash_policy=1`),
+//! so each metaroce path (UDP source port) picks a spine as in a real
+//! leaf-spine fabric. Optional per-spine rate limits (tc `tbf` at both
+//! ends), link cuts (`ip link set down`) and random loss (nftables
+//! `numgen random`, else `netem`, whichever the system has).
+//!
+//! Everything lives in namespaces named `mr-*`; `down` removes every one of
+//! them and is safe to run at any time. Needs root.
+//!
+//! ```sh
+//! sudo metaroce fabric up --spines 4 --rate-mbit 1000
+//! sudo ip netns exec mr-h2 metaroce perf server --bind 10.77.2.1:18515 &
+//! sudo ip netns exec mr-h1 metaroce perf client 10.77.2.1 -D 5
+//! sudo metaroce fabric cut 1; sudo metaroce fabric heal 1
+//! sudo metaroce fabric down
+//! ```
+
+use anyhow::{bail, Context};
+use clap::{Args, Subcommand};
+use std::process::Command;
+
+/// Host namespaces (client side, server side).
+pub const HOSTS: [&str; 2] = ["mr-h1", "mr-h2"];
+/// Router namespaces.
+pub const ROUTERS: [&str; 2] = ["mr-r1", "mr-r2"];
+/// The host addresses, in the order of [`HOSTS`].
+pub const HOST_IPS: [&str; 2] = ["10.77.1.1", "10.77.2.1"];
+/// Most spine links.
+const MAX_SPINES: u8 = 64;
+
+/// Arguments of `metaroce fabric`.
+#[derive(Debug, Args)]
+pub struct FabricArgs {
+    #[command(subcommand)]
+    cmd: FabricCmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum FabricCmd {
+    /// Build the testbed (tearing down any earlier one first).
+    Up {
+        /// Parallel spine links between the routers.
+        #[arg(long, default_value_t = 2)]
+        spines: u8,
+        /// Rate limit of each spine link and direction, Mbit/s (none if absent).
+        #[arg(long)]
+        rate_mbit: Option<u32>,
+    },
+    /// Remove every `mr-*` namespace (safe to repeat).
+    Down,
+    /// Show the namespaces, spine links, routes and qdiscs.
+    Status,
+    /// Take spine link K down (both ends).
+    Cut {
+        /// Spine index.
+        k: u8,
+    },
+    /// Bring spine link K back up.
+    Heal {
+        /// Spine index.
+        k: u8,
+    },
+    /// Drop PCT percent of packets at random on spine links (0 removes the loss).
+    Loss {
+        /// Percent, 0 to 100.
+        pct: f64,
+        /// Which spine: an index or `all`.
+        #[arg(long, default_value = "all")]
+        link: String,
+    },
+}
+
+/// Runs `metaroce fabric`.
+pub fn run(a: FabricArgs) -> anyhow::Result<()> {
+    require_root()?;
+    match a.cmd {
+        FabricCmd::Up { spines, rate_mbit } => up(spines, rate_mbit),
+        FabricCmd::Down => {
+            down();
+            println!("fabric down");
+            Ok(())
+        }
+        FabricCmd::Status => status(),
+        FabricCmd::Cut { k } => set_spine(k, false),
+        FabricCmd::Heal { k } => set_spine(k, true),
+        FabricCmd::Loss { pct, link } => loss(pct, &link),
+    }
+}
+
+/// Fails with a clear message unless we are root.
+pub fn require_root() -> anyhow::Result<()> {
+    let out = Command::new("id")
+        .arg("-u")
+        .output()
+        .context("running `id -u`")?;
+    let uid = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if uid != "0" {
+        bail!("metaroce fabric needs root (network namespaces, veth, tc); `id -u` says {uid}");
+    }
+    Ok(())
+}
+
+/// Runs a command, failing with its stderr.
+fn sh(prog: &str, args: &[&str]) -> anyhow::Result<()> {
+    let out = Command::new(prog)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {prog}"))?;
+    if !out.status.success() {
+        bail!(
+            "`{prog} {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// `ip -n NS ARGS...`
+fn ip(ns: &str, args: &[&str]) -> anyhow::Result<()> {
+    let mut v = vec!["-n", ns];
+    v.extend_from_slice(args);
+    sh("ip", &v)
+}
+
+fn sysctl(ns: &str, kv: &str) -> anyhow::Result<()> {
+    sh("ip", &["netns", "exec", ns, "sysctl", "-qw", kv])
+}
+
+/// Every `mr-*` namespace that exists.
+fn namespaces() -> Vec<String> {
+    let out = Command::new("ip").args(["netns", "list"]).output();
+    let Ok(out) = out else { return Vec::new() };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with("mr-"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Removes every `mr-*` namespace (their veths go with them). Never fails.
+pub fn down() {
+    for ns in namespaces() {
+        let _ = sh("ip", &["netns", "del", &ns]);
+    }
+}
+
+/// Spine links that exist (by index).
+fn spines() -> Vec<u8> {
+    let out = Command::new("ip")
+        .args(["-n", ROUTERS[0], "-br", "link"])
+        .output();
+    let Ok(out) = out else { return Vec::new() };
+    let mut v: Vec<u8> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split(['@', ' ']).next())
+        .filter_map(|n| n.strip_prefix("sp")?.parse().ok())
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+/// Builds the testbed.
+pub fn up(n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
+    if n == 0 || n > MAX_SPINES {
+        bail!("--spines must be between 1 and {MAX_SPINES}");
+    }
+    if rate_mbit == Some(0) {
+        bail!("--rate-mbit must be positive");
+    }
+    down();
+    let r = build(n, rate_mbit);
+    if r.is_err() {
+        down();
+    }
+    r?;
+    println!(
+        "fabric up: {} ({}) ↔ {} ({}) over {n} spine link(s){}",
+        HOSTS[0],
+        HOST_IPS[0],
+        HOSTS[1],
+        HOST_IPS[1],
+        rate_mbit.map_or(String::new(), |r| format!(" of {r} Mbit/s"))
+    );
+    Ok(())
+}
+
+fn build(n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
+    for ns in HOSTS.iter().chain(&ROUTERS) {
+        sh("ip", &["netns", "add", ns])?;
+        ip(ns, &["link", "set", "lo", "up"])?;
+    }
+    // Host legs: eth0 in the host, h1/h2 in its router.
+    for (i, (h, r)) in HOSTS.iter().zip(&ROUTERS).enumerate() {
+        let leg = format!("h{}", i + 1);
+        ip(
+            h,
+            &[
+                "link", "add", "eth0", "type", "veth", "peer", "name", &leg, "netns", r,
+            ],
+        )?;
+        let net = format!("10.77.{}", i + 1);
+        ip(h, &["addr", "add", &format!("{net}.1/24"), "dev", "eth0"])?;
+        ip(h, &["link", "set", "eth0", "up"])?;
+        ip(
+            h,
+            &["route", "add", "default", "via", &format!("{net}.254")],
+        )?;
+        ip(r, &["addr", "add", &format!("{net}.254/24"), "dev", &leg])?;
+        ip(r, &["link", "set", &leg, "up"])?;
+    }
+    for r in ROUTERS {
+        for kv in [
+            "net.ipv4.ip_forward=1",
+            "net.ipv4.fib_multipath_hash_policy=1",
+            "net.ipv4.conf.all.rp_filter=0",
+            "net.ipv4.conf.default.rp_filter=0",
+            "net.ipv4.conf.all.ignore_routes_with_linkdown=1",
+        ] {
+            sysctl(r, kv)?;
+        }
+    }
+    for k in 0..n {
+        let dev = format!("sp{k}");
+        ip(
+            ROUTERS[0],
+            &[
+                "link", "add", &dev, "type", "veth", "peer", "name", &dev, "netns", ROUTERS[1],
+            ],
+        )?;
+        for (side, r) in ROUTERS.iter().enumerate() {
+            ip(
+                r,
+                &[
+                    "addr",
+                    "add",
+                    &format!("10.77.{}.{}/24", 10 + u32::from(k), side + 1),
+                    "dev",
+                    &dev,
+                ],
+            )?;
+            sysctl(r, &format!("net.ipv4.conf.{dev}.rp_filter=0"))?;
+            ip(r, &["link", "set", &dev, "up"])?;
+            if let Some(rate) = rate_mbit {
+                // A burst of 4 ms at the rate (at least a few jumbo frames).
+                let burst = (u64::from(rate) * 1_000_000 / 8 / 250).max(64 * 1024);
+                sh(
+                    "tc",
+                    &[
+                        "-n",
+                        r,
+                        "qdisc",
+                        "replace",
+                        "dev",
+                        &dev,
+                        "root",
+                        "tbf",
+                        "rate",
+                        &format!("{rate}mbit"),
+                        "burst",
+                        &burst.to_string(),
+                        "latency",
+                        "20ms",
+                    ],
+                )?;
+            }
+        }
+    }
+    // ECMP over every spine, each way.
+    for (side, r) in ROUTERS.iter().enumerate() {
+        let dst = format!("10.77.{}.0/24", 2 - side);
+        let mut args = vec!["route".to_string(), "add".into(), dst];
+        for k in 0..n {
+            args.extend([
+                "nexthop".into(),
+                "via".into(),
+                format!("10.77.{}.{}", 10 + u32::from(k), 2 - side),
+                "dev".into(),
+                format!("sp{k}"),
+                "weight".into(),
+                "1".into(),
+            ]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        ip(r, &args)?;
+    }
+    Ok(())
+}
+
+fn set_spine(k: u8, up: bool) -> anyhow::Result<()> {
+    if !spines().contains(&k) {
+        bail!("no spine link {k} (is the fabric up? `metaroce fabric status`)");
+    }
+    let dev = format!("sp{k}");
+    let state = if up { "up" } else { "down" };
+    for r in ROUTERS {
+        ip(r, &["link", "set", &dev, state])?;
+    }
+    println!("spine {k} {state}");
+    Ok(())
+}
+
+fn have(prog: &str) -> bool {
+    Command::new(prog)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn loss(pct: f64, link: &str) -> anyhow::Result<()> {
+    if !(0.0..=100.0).contains(&pct) {
+        bail!("loss must be between 0 and 100 percent");
+    }
+    let all = spines();
+    if all.is_empty() {
+        bail!("the fabric is not up (`metaroce fabric up`)");
+    }
+    let targets: Vec<u8> = if link == "all" {
+        all.clone()
+    } else {
+        let k: u8 = link
+            .parse()
+            .map_err(|_| anyhow::anyhow!("--link takes a spine index or `all`, not `{link}`"))?;
+        if !all.contains(&k) {
+            bail!("no spine link {k}");
+        }
+        vec![k]
+    };
+    if have("nft") {
+        // numgen random mod 10000 < pct*100: drop that fraction, per spine,
+        // as packets leave each router.
+        let per10k = (pct * 100.0).round() as u32;
+        for r in ROUTERS {
+            let nft = |args: &[&str]| {
+                let mut v = vec!["netns", "exec", r, "nft"];
+                v.extend_from_slice(args);
+                sh("ip", &v)
+            };
+            // Once per router: a table, a forward chain jumping to one
+            // chain per spine by output interface.
+            let fresh = nft(&["list", "table", "inet", "mr_loss"]).is_err();
+            if fresh {
+                nft(&["add", "table", "inet", "mr_loss"])?;
+                nft(&["add chain inet mr_loss fwd { type filter hook forward priority 0 ; policy accept ; }"])?;
+                for k in &all {
+                    nft(&["add", "chain", "inet", "mr_loss", &format!("sp{k}")])?;
+                    nft(&[&format!(
+                        "add rule inet mr_loss fwd oifname \"sp{k}\" jump sp{k}"
+                    )])?;
+                }
+            }
+            for k in &targets {
+                nft(&["flush", "chain", "inet", "mr_loss", &format!("sp{k}")])?;
+                if per10k > 0 {
+                    nft(&[&format!(
+                        "add rule inet mr_loss sp{k} numgen random mod 10000 < {per10k} drop"
+                    )])?;
+                }
+            }
+        }
+    } else {
+        // No nftables: netem on the spine's egress at both ends (replaces a
+        // rate limit there).
+        for r in ROUTERS {
+            for k in &targets {
+                let dev = format!("sp{k}");
+                if pct == 0.0 {
+                    let _ = sh("tc", &["-n", r, "qdisc", "del", "dev", &dev, "root"]);
+                    continue;
+                }
+                sh(
+                    "tc",
+                    &[
+                        "-n", r, "qdisc", "replace", "dev", &dev, "root", "netem", "loss",
+                        &format!("{pct}%"),
+                    ],
+                )
+                .context(
+                    "no way to drop packets here: `nft` is not installed and the kernel has no sch_netem",
+                )?;
+            }
+        }
+    }
+    println!("loss {pct}% on spine(s) {targets:?}");
+    Ok(())
+}
+
+fn status() -> anyhow::Result<()> {
+    let ns = namespaces();
+    if ns.is_empty() {
+        println!("fabric down (no mr-* namespaces)");
+        return Ok(());
+    }
+    println!("namespaces: {}", ns.join(" "));
+    for r in ROUTERS {
+        if !ns.iter().any(|n| n == r) {
+            continue;
+        }
+        for args in [
+            vec!["-n", r, "-br", "link"],
+            vec![
+                "-n",
+                r,
+                "route",
+                "show",
+                "10.77.0.0/16",
+                "root",
+                "10.77.0.0/16",
+            ],
+        ] {
+            let out = Command::new("ip").args(&args).output()?;
+            println!("{r}: ip {}", args[2..].join(" "));
+            print!("{}", String::from_utf8_lossy(&out.stdout));
+        }
+        let out = Command::new("tc")
+            .args(["-n", r, "qdisc", "show"])
+            .output()?;
+        println!("{r}: tc qdisc");
+        for l in String::from_utf8_lossy(&out.stdout).lines() {
+            if l.contains("dev sp") {
+                println!("{l}");
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,142 @@
+//! `metaroce fabric` end to end (root only): bring a 2-spine namespace
+//! fabric up, run `metaroce perf` client ↔ server across it for a second,
+//! check every byte, and tear the fabric down (always, even on failure).
+//!
+//! Without root it prints "skipped: needs root" and passes.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_metaroce");
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+fn metaroce(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().expect("run metaroce")
+}
+
+/// Tears the fabric down when dropped.
+struct FabricGuard;
+
+impl Drop for FabricGuard {
+    fn drop(&mut self) {
+        let out = metaroce(&["fabric", "down"]);
+        assert!(out.status.success() || std::thread::panicking());
+    }
+}
+
+/// A child process killed when dropped.
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Runs `cmd`, killed after `limit`.
+fn bounded(mut cmd: Command, limit: Duration) -> Output {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "did not finish within {limit:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn perf_across_a_two_spine_fabric() {
+    if !is_root() {
+        println!("skipped: needs root");
+        return;
+    }
+    let _fabric = FabricGuard;
+    let up = metaroce(&["fabric", "up", "--spines", "2"]);
+    if !up.status.success() {
+        let err = String::from_utf8_lossy(&up.stderr);
+        // Root inside a container without CAP_SYS_ADMIN or veth support.
+        if err.contains("netns") || err.contains("Operation not permitted") {
+            println!("skipped: cannot create network namespaces here: {err}");
+            return;
+        }
+        panic!("fabric up failed: {err}");
+    }
+    let status = metaroce(&["fabric", "status"]);
+    assert!(String::from_utf8_lossy(&status.stdout).contains("sp1"));
+
+    let mut srv = ChildGuard(
+        Command::new("ip")
+            .args(["netns", "exec", "mr-h2", BIN, "perf", "server"])
+            .args(["--bind", "10.77.2.1:0", "--once"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start the server"),
+    );
+    let mut rd = BufReader::new(srv.0.stdout.take().unwrap());
+    let mut line = String::new();
+    rd.read_line(&mut line).unwrap();
+    std::thread::spawn(move || std::io::copy(&mut rd, &mut std::io::sink()));
+    let addr = line
+        .split("listening on ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string();
+
+    let mut cli = Command::new("ip");
+    cli.args(["netns", "exec", "mr-h1", BIN, "perf", "client", &addr])
+        .args(["-D", "1", "-q", "2", "--json"]);
+    let out = bounded(cli, Duration::from_secs(60));
+    assert!(
+        out.status.success(),
+        "client failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    println!(
+        "across the fabric: {:.3} Gbit/s, {} retransmits",
+        v["gbps"].as_f64().unwrap(),
+        v["retransmits"]
+    );
+    assert_eq!(v["corrupt_bytes"], 0, "{v}");
+    let iters = v["iterations"].as_u64().unwrap();
+    assert!(iters > 0, "{v}");
+    assert_eq!(
+        v["verified_bytes"].as_u64().unwrap(),
+        iters * v["msg_size"].as_u64().unwrap(),
+        "{v}"
+    );
+    // The server exits 0 after its one run.
+    let t0 = Instant::now();
+    loop {
+        if let Some(st) = srv.0.try_wait().unwrap() {
+            assert!(st.success(), "the server failed");
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "server still running"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
