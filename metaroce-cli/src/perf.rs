@@ -83,7 +83,7 @@ struct ServerArgs {
 /// Arguments of `metaroce perf client`.
 #[derive(Debug, Args)]
 struct ClientArgs {
-    /// The server: HOST[:PORT] (default port 18515).
+    /// The server: a host, optionally with :PORT (default port 18515).
     addr: String,
     /// TCP port of the server's control listener (default: PORT).
     #[arg(long)]
