@@ -20,6 +20,9 @@
 //! sudo metaroce fabric down
 //! ```
 
+/// MTU of every fabric link.
+const JUMBO_MTU: &str = "9000";
+
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use std::process::Command;
@@ -207,6 +210,10 @@ fn build(n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
         )?;
         let net = format!("10.77.{}", i + 1);
         ip(h, &["addr", "add", &format!("{net}.1/24"), "dev", "eth0"])?;
+        // Jumbo frames, as RDMA fabrics run: a 4 KiB payload plus headers
+        // must not be fragmented (a fragment has no UDP port to hash on).
+        ip(h, &["link", "set", "eth0", "mtu", JUMBO_MTU])?;
+        ip(r, &["link", "set", &leg, "mtu", JUMBO_MTU])?;
         ip(h, &["link", "set", "eth0", "up"])?;
         ip(
             h,
@@ -246,6 +253,7 @@ fn build(n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
                 ],
             )?;
             sysctl(r, &format!("net.ipv4.conf.{dev}.rp_filter=0"))?;
+            ip(r, &["link", "set", &dev, "mtu", JUMBO_MTU])?;
             ip(r, &["link", "set", &dev, "up"])?;
             if let Some(rate) = rate_mbit {
                 // A burst of 4 ms at the rate (at least a few jumbo frames).
