@@ -319,9 +319,28 @@ fn endpoint_config(paths: u8) -> EndpointConfig {
 
 /// Binds a driver on `listen`; an address in use becomes [`PerfError::PortInUse`].
 fn bind(listen: SocketAddr, paths: u8, seed: u64, backend: Backend) -> anyhow::Result<Driver> {
+    bind_mtu(listen, paths, seed, backend, None)
+}
+
+/// [`bind`] with the endpoint's MTU bounded by `mtu` (the route's largest
+/// UDP payload), so that no datagram is too large for the network.
+fn bind_mtu(
+    listen: SocketAddr,
+    paths: u8,
+    seed: u64,
+    backend: Backend,
+    mtu: Option<usize>,
+) -> anyhow::Result<Driver> {
     let mut cfg = DriverConfig::new(listen);
     cfg.backend = backend;
     cfg.endpoint = endpoint_config(paths);
+    if let Some(m) = mtu {
+        let m = m.clamp(
+            usize::from(metaroce_proto::consts::MIN_MTU),
+            usize::from(cfg.endpoint.mtu),
+        );
+        cfg.endpoint.mtu = m as u16;
+    }
     cfg.send_sockets = 2 * usize::from(paths);
     cfg.seed = seed;
     match Driver::bind(cfg) {
@@ -716,8 +735,16 @@ fn run_client(c: ClientArgs) -> anyhow::Result<()> {
     let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(unreachable)?;
     let local_ip = stream.local_addr()?.ip();
     let link = Link::tcp(stream)?;
-    let mut drv = bind(SocketAddr::new(local_ip, 0), opts.paths, 2, opts.backend)
-        .context("binding the client")?;
+    // Datagrams must fit the route: a 1500-byte network gets 1472-byte ones.
+    let route_mtu = metaroce_io::max_udp_payload(addr).ok();
+    let mut drv = bind_mtu(
+        SocketAddr::new(local_ip, 0),
+        opts.paths,
+        2,
+        opts.backend,
+        route_mtu,
+    )
+    .context("binding the client")?;
     let rep = client_run(&opts, &mut drv, &link, addr.ip())?;
     finish(&opts, rep, &format!("remote {}", c.addr))
 }

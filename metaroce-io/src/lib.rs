@@ -49,6 +49,7 @@ mod config;
 mod error;
 mod fault;
 mod metrics;
+mod mtu;
 mod portable;
 #[cfg(target_os = "linux")]
 mod uring;
@@ -58,6 +59,7 @@ pub use config::{Backend, DriverConfig, DriverStats, UnknownBackend, UringConfig
 pub use error::DriverError;
 pub use fault::FaultConfig;
 pub use metrics::{Metrics, MetricsServer};
+pub use mtu::max_udp_payload;
 pub use portable::PortableDriver;
 #[cfg(target_os = "linux")]
 pub use uring::{uring_probe, UringCaps, UringDriver};

@@ -50,6 +50,10 @@ pub(crate) fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<UdpSocket, D
     // Larger kernel buffers absorb bursts; the kernel may clamp them.
     let _ = s.set_recv_buffer_size(buffer);
     let _ = s.set_send_buffer_size(buffer);
+    // Never fragment: a fragment carries no UDP port, so ECMP could not
+    // spray it, and one lost fragment loses the datagram. Too large a
+    // datagram fails loudly instead (see `max_udp_payload`).
+    crate::mtu::set_dont_fragment(&s, addr.is_ipv6());
     s.bind(&addr.into())
         .map_err(|source| DriverError::Bind { addr, source })?;
     Ok(s.into())
