@@ -7,6 +7,9 @@
 //! the io_uring variants print `skipped: io_uring unavailable: <reason>` and
 //! pass.
 
+mod common;
+
+use common::{pattern, runnable, Pair};
 use metaroce_io::{Backend, Driver, DriverConfig, IoDriver, PortableDriver, UringDriver};
 use metaroce_proto::verbs::*;
 use metaroce_proto::{EndpointConfig, Event};
@@ -14,18 +17,6 @@ use std::time::{Duration, Instant};
 
 /// Every test ends within this (a hang is a failure, not a stuck CI job).
 const LIMIT: Duration = Duration::from_secs(30);
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 fn config(gso: usize) -> DriverConfig {
     let mut c = DriverConfig::new("127.0.0.1:0".parse().unwrap());
@@ -39,140 +30,15 @@ fn config(gso: usize) -> DriverConfig {
     c
 }
 
-/// Whether backend `D` can run here; prints the skip line if not.
-fn runnable(name: &str) -> bool {
-    if name == "io_uring" {
-        if let Err(why) = metaroce_io::uring_probe() {
-            println!("skipped: io_uring unavailable: {why}");
-            return false;
-        }
-    }
-    true
+/// Two connected endpoints on backend `D`, bound with `cfg`.
+fn pair<D: IoDriver>(cfg: DriverConfig) -> Pair<D> {
+    Pair::connect(cfg, LIMIT)
 }
 
-/// Two connected endpoints with a QP each, and a region on each side.
-struct Pair<D> {
-    a: D,
-    b: D,
-    qa: Qpn,
-    qb: Qpn,
-    cqa: CqHandle,
-    cqb: CqHandle,
-    pda: PdHandle,
-    pdb: PdHandle,
-    start: Instant,
-}
-
-impl<D: IoDriver> Pair<D> {
-    fn new(cfg: DriverConfig) -> Self {
-        let start = Instant::now();
-        let mut a = D::bind(cfg.clone()).expect("bind a");
-        let mut b = D::bind(cfg).expect("bind b");
-        let now = a.now();
-        let conn_a = a.endpoint().connect(now, b.local_addr()).unwrap();
-        let (mut up, mut conn_b) = (false, None);
-        let deadline = start + Duration::from_secs(10);
-        while !(up && conn_b.is_some()) {
-            assert!(Instant::now() < deadline, "handshake did not finish");
-            a.poll(Duration::ZERO).unwrap();
-            b.poll(Duration::ZERO).unwrap();
-            while let Some(e) = a.endpoint().poll_event() {
-                match e {
-                    Event::Connected(c) if c == conn_a => up = true,
-                    other => panic!("a: unexpected {other:?}"),
-                }
-            }
-            while let Some(e) = b.endpoint().poll_event() {
-                if let Event::Incoming { conn, .. } = e {
-                    conn_b = Some(conn);
-                }
-            }
-        }
-        let (pda, pdb) = (a.endpoint().alloc_pd(), b.endpoint().alloc_pd());
-        let (cqa, cqb) = (a.endpoint().create_cq(4096), b.endpoint().create_cq(4096));
-        let qa = a.endpoint().create_qp(QpInit::new(pda, cqa, cqa)).unwrap();
-        let qb = b.endpoint().create_qp(QpInit::new(pdb, cqb, cqb)).unwrap();
-        a.endpoint().connect_qp(qa, conn_a, qb).unwrap();
-        b.endpoint().connect_qp(qb, conn_b.unwrap(), qa).unwrap();
-        Pair {
-            a,
-            b,
-            qa,
-            qb,
-            cqa,
-            cqb,
-            pda,
-            pdb,
-            start,
-        }
-    }
-
-    /// Polls both sides until `n_a` completions on `a`'s CQ and `n_b` on
-    /// `b`'s have arrived; returns them.
-    fn complete(&mut self, n_a: usize, n_b: usize) -> (Vec<WorkCompletion>, Vec<WorkCompletion>) {
-        let (mut wa, mut wb) = (Vec::new(), Vec::new());
-        while wa.len() < n_a || wb.len() < n_b {
-            assert!(
-                self.start.elapsed() < LIMIT,
-                "timed out: {}/{n_a} and {}/{n_b} completions; a {:?}, b {:?}",
-                wa.len(),
-                wb.len(),
-                self.a.stats(),
-                self.b.stats()
-            );
-            self.a.poll(Duration::ZERO).unwrap();
-            self.b.poll(Duration::ZERO).unwrap();
-            self.a.endpoint().poll_cq(self.cqa, 256, &mut wa).unwrap();
-            self.b.endpoint().poll_cq(self.cqb, 256, &mut wb).unwrap();
-        }
-        for wc in wa.iter().chain(&wb) {
-            assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
-        }
-        (wa, wb)
-    }
-}
-
+/// Three 2 MiB WRITEs, checked byte by byte.
 fn write_several_mib<D: IoDriver>(name: &str, gso: usize) -> Pair<D> {
-    const LEN: usize = 6 << 20;
-    let mut p = Pair::<D>::new(config(gso));
-    let data = pattern(1, LEN);
-    let src =
-        p.a.endpoint()
-            .reg_mr(p.pda, data.clone().into_boxed_slice(), 0, AccessFlags::NONE)
-            .unwrap();
-    let dst =
-        p.b.endpoint()
-            .reg_mr(
-                p.pdb,
-                vec![0u8; LEN].into_boxed_slice(),
-                0x10_0000,
-                AccessFlags::REMOTE_WRITE,
-            )
-            .unwrap();
-    // Three WRITEs of 2 MiB each.
-    let part = LEN / 3;
-    let now = p.a.now();
-    for k in 0..3u64 {
-        let off = k * part as u64;
-        let wr = SendWr::new(
-            k,
-            SendOp::Write(RemoteAddr {
-                rkey: dst.rkey,
-                addr: dst.addr + off,
-            }),
-            Sge {
-                lkey: src.lkey,
-                addr: src.addr + off,
-                len: part as u32,
-            },
-        );
-        p.a.endpoint().post_send(now, p.qa, wr).unwrap();
-    }
-    let (wa, _) = p.complete(3, 0);
-    assert_eq!(wa.len(), 3);
-    let got = p.b.endpoint().mr(dst.lkey).unwrap();
-    let bad = got.iter().zip(&data).filter(|(x, y)| x != y).count();
-    assert_eq!(bad, 0, "{name}: {bad} bytes differ");
+    let mut p = pair::<D>(config(gso));
+    p.write_checked(name, 6 << 20, 3);
     p
 }
 
@@ -214,7 +80,7 @@ fn send_recv<D: IoDriver>(name: &str) {
     }
     const N: usize = 16;
     const MSG: usize = 100_000;
-    let mut p = Pair::<D>::new(config(16));
+    let mut p = pair::<D>(config(16));
     let data = pattern(2, N * MSG);
     let src =
         p.a.endpoint()
@@ -280,7 +146,7 @@ fn read<D: IoDriver>(name: &str) {
         return;
     }
     const LEN: usize = 4 << 20;
-    let mut p = Pair::<D>::new(config(16));
+    let mut p = pair::<D>(config(16));
     let data = pattern(3, LEN);
     let remote =
         p.b.endpoint()
@@ -384,7 +250,7 @@ fn threaded_write<D: IoDriver + Send + 'static>(name: &str) {
         pdb,
         start,
         ..
-    } = Pair::<D>::new(config(16));
+    } = pair::<D>(config(16));
     let data = pattern(4, LEN);
     let src = a
         .endpoint()
@@ -557,7 +423,7 @@ fn dropping_mid_transfer_waits_for_the_kernel() {
     }
     // Start a transfer, stop half-way and drop both drivers while sends and
     // the multishot receive are in flight: `Drop` cancels and drains.
-    let mut p = Pair::<UringDriver>::new(config(16));
+    let mut p = pair::<UringDriver>(config(16));
     let src =
         p.a.endpoint()
             .reg_mr(

@@ -10,28 +10,19 @@
 //! Where io_uring is unavailable the io_uring variants print
 //! `skipped: io_uring unavailable: <reason>` and pass.
 
+mod common;
+
+use common::{pattern, runnable, Pair};
 use metaroce_io::{DriverConfig, FaultConfig, IoDriver, PortableDriver, UringDriver};
 use metaroce_proto::verbs::*;
-use metaroce_proto::{EndpointConfig, Event};
+use metaroce_proto::EndpointConfig;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Every test ends within this.
 const LIMIT: Duration = Duration::from_secs(8);
 
 static SERIAL: Mutex<()> = Mutex::new(());
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 fn config() -> DriverConfig {
     let mut c = DriverConfig::new("127.0.0.1:0".parse().unwrap());
@@ -55,153 +46,33 @@ fn lossy(seed: u64, p: f64) -> FaultConfig {
     }
 }
 
-fn runnable(name: &str) -> bool {
-    if name == "io_uring" {
-        if let Err(why) = metaroce_io::uring_probe() {
-            println!("skipped: io_uring unavailable: {why}");
-            return false;
-        }
-    }
-    true
+/// Two endpoints connected cleanly, then with `fa`/`fb` injected at each end.
+fn faulty_pair<D: IoDriver>(fa: FaultConfig, fb: FaultConfig) -> Pair<D> {
+    let mut p = Pair::<D>::connect(config(), LIMIT);
+    p.a.set_faults(fa);
+    p.b.set_faults(fb);
+    p
 }
 
-struct Pair<D> {
-    a: D,
-    b: D,
-    conn_a: ConnectionHandle,
-    qa: Qpn,
-    qb: Qpn,
-    cqa: CqHandle,
-    cqb: CqHandle,
-    pda: PdHandle,
-    pdb: PdHandle,
-    start: Instant,
-}
-
-impl<D: IoDriver> Pair<D> {
-    /// Connects cleanly, then turns the faults on at both ends.
-    fn new(fa: FaultConfig, fb: FaultConfig) -> Self {
-        let start = Instant::now();
-        let mut a = D::bind(config()).expect("bind a");
-        let mut b = D::bind(config()).expect("bind b");
-        let now = a.now();
-        let conn_a = a.endpoint().connect(now, b.local_addr()).unwrap();
-        let (mut up, mut conn_b) = (false, None);
-        while !(up && conn_b.is_some()) {
-            assert!(start.elapsed() < LIMIT, "handshake did not finish");
-            a.poll(Duration::ZERO).unwrap();
-            b.poll(Duration::ZERO).unwrap();
-            while let Some(e) = a.endpoint().poll_event() {
-                if matches!(e, Event::Connected(c) if c == conn_a) {
-                    up = true;
-                }
-            }
-            while let Some(e) = b.endpoint().poll_event() {
-                if let Event::Incoming { conn, .. } = e {
-                    conn_b = Some(conn);
-                }
-            }
-        }
-        let (pda, pdb) = (a.endpoint().alloc_pd(), b.endpoint().alloc_pd());
-        let (cqa, cqb) = (a.endpoint().create_cq(4096), b.endpoint().create_cq(4096));
-        let qa = a.endpoint().create_qp(QpInit::new(pda, cqa, cqa)).unwrap();
-        let qb = b.endpoint().create_qp(QpInit::new(pdb, cqb, cqb)).unwrap();
-        a.endpoint().connect_qp(qa, conn_a, qb).unwrap();
-        b.endpoint().connect_qp(qb, conn_b.unwrap(), qa).unwrap();
-        a.set_faults(fa);
-        b.set_faults(fb);
-        Pair {
-            a,
-            b,
-            conn_a,
-            qa,
-            qb,
-            cqa,
-            cqb,
-            pda,
-            pdb,
-            start,
-        }
-    }
-
-    fn complete(&mut self, n_a: usize, n_b: usize) -> (Vec<WorkCompletion>, Vec<WorkCompletion>) {
-        let (mut wa, mut wb) = (Vec::new(), Vec::new());
-        while wa.len() < n_a || wb.len() < n_b {
-            assert!(
-                self.start.elapsed() < LIMIT,
-                "timed out: {}/{n_a} and {}/{n_b} completions; a {:?}, b {:?}",
-                wa.len(),
-                wb.len(),
-                self.a.stats(),
-                self.b.stats()
-            );
-            self.a.poll(Duration::ZERO).unwrap();
-            self.b.poll(Duration::ZERO).unwrap();
-            self.a.endpoint().poll_cq(self.cqa, 256, &mut wa).unwrap();
-            self.b.endpoint().poll_cq(self.cqb, 256, &mut wb).unwrap();
-        }
-        for wc in wa.iter().chain(&wb) {
-            assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
-        }
-        (wa, wb)
-    }
-
-    fn report(&mut self, what: &str) {
-        let cs = self.a.endpoint().connection_stats(self.conn_a).unwrap();
-        println!(
-            "{what}: {:?}; a {:?}; b {:?}; a's connection: {} retransmits ({} fast), {} RTO fires, {} path failures",
-            self.start.elapsed(),
-            self.a.stats(),
-            self.b.stats(),
-            cs.retransmits,
-            cs.fast_retransmits,
-            cs.rto_fires,
-            cs.path_failures
-        );
-    }
+/// What a faulty run did, for the test log.
+fn report<D: IoDriver>(p: &mut Pair<D>, what: &str) {
+    let cs = p.a.endpoint().connection_stats(p.conn_a).unwrap();
+    println!(
+        "{what}: {:?}; a {:?}; b {:?}; a's connection: {} retransmits ({} fast), {} RTO fires, {} path failures",
+        p.start.elapsed(),
+        p.a.stats(),
+        p.b.stats(),
+        cs.retransmits,
+        cs.fast_retransmits,
+        cs.rto_fires,
+        cs.path_failures
+    );
 }
 
 /// Two 2 MiB WRITEs from `a` to `b`, checked byte by byte.
 fn write_through<D: IoDriver>(name: &str, fa: FaultConfig, fb: FaultConfig) -> Pair<D> {
-    const LEN: usize = 4 << 20;
-    let mut p = Pair::<D>::new(fa, fb);
-    let data = pattern(1, LEN);
-    let src =
-        p.a.endpoint()
-            .reg_mr(p.pda, data.clone().into_boxed_slice(), 0, AccessFlags::NONE)
-            .unwrap();
-    let dst =
-        p.b.endpoint()
-            .reg_mr(
-                p.pdb,
-                vec![0u8; LEN].into_boxed_slice(),
-                0x10_0000,
-                AccessFlags::REMOTE_WRITE,
-            )
-            .unwrap();
-    let part = LEN / 2;
-    let now = p.a.now();
-    for k in 0..2u64 {
-        let off = k * part as u64;
-        let wr = SendWr::new(
-            k,
-            SendOp::Write(RemoteAddr {
-                rkey: dst.rkey,
-                addr: dst.addr + off,
-            }),
-            Sge {
-                lkey: src.lkey,
-                addr: src.addr + off,
-                len: part as u32,
-            },
-        );
-        p.a.endpoint().post_send(now, p.qa, wr).unwrap();
-    }
-    let (wa, _) = p.complete(2, 0);
-    assert_eq!(wa.len(), 2);
-    let got = p.b.endpoint().mr(dst.lkey).unwrap();
-    let bad = got.iter().zip(&data).filter(|(x, y)| x != y).count();
-    assert_eq!(bad, 0, "{name}: {bad} bytes differ");
+    let mut p = faulty_pair::<D>(fa, fb);
+    p.write_checked(name, 4 << 20, 2);
     p
 }
 
@@ -210,7 +81,7 @@ fn write_loss<D: IoDriver>(name: &str, loss: f64) {
         return;
     }
     let mut p = write_through::<D>(name, lossy(1, loss), lossy(2, loss));
-    p.report(&format!("{name}: WRITE at {}% loss", loss * 100.0));
+    report(&mut p, &format!("{name}: WRITE at {}% loss", loss * 100.0));
     let (sa, sb) = (p.a.stats(), p.b.stats());
     assert!(sb.faults_dropped > 0, "loss was injected");
     if loss >= 0.1 {
@@ -236,7 +107,7 @@ fn send_recv_10pct<D: IoDriver>(name: &str) {
     }
     const N: usize = 16;
     const MSG: usize = 128_000;
-    let mut p = Pair::<D>::new(lossy(3, 0.10), lossy(4, 0.10));
+    let mut p = faulty_pair::<D>(lossy(3, 0.10), lossy(4, 0.10));
     let data = pattern(2, N * MSG);
     let src =
         p.a.endpoint()
@@ -285,7 +156,7 @@ fn send_recv_10pct<D: IoDriver>(name: &str) {
         let r = i * MSG..i * MSG + MSG - i;
         assert!(got[r.clone()] == data[r], "{name}: message {i} differs");
     }
-    p.report(&format!("{name}: SEND/RECV at 10% loss"));
+    report(&mut p, &format!("{name}: SEND/RECV at 10% loss"));
     assert!(p.b.stats().faults_dropped > 0);
 }
 
@@ -295,7 +166,7 @@ fn read_10pct<D: IoDriver>(name: &str) {
         return;
     }
     const LEN: usize = 4 << 20;
-    let mut p = Pair::<D>::new(lossy(5, 0.10), lossy(6, 0.10));
+    let mut p = faulty_pair::<D>(lossy(5, 0.10), lossy(6, 0.10));
     let data = pattern(3, LEN);
     let remote =
         p.b.endpoint()
@@ -333,7 +204,7 @@ fn read_10pct<D: IoDriver>(name: &str) {
     assert_eq!(wa[0].wr_id, 9);
     let got = p.a.endpoint().mr(local.lkey).unwrap();
     assert!(got == &data[..], "{name}: READ data differs");
-    p.report(&format!("{name}: READ at 10% loss"));
+    report(&mut p, &format!("{name}: READ at 10% loss"));
     assert!(p.a.stats().faults_dropped > 0);
 }
 
@@ -345,7 +216,7 @@ fn one_path_blackholed<D: IoDriver>(name: &str) {
         return;
     }
     // a's path ports are known once the connection is up: the faults go on after.
-    let mut p = Pair::<D>::new(FaultConfig::default(), FaultConfig::default());
+    let mut p = faulty_pair::<D>(FaultConfig::default(), FaultConfig::default());
     let before = p.a.endpoint().connection_stats(p.conn_a).unwrap();
     let port = before.paths[0].src_port;
     p.b.set_faults(FaultConfig::blackhole(vec![port]));
@@ -383,7 +254,7 @@ fn one_path_blackholed<D: IoDriver>(name: &str) {
     let got = p.b.endpoint().mr(dst.lkey).unwrap();
     assert!(got == &data[..], "{name}: WRITE data differs");
     let after = p.a.endpoint().connection_stats(p.conn_a).unwrap();
-    p.report(&format!("{name}: path on port {port} blackholed"));
+    report(&mut p, &format!("{name}: path on port {port} blackholed"));
     println!(
         "{name}: path ports before {:?}, after {:?}, took {:?}",
         before.paths.iter().map(|s| s.src_port).collect::<Vec<_>>(),

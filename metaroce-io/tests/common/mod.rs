@@ -1,0 +1,174 @@
+//! What the loopback suites share: two connected endpoints on one backend,
+//! a payload pattern, and a WRITE checked byte for byte.
+#![allow(dead_code)]
+
+use metaroce_io::{DriverConfig, IoDriver};
+use metaroce_proto::verbs::*;
+use metaroce_proto::Event;
+use std::time::{Duration, Instant};
+
+/// Deterministic payload bytes.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// Whether backend `name` can run here; prints the skip line if not.
+pub fn runnable(name: &str) -> bool {
+    if name == "io_uring" {
+        if let Err(why) = metaroce_io::uring_probe() {
+            println!("skipped: io_uring unavailable: {why}");
+            return false;
+        }
+    }
+    true
+}
+
+/// Two connected endpoints with a QP each, and a PD and CQ on each side.
+pub struct Pair<D> {
+    pub a: D,
+    pub b: D,
+    pub conn_a: ConnectionHandle,
+    pub qa: Qpn,
+    pub qb: Qpn,
+    pub cqa: CqHandle,
+    pub cqb: CqHandle,
+    pub pda: PdHandle,
+    pub pdb: PdHandle,
+    pub start: Instant,
+    /// The test fails if it runs longer than this (a hang is a failure).
+    pub limit: Duration,
+}
+
+impl<D: IoDriver> Pair<D> {
+    /// Binds both ends with `cfg` and connects them (handshake within
+    /// `limit`, at most 10 s).
+    pub fn connect(cfg: DriverConfig, limit: Duration) -> Self {
+        let start = Instant::now();
+        let mut a = D::bind(cfg.clone()).expect("bind a");
+        let mut b = D::bind(cfg).expect("bind b");
+        let now = a.now();
+        let conn_a = a.endpoint().connect(now, b.local_addr()).unwrap();
+        let (mut up, mut conn_b) = (false, None);
+        let deadline = start + limit.min(Duration::from_secs(10));
+        while !(up && conn_b.is_some()) {
+            assert!(Instant::now() < deadline, "handshake did not finish");
+            a.poll(Duration::ZERO).unwrap();
+            b.poll(Duration::ZERO).unwrap();
+            while let Some(e) = a.endpoint().poll_event() {
+                match e {
+                    Event::Connected(c) if c == conn_a => up = true,
+                    other => panic!("a: unexpected {other:?}"),
+                }
+            }
+            while let Some(e) = b.endpoint().poll_event() {
+                if let Event::Incoming { conn, .. } = e {
+                    conn_b = Some(conn);
+                }
+            }
+        }
+        let (pda, pdb) = (a.endpoint().alloc_pd(), b.endpoint().alloc_pd());
+        let (cqa, cqb) = (a.endpoint().create_cq(4096), b.endpoint().create_cq(4096));
+        let qa = a.endpoint().create_qp(QpInit::new(pda, cqa, cqa)).unwrap();
+        let qb = b.endpoint().create_qp(QpInit::new(pdb, cqb, cqb)).unwrap();
+        a.endpoint().connect_qp(qa, conn_a, qb).unwrap();
+        b.endpoint().connect_qp(qb, conn_b.unwrap(), qa).unwrap();
+        Pair {
+            a,
+            b,
+            conn_a,
+            qa,
+            qb,
+            cqa,
+            cqb,
+            pda,
+            pdb,
+            start,
+            limit,
+        }
+    }
+
+    /// Polls both sides until `n_a` completions on `a`'s CQ and `n_b` on
+    /// `b`'s have arrived, all successful; returns them.
+    pub fn complete(
+        &mut self,
+        n_a: usize,
+        n_b: usize,
+    ) -> (Vec<WorkCompletion>, Vec<WorkCompletion>) {
+        let (mut wa, mut wb) = (Vec::new(), Vec::new());
+        while wa.len() < n_a || wb.len() < n_b {
+            assert!(
+                self.start.elapsed() < self.limit,
+                "timed out: {}/{n_a} and {}/{n_b} completions; a {:?}, b {:?}",
+                wa.len(),
+                wb.len(),
+                self.a.stats(),
+                self.b.stats()
+            );
+            self.a.poll(Duration::ZERO).unwrap();
+            self.b.poll(Duration::ZERO).unwrap();
+            self.a.endpoint().poll_cq(self.cqa, 256, &mut wa).unwrap();
+            self.b.endpoint().poll_cq(self.cqb, 256, &mut wb).unwrap();
+        }
+        for wc in wa.iter().chain(&wb) {
+            assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+        }
+        (wa, wb)
+    }
+
+    /// WRITEs `len` pattern bytes from `a` to `b` in `parts` requests and
+    /// checks every byte at `b`.
+    pub fn write_checked(&mut self, name: &str, len: usize, parts: u64) {
+        let data = pattern(1, len);
+        let src = self
+            .a
+            .endpoint()
+            .reg_mr(
+                self.pda,
+                data.clone().into_boxed_slice(),
+                0,
+                AccessFlags::NONE,
+            )
+            .unwrap();
+        let dst = self
+            .b
+            .endpoint()
+            .reg_mr(
+                self.pdb,
+                vec![0u8; len].into_boxed_slice(),
+                0x10_0000,
+                AccessFlags::REMOTE_WRITE,
+            )
+            .unwrap();
+        let part = len as u64 / parts;
+        let now = self.a.now();
+        for k in 0..parts {
+            let off = k * part;
+            let remote = RemoteAddr {
+                rkey: dst.rkey,
+                addr: dst.addr + off,
+            };
+            let local = Sge {
+                lkey: src.lkey,
+                addr: src.addr + off,
+                len: part as u32,
+            };
+            self.a
+                .endpoint()
+                .post_send(now, self.qa, SendWr::new(k, SendOp::Write(remote), local))
+                .unwrap();
+        }
+        let (wa, _) = self.complete(parts as usize, 0);
+        assert_eq!(wa.len(), parts as usize);
+        let got = self.b.endpoint().mr(dst.lkey).unwrap();
+        let bad = got.iter().zip(&data).filter(|(x, y)| x != y).count();
+        assert_eq!(bad, 0, "{name}: {bad} bytes differ");
+    }
+}
