@@ -48,6 +48,10 @@ pub struct EndpointConfig {
     pub handshake_retries: u8,
     /// Initial congestion window, bytes.
     pub initial_window: u64,
+    /// Bytes in flight allowed to a peer that grants rates (it said so in
+    /// the handshake) until its first ACK, and so its first grant, arrives;
+    /// one packet always goes. Bounds the first round trip of an incast.
+    pub first_flight_bytes: u64,
     /// Smallest congestion window, bytes.
     pub min_window: u64,
     /// Largest congestion window, bytes.
@@ -83,6 +87,7 @@ impl Default for EndpointConfig {
             handshake_rto: DEFAULT_HANDSHAKE_RTO,
             handshake_retries: DEFAULT_HANDSHAKE_RETRIES,
             initial_window: DEFAULT_INITIAL_WINDOW,
+            first_flight_bytes: DEFAULT_FIRST_FLIGHT,
             min_window: DEFAULT_MIN_WINDOW,
             max_window: DEFAULT_MAX_WINDOW,
             delay_target: DEFAULT_DELAY_TARGET,

@@ -119,6 +119,12 @@ pub const DEFAULT_HANDSHAKE_RTO: Duration = Duration::from_millis(20);
 /// Default number of HELLO attempts before a connection attempt fails (`DEFAULT_HANDSHAKE_RETRIES`).
 pub const DEFAULT_HANDSHAKE_RETRIES: u8 = 8;
 
+/// Default bytes a sender puts in flight to a peer that grants rates before
+/// its first grant arrives (`DEFAULT_FIRST_FLIGHT`): one packet. A receiver
+/// with N new senders then sees N packets in the first round trip, not N
+/// initial windows, and its first ACKs already share its capacity N ways.
+pub const DEFAULT_FIRST_FLIGHT: u64 = 4096;
+
 /// Default initial congestion window of a connection, in bytes (`DEFAULT_INITIAL_WINDOW`).
 pub const DEFAULT_INITIAL_WINDOW: u64 = 256 * 1024;
 

@@ -274,15 +274,19 @@ fn hello_strategy() -> impl Strategy<Value = Hello> {
         any::<u16>(),
         MIN_MTU..=MAX_MTU,
         1..=MAX_PATHS as u8,
+        any::<bool>(),
         prop::option::of(any::<[u8; COOKIE_LEN]>()),
     )
-        .prop_map(|(src_cid, listen_port, mtu, max_paths, cookie)| Hello {
-            src_cid,
-            listen_port,
-            mtu,
-            max_paths,
-            cookie,
-        })
+        .prop_map(
+            |(src_cid, listen_port, mtu, max_paths, grants, cookie)| Hello {
+                src_cid,
+                listen_port,
+                mtu,
+                max_paths,
+                grants,
+                cookie,
+            },
+        )
 }
 
 fn accept_strategy() -> impl Strategy<Value = Accept> {
@@ -292,14 +296,18 @@ fn accept_strategy() -> impl Strategy<Value = Accept> {
         any::<u16>(),
         MIN_MTU..=MAX_MTU,
         1..=MAX_PATHS as u8,
+        any::<bool>(),
     )
-        .prop_map(|(dst_cid, src_cid, listen_port, mtu, max_paths)| Accept {
-            dst_cid,
-            src_cid,
-            listen_port,
-            mtu,
-            max_paths,
-        })
+        .prop_map(
+            |(dst_cid, src_cid, listen_port, mtu, max_paths, grants)| Accept {
+                dst_cid,
+                src_cid,
+                listen_port,
+                mtu,
+                max_paths,
+                grants,
+            },
+        )
 }
 
 fn close_code_strategy() -> impl Strategy<Value = CloseCode> {
@@ -661,7 +669,8 @@ proptest! {
         let n = a.emit(&mut buf).unwrap();
         prop_assert_eq!(n, Accept::LEN);
         prop_assert_eq!(Accept::parse(&buf[..n]).unwrap(), a);
-        prop_assert!(buf[17..20].iter().all(|&b| b == 0));
+        prop_assert_eq!(buf[17], u8::from(a.grants), "caps byte: only the grants bit");
+        prop_assert!(buf[18..20].iter().all(|&b| b == 0));
         for cut in 0..n {
             prop_assert!(Accept::parse(&buf[..cut]).is_err(), "cut {}", cut);
         }
@@ -855,6 +864,7 @@ fn hello_with_listen_port_zero_is_rejected() {
         listen_port: 0,
         mtu: 1500,
         max_paths: 1,
+        grants: false,
         cookie: None,
     };
     let mut buf = [0u8; HELLO_LEN];

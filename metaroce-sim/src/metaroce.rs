@@ -92,6 +92,9 @@ pub struct MetaroceParams {
     pub initial_window: Option<u64>,
     /// Largest congestion window; `None`: the core's default.
     pub max_window: Option<u64>,
+    /// Bytes a sender puts in flight before its first grant (to a receiver
+    /// that grants); `None`: the core's default (one packet).
+    pub first_flight_bytes: Option<u64>,
     /// Delayed-ACK timer.
     pub ack_delay_ns: Nanos,
     /// Data packets per ACK at most.
@@ -114,6 +117,7 @@ impl Default for MetaroceParams {
             min_rto_ns: None,
             initial_rto_ns: None,
             initial_window: None,
+            first_flight_bytes: None,
             max_window: None,
             ack_delay_ns: 2 * NS_PER_US,
             ack_every: 4,
@@ -146,6 +150,9 @@ impl MetaroceParams {
             ack_every: self.ack_every.max(1),
             initial_window: self.initial_window.unwrap_or(env.bdp_bytes),
             max_window: self.max_window.unwrap_or(defaults.max_window),
+            first_flight_bytes: self
+                .first_flight_bytes
+                .unwrap_or(defaults.first_flight_bytes),
             receiver_capacity_kbps: self
                 .receiver_hints
                 .then(|| (env.link_gbps * 1e6).round() as u64),

@@ -149,6 +149,36 @@ fn incast_is_fair_and_fills_the_receiver() {
 }
 
 #[test]
+fn incast_queue_stays_short_and_rates_converge_at_once() {
+    let mut c = SimConfig {
+        pattern: Pattern::Incast { senders: 12 },
+        ..small(1_000)
+    };
+    c.metaroce.outstanding = 8;
+    let r = go(&c);
+    // Limit: ECN threshold + one BDP (100 Gbit/s x the fabric's ~9.4 us RTT).
+    let bdp = 100_000_000_000u64 / 8 * 94 / 10_000_000;
+    let limit = c.ecn_threshold_bytes + bdp;
+    let q = r.receiver_max_queue_bytes.unwrap();
+    assert!(q < limit, "queue {q} vs {limit}");
+    assert_eq!(r.packets.dropped_tail, 0);
+    // Converged in the first window the measure can resolve (the start is
+    // two handshake round trips in).
+    let conv = r.convergence_us.expect("converges");
+    let window = r.convergence_window_us.unwrap();
+    assert!(
+        conv <= window + 3.0 * r.bin_us,
+        "{conv} us, window {window}"
+    );
+    // Without the first-flight limit every sender starts with one BDP: the
+    // queue is several times deeper (the mechanism is what keeps it short).
+    c.metaroce.first_flight_bytes = Some(u64::MAX);
+    let burst = go(&c);
+    let qb = burst.receiver_max_queue_bytes.unwrap();
+    assert!(qb > 2 * q, "{qb} vs {q}");
+}
+
+#[test]
 fn ablation_one_path_costs_goodput() {
     let c = small(500);
     let eight = go(&c).goodput_gbps;

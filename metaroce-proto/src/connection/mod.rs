@@ -11,7 +11,7 @@ mod path;
 pub(crate) use path::{PathEvent, PathRx, PathTx};
 pub use path::{PathState, PathStats};
 
-use crate::cc::SenderCc;
+use crate::cc::{Pacer, SenderCc};
 use crate::config::EndpointConfig;
 use crate::consts::{COOKIE_LEN, CSN_WINDOW};
 use crate::reliability::{RingBitmap, RttEstimator, SeqAccept};
@@ -183,6 +183,14 @@ pub(crate) struct Connection {
     pub(crate) last_ack_at: Instant,
     pub(crate) last_progress: Instant,
     pub(crate) rate_hint_kbps: u32,
+    /// Spreads DATA at the receiver's grant.
+    pub(crate) pacer: Pacer,
+    /// The peer said in the handshake that its ACKs carry grants.
+    pub(crate) peer_grants: bool,
+    /// An ACK (so the first grant) has arrived since the connection opened.
+    pub(crate) granted: bool,
+    /// Bytes in flight allowed before the first grant (when `peer_grants`).
+    pub(crate) first_flight: u64,
 
     // Receive side.
     pub(crate) rx_csn: RingBitmap<{ CSN_WINDOW as usize / 64 }>,
@@ -195,6 +203,10 @@ pub(crate) struct Connection {
     pub(crate) last_rx_at: Instant,
     /// Whether any DATA packet has arrived (the connection counts as a sender).
     pub(crate) rx_seen: bool,
+    /// This side opened the connection.
+    pub(crate) is_client: bool,
+    /// When the connection became established.
+    pub(crate) established_at: Instant,
     pub(crate) naks: VecDeque<NakEntry>,
     pub(crate) dirty_streams: Vec<Qpn>,
 
@@ -275,6 +287,12 @@ impl Connection {
             last_ack_at: now,
             last_progress: now,
             rate_hint_kbps: 0,
+            pacer: Pacer::new(
+                (config.max_gso_segments.max(2) as u64).saturating_mul(u64::from(config.mtu)),
+            ),
+            peer_grants: false,
+            granted: false,
+            first_flight: config.first_flight_bytes,
             rx_csn: RingBitmap::new(0),
             ack_needed: false,
             ack_now: false,
@@ -284,6 +302,8 @@ impl Connection {
             last_rx_path: 0,
             last_rx_at: now,
             rx_seen: false,
+            is_client,
+            established_at: now,
             naks: VecDeque::new(),
             dirty_streams: Vec::new(),
             qps: Vec::new(),
@@ -333,7 +353,10 @@ impl Connection {
         let rtt = self.rtt.srtt()?;
         let bytes_per_sec = u64::from(self.rate_hint_kbps) * 1000 / 8;
         let cap = (bytes_per_sec as f64 * rtt.as_secs_f64() * 1.25) as u64;
-        Some(cap.max(self.mtu as u64))
+        // At least two packets: with one, a small grant waits a whole
+        // delayed ACK per packet and falls below itself (the pacer spreads
+        // the packets at the grant anyway).
+        Some(cap.max(2 * self.mtu as u64))
     }
 
     /// Whether a new CSN may be assigned (window of the peer's duplicate filter).
@@ -344,6 +367,13 @@ impl Connection {
     /// Whether some path's window (and the receiver's grant) lets `bytes`
     /// more go out.
     pub(crate) fn cwnd_room(&self, bytes: u64) -> bool {
+        if self.peer_grants
+            && !self.granted
+            && self.in_flight > 0
+            && self.in_flight + bytes > self.first_flight
+        {
+            return false;
+        }
         if let Some(cap) = self.rate_cap() {
             if self.in_flight > 0 && self.in_flight + bytes > cap {
                 return false;

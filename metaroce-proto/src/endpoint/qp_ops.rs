@@ -522,6 +522,9 @@ impl Endpoint {
                 for p in &c.paths_tx {
                     consider(p.deadline());
                 }
+                // Paced data waits for its credit (a spare wake-up at worst;
+                // a debt already paid off needs no timer).
+                consider(c.pacer.ready_at().filter(|&t| t > self.last_now));
                 let rto = c.rto();
                 for &qpn in &c.qps {
                     if let Some(q) = self.qp_index(qpn).and_then(|i| self.qps[i].as_ref()) {
@@ -552,13 +555,14 @@ impl Endpoint {
         if !path_room {
             return false;
         }
-        if !c.retx.is_empty() && c.cwnd_room(c.mtu as u64) {
+        let paced_ok = c.pacer.ready(now);
+        if !c.retx.is_empty() && paced_ok && c.cwnd_room(c.mtu as u64) {
             return true;
         }
         if !c.csn_room() {
             return false;
         }
-        let cwnd = c.cwnd_room(c.mtu as u64);
+        let cwnd = paced_ok && c.cwnd_room(c.mtu as u64);
         c.qps.iter().any(|&qpn| {
             self.qp_index(qpn)
                 .and_then(|i| self.qps[i].as_ref())

@@ -151,6 +151,8 @@ impl Endpoint {
             c.remote_cid = hello.src_cid;
             c.mtu = c.mtu.min(usize::from(hello.mtu));
             c.set_peer_paths(hello.max_paths);
+            c.peer_grants = hello.grants;
+            c.established_at = now;
         }
         self.by_peer.insert(key, ci);
         self.events.push_back(Event::Incoming {
@@ -198,6 +200,8 @@ impl Endpoint {
         conn.peer = SocketAddr::new(conn.peer.ip(), a.listen_port);
         conn.mtu = conn.mtu.min(usize::from(a.mtu));
         conn.set_peer_paths(a.max_paths);
+        conn.peer_grants = a.grants;
+        conn.established_at = now;
         conn.state = ConnectionState::Established;
         self.established += 1;
         conn.ctrl = None;
@@ -683,6 +687,8 @@ impl Endpoint {
         }
         c.stats.acks_received += 1;
         c.rate_hint_kbps = h.rate_hint_kbps;
+        c.granted = true;
+        c.pacer.set_rate_kbps(now, h.rate_hint_kbps);
         // RTT from the timestamp echo: unambiguous, every transmission has its own.
         let rtt_ns = now
             .wire_ts()

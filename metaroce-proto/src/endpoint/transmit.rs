@@ -78,6 +78,7 @@ impl Endpoint {
         let handshake_rto = self.config.handshake_rto;
         let max_paths = self.config.paths;
         let listen_port = self.config.listen_port;
+        let grants = self.rcc.enabled();
         let c = self.conns[ci].as_mut()?;
         let mtu = c.mtu.min(buf.len());
         let (src_ip, src_port) = c.source(0);
@@ -94,6 +95,7 @@ impl Endpoint {
                         listen_port,
                         mtu: c.mtu as u16,
                         max_paths,
+                        grants,
                         cookie: c.cookie,
                     }
                     .emit(buf)
@@ -104,6 +106,7 @@ impl Endpoint {
                     listen_port,
                     mtu: c.mtu as u16,
                     max_paths,
+                    grants,
                 }
                 .emit(buf),
                 Ctrl::Close(code) => Close {
@@ -128,7 +131,7 @@ impl Endpoint {
             return self.emit_ack(ci, now, &mut buf[..mtu]);
         }
         // Retransmissions: same CSN, new PSN, preferably another path.
-        while c.cwnd_room(mtu as u64) {
+        while c.cwnd_room(mtu as u64) && c.pacer.ready(now) {
             let Some(csn) = c.retx.pop_front() else { break };
             let Some(rec) = c.record_mut(csn) else {
                 continue;
@@ -182,7 +185,11 @@ impl Endpoint {
         }
         let c = self.conns[ci].as_mut()?;
         // New data, QPs in round robin.
-        if !c.csn_room() || !c.cwnd_room(mtu as u64) || !c.paths_tx.iter().any(|p| p.has_room()) {
+        if !c.csn_room()
+            || !c.cwnd_room(mtu as u64)
+            || !c.pacer.ready(now)
+            || !c.paths_tx.iter().any(|p| p.has_room())
+        {
             return None;
         }
         let nq = c.qps.len();
@@ -272,7 +279,11 @@ impl Endpoint {
             let Some(c) = self.conns[ci].as_ref() else {
                 break;
             };
-            if !c.paths_tx[path].has_room() || !c.cwnd_room(mtu as u64) || !c.csn_room() {
+            if !c.paths_tx[path].has_room()
+                || !c.cwnd_room(mtu as u64)
+                || !c.csn_room()
+                || !c.pacer.ready(now)
+            {
                 break;
             }
             let Some(kind) = self.take_segment(qpn, now, mtu) else {
@@ -433,6 +444,7 @@ impl Endpoint {
         let src_port = p.src_port;
         let path_id = p.id;
         c.in_flight += size as u64;
+        c.pacer.sent(now, size as u64);
         c.stats.data_packets_sent += 1;
         if !retransmit {
             c.stats.payload_bytes_sent += payload.len() as u64;
@@ -465,7 +477,16 @@ impl Endpoint {
                 .iter()
                 .flatten()
                 .filter(|c| {
-                    c.is_established() && c.rx_seen && now.saturating_since(c.last_rx_at) <= window
+                    // A connection a peer opened to us counts from the
+                    // moment it is accepted, before its first data: the
+                    // first ACKs of an incast then already share the
+                    // capacity among every sender of it.
+                    c.is_established()
+                        && if c.rx_seen {
+                            now.saturating_since(c.last_rx_at) <= window
+                        } else {
+                            !c.is_client && now.saturating_since(c.established_at) <= window
+                        }
                 })
                 .count();
             self.rcc.set_active(now, active);

@@ -20,6 +20,11 @@ use crate::consts::{COOKIE_LEN, HELLO_LEN, MAX_MTU, MAX_PATHS, MIN_MTU, VERSION}
 /// HELLO flag: a cookie is present.
 const HELLO_HAS_COOKIE: u8 = 0x01;
 
+/// Capability bit (HELLO and ACCEPT byte 17): this side's ACKs carry rate
+/// grants, so a peer sending to it holds its first flight to
+/// `first_flight_bytes` until the first grant arrives.
+const CAP_GRANTS: u8 = 0x01;
+
 /// HELLO: a client's connection request.
 ///
 /// | offset | size | field |
@@ -29,7 +34,8 @@ const HELLO_HAS_COOKIE: u8 = 0x01;
 /// | 12 | 2 | `listen_port`: UDP port the client receives on |
 /// | 14 | 2 | `mtu`: largest UDP payload the client takes |
 /// | 16 | 1 | `max_paths`: paths the client will spray over |
-/// | 17 | 3 | reserved |
+/// | 17 | 1 | `caps`: `0x01` = the client grants rates in its ACKs |
+/// | 18 | 2 | reserved |
 /// | 20 | 16 | `cookie` (zero when absent) |
 /// | 36 | 28 | padding (zero) |
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,6 +48,8 @@ pub struct Hello {
     pub mtu: u16,
     /// Client's path count.
     pub max_paths: u8,
+    /// Whether the client's ACKs carry rate grants.
+    pub grants: bool,
     /// Cookie from a previous COOKIE reply.
     pub cookie: Option<[u8; COOKIE_LEN]>,
 }
@@ -77,6 +85,7 @@ impl Hello {
             listen_port: get_u16(buf, 12),
             mtu,
             max_paths,
+            grants: buf[17] & CAP_GRANTS != 0,
             cookie,
         })
     }
@@ -95,6 +104,7 @@ impl Hello {
         put_u16(buf, 12, self.listen_port);
         put_u16(buf, 14, self.mtu);
         buf[16] = self.max_paths;
+        buf[17] = if self.grants { CAP_GRANTS } else { 0 };
         if let Some(c) = &self.cookie {
             buf[20..20 + COOKIE_LEN].copy_from_slice(c);
         }
@@ -149,7 +159,8 @@ impl CookieReply {
 /// | 12 | 2 | `listen_port`: UDP port the server receives on |
 /// | 14 | 2 | `mtu`: the connection's MTU (the smaller of both) |
 /// | 16 | 1 | `max_paths`: the server's path count |
-/// | 17 | 3 | reserved |
+/// | 17 | 1 | `caps`: `0x01` = the server grants rates in its ACKs |
+/// | 18 | 2 | reserved |
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Accept {
     /// The client's connection id.
@@ -162,6 +173,8 @@ pub struct Accept {
     pub mtu: u16,
     /// Server's path count.
     pub max_paths: u8,
+    /// Whether the server's ACKs carry rate grants.
+    pub grants: bool,
 }
 
 impl Accept {
@@ -189,6 +202,7 @@ impl Accept {
             listen_port: get_u16(buf, 12),
             mtu,
             max_paths,
+            grants: buf[17] & CAP_GRANTS != 0,
         })
     }
 
@@ -201,6 +215,7 @@ impl Accept {
         put_u16(buf, 12, self.listen_port);
         put_u16(buf, 14, self.mtu);
         buf[16] = self.max_paths;
+        buf[17] = if self.grants { CAP_GRANTS } else { 0 };
         Ok(Self::LEN)
     }
 }
@@ -341,6 +356,7 @@ mod tests {
             listen_port: 4792,
             mtu: 4160,
             max_paths: 8,
+            grants: true,
             cookie: Some([7; COOKIE_LEN]),
         };
         let mut buf = [0xffu8; 100];
@@ -349,9 +365,18 @@ mod tests {
         assert_eq!(Hello::parse(&buf[..n]).unwrap(), h);
         assert!(buf[36..HELLO_LEN].iter().all(|&b| b == 0));
         assert!(Hello::parse(&buf[..n - 1]).is_err());
-        let h2 = Hello { cookie: None, ..h };
+        assert_eq!(buf[17], 0x01, "the grants capability is bit 0 of byte 17");
+        let h2 = Hello {
+            cookie: None,
+            grants: false,
+            ..h
+        };
         h2.emit(&mut buf).unwrap();
         assert_eq!(Hello::parse(&buf[..n]).unwrap().cookie, None);
+        assert!(!Hello::parse(&buf[..n]).unwrap().grants);
+        // Reserved capability bits are ignored.
+        buf[17] = 0xfe;
+        assert!(!Hello::parse(&buf[..n]).unwrap().grants);
     }
 
     #[test]
@@ -361,6 +386,7 @@ mod tests {
             listen_port: 1,
             mtu: 1500,
             max_paths: 8,
+            grants: false,
             cookie: None,
         };
         let mut buf = [0u8; HELLO_LEN];
@@ -399,9 +425,11 @@ mod tests {
             listen_port: 4792,
             mtu: 1500,
             max_paths: 4,
+            grants: true,
         };
         let n = a.emit(&mut buf).unwrap();
         assert_eq!(Accept::parse(&buf[..n]).unwrap(), a);
+        assert_eq!(buf[17], 0x01);
         assert!(n <= HELLO_LEN);
         let cl = Close {
             dst_cid: 9,
