@@ -355,11 +355,12 @@ fn loss(pct: f64, link: &str) -> anyhow::Result<()> {
             let fresh = nft(&["list", "table", "inet", "mr_loss"]).is_err();
             if fresh {
                 nft(&["add", "table", "inet", "mr_loss"])?;
-                nft(&["add chain inet mr_loss fwd { type filter hook forward priority 0 ; policy accept ; }"])?;
+                // (`fwd` is an nft keyword: the chain is `lossfwd`.)
+                nft(&["add chain inet mr_loss lossfwd { type filter hook forward priority 0 ; policy accept ; }"])?;
                 for k in &all {
                     nft(&["add", "chain", "inet", "mr_loss", &format!("sp{k}")])?;
                     nft(&[&format!(
-                        "add rule inet mr_loss fwd oifname \"sp{k}\" jump sp{k}"
+                        "add rule inet mr_loss lossfwd oifname \"sp{k}\" jump sp{k}"
                     )])?;
                 }
             }
