@@ -6,8 +6,9 @@
 //! all of them, hashed on the L4 5-tuple (`fib_multipath_hash_policy=1`),
 //! so each metaroce path (UDP source port) picks a spine as in a real
 //! leaf-spine fabric. Optional per-spine rate limits (tc `tbf` at both
-//! ends), link cuts (`ip link set down`) and random loss (nftables
-//! `numgen random`, else `netem`, whichever the system has).
+//! ends), link cuts (`ip link set down`), random loss (nftables
+//! `numgen random`, else `netem`, whichever the system has) and random ECN
+//! CE marking of ECN-capable packets (nftables `ip ecn set ce`).
 //!
 //! Everything lives in namespaces named `mr-*`; `down` removes every one of
 //! them and is safe to run at any time. Needs root.
@@ -76,6 +77,14 @@ enum FabricCmd {
         #[arg(long, default_value = "all")]
         link: String,
     },
+    /// CE-mark PCT percent of ECN-capable packets at random on spine links (0 stops it).
+    Ecn {
+        /// Percent, 0 to 100.
+        pct: f64,
+        /// Which spine: an index or `all`.
+        #[arg(long, default_value = "all")]
+        link: String,
+    },
 }
 
 /// Runs `metaroce fabric`.
@@ -92,6 +101,7 @@ pub fn run(a: FabricArgs) -> anyhow::Result<()> {
         FabricCmd::Cut { k } => set_spine(k, false),
         FabricCmd::Heal { k } => set_spine(k, true),
         FabricCmd::Loss { pct, link } => loss(pct, &link),
+        FabricCmd::Ecn { pct, link } => ecn(pct, &link),
     }
 }
 
@@ -321,10 +331,8 @@ fn have(prog: &str) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-fn loss(pct: f64, link: &str) -> anyhow::Result<()> {
-    if !(0.0..=100.0).contains(&pct) {
-        bail!("loss must be between 0 and 100 percent");
-    }
+/// The spines `link` names (`all` or an index), checking the fabric is up.
+fn spine_targets(link: &str) -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
     let all = spines();
     if all.is_empty() {
         bail!("the fabric is not up (`metaroce fabric up`)");
@@ -340,39 +348,61 @@ fn loss(pct: f64, link: &str) -> anyhow::Result<()> {
         }
         vec![k]
     };
+    Ok((all, targets))
+}
+
+/// Puts `rule` (an nft statement list, or none) into the per-spine chain
+/// `sp{k}` of table `inet {table}` in both routers, for each target spine:
+/// a forward-hook chain at `priority` jumps by output interface to one chain
+/// per spine, so each spine's rule can be replaced on its own.
+fn nft_per_spine(
+    table: &str,
+    priority: i32,
+    all: &[u8],
+    targets: &[u8],
+    rule: Option<&str>,
+) -> anyhow::Result<()> {
+    for r in ROUTERS {
+        let nft = |args: &[&str]| {
+            let mut v = vec!["netns", "exec", r, "nft"];
+            v.extend_from_slice(args);
+            sh("ip", &v)
+        };
+        let fresh = nft(&["list", "table", "inet", table]).is_err();
+        if fresh {
+            nft(&["add", "table", "inet", table])?;
+            // (`fwd` is an nft keyword: the chain is `spines`.)
+            nft(&[&format!(
+                "add chain inet {table} spines {{ type filter hook forward priority {priority} ; policy accept ; }}"
+            )])?;
+            for k in all {
+                nft(&["add", "chain", "inet", table, &format!("sp{k}")])?;
+                nft(&[&format!(
+                    "add rule inet {table} spines oifname \"sp{k}\" jump sp{k}"
+                )])?;
+            }
+        }
+        for k in targets {
+            nft(&["flush", "chain", "inet", table, &format!("sp{k}")])?;
+            if let Some(rule) = rule {
+                nft(&[&format!("add rule inet {table} sp{k} {rule}")])?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn loss(pct: f64, link: &str) -> anyhow::Result<()> {
+    if !(0.0..=100.0).contains(&pct) {
+        bail!("loss must be between 0 and 100 percent");
+    }
+    let (all, targets) = spine_targets(link)?;
     if have("nft") {
         // numgen random mod 10000 < pct*100: drop that fraction, per spine,
         // as packets leave each router.
         let per10k = (pct * 100.0).round() as u32;
-        for r in ROUTERS {
-            let nft = |args: &[&str]| {
-                let mut v = vec!["netns", "exec", r, "nft"];
-                v.extend_from_slice(args);
-                sh("ip", &v)
-            };
-            // Once per router: a table, a forward chain jumping to one
-            // chain per spine by output interface.
-            let fresh = nft(&["list", "table", "inet", "mr_loss"]).is_err();
-            if fresh {
-                nft(&["add", "table", "inet", "mr_loss"])?;
-                // (`fwd` is an nft keyword: the chain is `lossfwd`.)
-                nft(&["add chain inet mr_loss lossfwd { type filter hook forward priority 0 ; policy accept ; }"])?;
-                for k in &all {
-                    nft(&["add", "chain", "inet", "mr_loss", &format!("sp{k}")])?;
-                    nft(&[&format!(
-                        "add rule inet mr_loss lossfwd oifname \"sp{k}\" jump sp{k}"
-                    )])?;
-                }
-            }
-            for k in &targets {
-                nft(&["flush", "chain", "inet", "mr_loss", &format!("sp{k}")])?;
-                if per10k > 0 {
-                    nft(&[&format!(
-                        "add rule inet mr_loss sp{k} numgen random mod 10000 < {per10k} drop"
-                    )])?;
-                }
-            }
-        }
+        let rule = format!("numgen random mod 10000 < {per10k} drop");
+        nft_per_spine("mr_loss", 0, &all, &targets, (per10k > 0).then_some(&*rule))?;
     } else {
         // No nftables: netem on the spine's egress at both ends (replaces a
         // rate limit there).
@@ -397,6 +427,30 @@ fn loss(pct: f64, link: &str) -> anyhow::Result<()> {
         }
     }
     println!("loss {pct}% on spine(s) {targets:?}");
+    Ok(())
+}
+
+/// CE-marks `pct` percent of the ECN-capable packets crossing the spines
+/// (nftables `ip ecn set ce`; the kernel here has no RED to mark by queue).
+fn ecn(pct: f64, link: &str) -> anyhow::Result<()> {
+    if !(0.0..=100.0).contains(&pct) {
+        bail!("the marked fraction must be between 0 and 100 percent");
+    }
+    let (all, targets) = spine_targets(link)?;
+    if !have("nft") {
+        bail!("ECN marking needs nftables (`nft`): install the nftables package");
+    }
+    let per10k = (pct * 100.0).round() as u32;
+    let rule = format!("ip ecn != not-ect numgen random mod 10000 < {per10k} ip ecn set ce");
+    // Before the loss table: a packet is marked, then maybe dropped.
+    nft_per_spine(
+        "mr_ecn",
+        -10,
+        &all,
+        &targets,
+        (per10k > 0).then_some(&*rule),
+    )?;
+    println!("ECN CE marks on {pct}% of ECT packets on spine(s) {targets:?}");
     Ok(())
 }
 

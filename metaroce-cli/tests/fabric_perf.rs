@@ -108,6 +108,33 @@ fn perf_across_a_two_spine_fabric() {
         lossy["gbps"].as_f64().unwrap(),
         v["gbps"].as_f64().unwrap()
     );
+
+    // CE marks on 20% of the ECN-capable packets: the sender sees them
+    // echoed on its paths (and still gets every byte through).
+    let ecn = metaroce(&["fabric", "ecn", "20"]);
+    assert!(
+        ecn.status.success(),
+        "fabric ecn failed: {}",
+        String::from_utf8_lossy(&ecn.stderr)
+    );
+    let marked = perf_across();
+    let marks: u64 = marked["paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["ecn_marks"].as_u64().unwrap())
+        .sum();
+    let packets: u64 = marked["paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["packets"].as_u64().unwrap())
+        .sum();
+    println!("ECN 20%: {marks} of {packets} packets marked");
+    assert!(
+        marks * 20 > packets,
+        "20% marking but only {marks} of {packets} marked"
+    );
 }
 
 /// Runs one `perf server --once` in mr-h2 and one client in mr-h1, checks
