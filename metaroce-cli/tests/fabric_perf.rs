@@ -135,11 +135,91 @@ fn perf_across_a_two_spine_fabric() {
         marks * 20 > packets,
         "20% marking but only {marks} of {packets} marked"
     );
+
+    // A spine cut in the middle of a run: no byte lost or corrupted, and
+    // the traffic it carried moves to the other spine at once.
+    assert!(metaroce(&["fabric", "ecn", "0"]).status.success());
+    assert!(metaroce(&["fabric", "loss", "0"]).status.success());
+    let sampler = std::thread::spawn(cut_spine_mid_run);
+    let cut_run = perf_across_for("3");
+    let moved_ms = sampler.join().expect("sampler");
+    println!(
+        "spine 1 cut mid-run: {:.3} Gbit/s over the run, traffic back within {moved_ms} ms",
+        cut_run["gbps"].as_f64().unwrap()
+    );
+    assert!(moved_ms <= 100, "traffic took {moved_ms} ms to move");
+}
+
+/// Bytes sent so far on `sp0` and `sp1` by router mr-r1 (the direction the
+/// data goes), read from the namespace of a process living in it.
+fn spine_tx(pid: u32) -> [u64; 2] {
+    let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).expect("net/dev");
+    let mut out = [0u64; 2];
+    for line in dev.lines() {
+        let line = line.trim();
+        for (k, slot) in out.iter_mut().enumerate() {
+            if let Some(rest) = line.strip_prefix(&format!("sp{k}:")) {
+                // Receive: 8 fields, then transmit bytes.
+                *slot = rest.split_whitespace().nth(8).unwrap().parse().unwrap();
+            }
+        }
+    }
+    out
+}
+
+/// Samples the spines every 10 ms, cuts spine 1 about a second into the run,
+/// and returns how many ms passed from the cut until the remaining spine
+/// carried at least half the rate both carried before it.
+fn cut_spine_mid_run() -> u64 {
+    let probe = ChildGuard(
+        Command::new("ip")
+            .args(["netns", "exec", "mr-r1", "sleep", "30"])
+            .spawn()
+            .expect("probe process"),
+    );
+    let pid = probe.0.id();
+    std::thread::sleep(Duration::from_millis(400));
+    let tick = Duration::from_millis(10);
+    let mut before = Vec::new();
+    let mut last = spine_tx(pid);
+    for _ in 0..50 {
+        std::thread::sleep(tick);
+        let now = spine_tx(pid);
+        before.push((now[0] - last[0]) + (now[1] - last[1]));
+        last = now;
+    }
+    let rate_before = before.iter().sum::<u64>() / before.len() as u64;
+    assert!(rate_before > 0, "no traffic on the spines before the cut");
+    let cut_at = Instant::now();
+    assert!(metaroce(&["fabric", "cut", "1"]).status.success());
+    let mut last = spine_tx(pid);
+    let mut last_t = Instant::now();
+    loop {
+        std::thread::sleep(tick);
+        let now = spine_tx(pid);
+        let t = Instant::now();
+        let per_tick =
+            (now[0] - last[0]) as f64 * tick.as_secs_f64() / t.duration_since(last_t).as_secs_f64();
+        if per_tick >= rate_before as f64 / 2.0 {
+            return cut_at.elapsed().as_millis() as u64;
+        }
+        assert!(
+            cut_at.elapsed() < Duration::from_secs(1),
+            "spine 0 never took over: {per_tick} B per tick vs {rate_before} before"
+        );
+        last = now;
+        last_t = t;
+    }
 }
 
 /// Runs one `perf server --once` in mr-h2 and one client in mr-h1, checks
 /// every byte and returns the client's JSON report.
 fn perf_across() -> serde_json::Value {
+    perf_across_for("1")
+}
+
+/// [`perf_across`] for `secs` seconds.
+fn perf_across_for(secs: &str) -> serde_json::Value {
     let mut srv = ChildGuard(
         Command::new("ip")
             .args(["netns", "exec", "mr-h2", BIN, "perf", "server"])
@@ -162,7 +242,7 @@ fn perf_across() -> serde_json::Value {
 
     let mut cli = Command::new("ip");
     cli.args(["netns", "exec", "mr-h1", BIN, "perf", "client", &addr])
-        .args(["-D", "1", "-q", "2", "--json"]);
+        .args(["-D", secs, "-q", "2", "--json"]);
     let out = bounded(cli, Duration::from_secs(60));
     assert!(
         out.status.success(),
