@@ -4,11 +4,11 @@
 //!
 //! Without root it prints "skipped: needs root" and passes.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+mod common;
 
-const BIN: &str = env!("CARGO_BIN_EXE_metaroce");
+use common::{bounded, server_exit, start_server, Guard as ChildGuard, BIN};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
 
 fn is_root() -> bool {
     Command::new("id")
@@ -29,38 +29,6 @@ impl Drop for FabricGuard {
         let out = metaroce(&["fabric", "down"]);
         assert!(out.status.success() || std::thread::panicking());
     }
-}
-
-/// A child process killed when dropped.
-struct ChildGuard(Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Runs `cmd`, killed after `limit`.
-fn bounded(mut cmd: Command, limit: Duration) -> Output {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let t0 = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if t0.elapsed() > limit {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!(
-                "did not finish within {limit:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
 }
 
 #[test]
@@ -220,25 +188,11 @@ fn perf_across() -> serde_json::Value {
 
 /// [`perf_across`] for `secs` seconds.
 fn perf_across_for(secs: &str) -> serde_json::Value {
-    let mut srv = ChildGuard(
-        Command::new("ip")
-            .args(["netns", "exec", "mr-h2", BIN, "perf", "server"])
-            .args(["--bind", "10.77.2.1:0", "--once"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start the server"),
-    );
-    let mut rd = BufReader::new(srv.0.stdout.take().unwrap());
-    let mut line = String::new();
-    rd.read_line(&mut line).unwrap();
-    std::thread::spawn(move || std::io::copy(&mut rd, &mut std::io::sink()));
-    let addr = line
-        .split("listening on ")
-        .nth(1)
-        .and_then(|s| s.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string();
+    let mut server = Command::new("ip");
+    server
+        .args(["netns", "exec", "mr-h2", BIN, "perf", "server"])
+        .args(["--bind", "10.77.2.1:0", "--once"]);
+    let (srv, addr) = start_server(server);
 
     let mut cli = Command::new("ip");
     cli.args(["netns", "exec", "mr-h1", BIN, "perf", "client", &addr])
@@ -264,17 +218,9 @@ fn perf_across_for(secs: &str) -> serde_json::Value {
         "{v}"
     );
     // The server exits 0 after its one run.
-    let t0 = Instant::now();
-    loop {
-        if let Some(st) = srv.0.try_wait().unwrap() {
-            assert!(st.success(), "the server failed");
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "server still running"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    assert!(
+        server_exit(srv, Duration::from_secs(20)),
+        "the server failed"
+    );
     v
 }

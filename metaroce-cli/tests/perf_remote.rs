@@ -3,85 +3,27 @@
 //! unreachable server and a port in use. Every child is bounded in time and
 //! killed if a test fails.
 
-use std::io::{BufRead, BufReader};
+mod common;
+
+use common::{bounded, server_exit, start_server as spawn_server, Guard, BIN};
 use std::net::UdpSocket;
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
-
-const BIN: &str = env!("CARGO_BIN_EXE_metaroce");
-
-/// A child process killed when dropped (a failing test leaves nothing behind).
-struct Guard(Child);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use std::process::{Command, Output};
+use std::time::Duration;
 
 /// Starts `metaroce perf server --bind 127.0.0.1:0 --once` and reads the
 /// address it prints on its first line.
 fn start_server(extra: &[&str]) -> (Guard, String) {
-    let mut child = Command::new(BIN)
-        .args(["perf", "server", "--bind", "127.0.0.1:0", "--once"])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the server");
-    let stdout = child.stdout.take().unwrap();
-    let guard = Guard(child);
-    let mut rd = BufReader::new(stdout);
-    let mut line = String::new();
-    rd.read_line(&mut line)
-        .expect("read the server's first line");
-    // Keep draining what the server prints so that it never blocks on us.
-    std::thread::spawn(move || std::io::copy(&mut rd, &mut std::io::sink()));
-    let addr = line
-        .split("listening on ")
-        .nth(1)
-        .and_then(|s| s.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string();
-    (guard, addr)
+    let mut cmd = Command::new(BIN);
+    cmd.args(["perf", "server", "--bind", "127.0.0.1:0", "--once"])
+        .args(extra);
+    spawn_server(cmd)
 }
 
 /// Runs `metaroce` with `args`, killed after `limit`.
 fn run_bounded(args: &[&str], limit: Duration) -> Output {
-    let mut child = Command::new(BIN)
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run metaroce");
-    let t0 = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if t0.elapsed() > limit {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!(
-                "metaroce {args:?} did not finish within {limit:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Waits for the `--once` server to exit and says whether it succeeded.
-fn server_exit(mut g: Guard, limit: Duration) -> bool {
-    let t0 = Instant::now();
-    while t0.elapsed() < limit {
-        if let Some(st) = g.0.try_wait().unwrap() {
-            return st.success();
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("the --once server did not exit within {limit:?}");
+    let mut cmd = Command::new(BIN);
+    cmd.args(args);
+    bounded(cmd, limit)
 }
 
 #[test]

@@ -1,0 +1,80 @@
+//! What the `metaroce` process tests share: the binary, children that die
+//! with the test, bounded runs, and `perf server` start-up.
+
+#![allow(dead_code)] // each test file uses its own part
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The `metaroce` binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_metaroce");
+
+/// A child process killed when dropped (a failing test leaves nothing behind).
+pub struct Guard(pub Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Runs `cmd` to completion with its output captured, killed after `limit`.
+pub fn bounded(mut cmd: Command, limit: Duration) -> Output {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "{cmd:?} did not finish within {limit:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Starts a `perf server` command and reads the address it prints on its
+/// first line ("listening on ADDR"); what it prints later is drained so it
+/// never blocks on us.
+pub fn start_server(mut cmd: Command) -> (Guard, String) {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the server");
+    let stdout = child.stdout.take().unwrap();
+    let guard = Guard(child);
+    let mut rd = BufReader::new(stdout);
+    let mut line = String::new();
+    rd.read_line(&mut line)
+        .expect("read the server's first line");
+    std::thread::spawn(move || std::io::copy(&mut rd, &mut std::io::sink()));
+    let addr = line
+        .split("listening on ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string();
+    (guard, addr)
+}
+
+/// Waits for a `--once` server to exit and says whether it succeeded.
+pub fn server_exit(mut g: Guard, limit: Duration) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < limit {
+        if let Some(st) = g.0.try_wait().unwrap() {
+            return st.success();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("the --once server did not exit within {limit:?}");
+}
