@@ -8,7 +8,7 @@ use metaroce_io::{Driver, DriverConfig};
 use metaroce_proto::{EndpointConfig, Event};
 use std::time::{Duration, Instant};
 
-const N: usize = 2000;
+const N: usize = 4000;
 
 /// Resident set size in bytes.
 fn rss() -> u64 {
