@@ -86,18 +86,8 @@ fn perf_across_a_two_spine_fabric() {
         String::from_utf8_lossy(&ecn.stderr)
     );
     let marked = perf_across();
-    let marks: u64 = marked["paths"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["ecn_marks"].as_u64().unwrap())
-        .sum();
-    let packets: u64 = marked["paths"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["packets"].as_u64().unwrap())
-        .sum();
+    let marks = sum_over_paths(&marked, "ecn_marks");
+    let packets = sum_over_paths(&marked, "packets");
     println!("ECN 20%: {marks} of {packets} packets marked");
     assert!(
         marks * 20 > packets,
@@ -116,6 +106,16 @@ fn perf_across_a_two_spine_fabric() {
         cut_run["gbps"].as_f64().unwrap()
     );
     assert!(moved_ms <= 100, "traffic took {moved_ms} ms to move");
+}
+
+/// The sum of one counter over a perf report's per-path entries.
+fn sum_over_paths(report: &serde_json::Value, field: &str) -> u64 {
+    report["paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p[field].as_u64().unwrap())
+        .sum()
 }
 
 /// Bytes sent so far on `sp0` and `sp1` by router mr-r1 (the direction the

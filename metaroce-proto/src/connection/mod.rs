@@ -187,8 +187,6 @@ pub(crate) struct Connection {
     pub(crate) pacer: Pacer,
     /// The peer said in the handshake that its ACKs carry grants.
     pub(crate) peer_grants: bool,
-    /// An ACK (so the first grant) has arrived since the connection opened.
-    pub(crate) granted: bool,
     /// Bytes in flight allowed before the first grant (when `peer_grants`).
     pub(crate) first_flight: u64,
 
@@ -291,7 +289,6 @@ impl Connection {
                 (config.max_gso_segments.max(2) as u64).saturating_mul(u64::from(config.mtu)),
             ),
             peer_grants: false,
-            granted: false,
             first_flight: config.first_flight_bytes,
             rx_csn: RingBitmap::new(0),
             ack_needed: false,
@@ -368,7 +365,8 @@ impl Connection {
     /// more go out.
     pub(crate) fn cwnd_room(&self, bytes: u64) -> bool {
         if self.peer_grants
-            && !self.granted
+            // No ACK yet, so no grant yet.
+            && self.stats.acks_received == 0
             && self.in_flight > 0
             && self.in_flight + bytes > self.first_flight
         {

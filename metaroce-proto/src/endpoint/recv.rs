@@ -687,7 +687,6 @@ impl Endpoint {
         }
         c.stats.acks_received += 1;
         c.rate_hint_kbps = h.rate_hint_kbps;
-        c.granted = true;
         c.pacer.set_rate_kbps(now, h.rate_hint_kbps);
         // RTT from the timestamp echo: unambiguous, every transmission has its own.
         let rtt_ns = now
