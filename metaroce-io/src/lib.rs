@@ -46,6 +46,7 @@
 
 mod clock;
 mod config;
+mod device;
 mod error;
 mod fault;
 mod metrics;
@@ -53,9 +54,14 @@ mod mtu;
 mod portable;
 #[cfg(target_os = "linux")]
 mod uring;
+mod waker;
 
 pub use clock::Clock;
 pub use config::{Backend, DriverConfig, DriverStats, UnknownBackend, UringConfig};
+pub use device::{
+    ApiError, CompletionQueue, Connection, Device, MemoryRegion, OobDecodeError, ProtectionDomain,
+    QpEndpoint, QueuePair, RemoteMr, WorkRequest,
+};
 pub use error::DriverError;
 pub use fault::FaultConfig;
 pub use metrics::{Metrics, MetricsServer};
@@ -63,7 +69,11 @@ pub use mtu::max_udp_payload;
 pub use portable::PortableDriver;
 #[cfg(target_os = "linux")]
 pub use uring::{uring_probe, UringCaps, UringDriver};
+pub use waker::Waker;
 
+pub use metaroce_proto::verbs::{
+    AccessFlags, RecvWr, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+};
 use metaroce_proto::{Endpoint, Instant};
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -98,6 +108,9 @@ pub trait IoDriver {
     /// Replaces the fault injection (see [`FaultConfig`]); datagrams held
     /// back by the old one are still delivered when due.
     fn set_faults(&mut self, faults: FaultConfig);
+    /// A handle that cuts the driver's wait in [`poll`](IoDriver::poll)
+    /// short from another thread (see [`Waker`]).
+    fn waker(&mut self) -> Result<Waker, DriverError>;
 }
 
 impl IoDriver for PortableDriver {
@@ -124,6 +137,9 @@ impl IoDriver for PortableDriver {
     }
     fn set_faults(&mut self, faults: FaultConfig) {
         PortableDriver::set_faults(self, faults)
+    }
+    fn waker(&mut self) -> Result<Waker, DriverError> {
+        PortableDriver::waker(self)
     }
 }
 
@@ -258,6 +274,12 @@ impl Driver {
     pub fn set_faults(&mut self, faults: FaultConfig) {
         each!(self, d => IoDriver::set_faults(d, faults))
     }
+
+    /// A handle that cuts [`poll`](Self::poll)'s wait short from another
+    /// thread (see [`Waker`]).
+    pub fn waker(&mut self) -> Result<Waker, DriverError> {
+        each!(self, d => IoDriver::waker(d))
+    }
 }
 
 impl IoDriver for Driver {
@@ -284,5 +306,8 @@ impl IoDriver for Driver {
     }
     fn set_faults(&mut self, faults: FaultConfig) {
         Driver::set_faults(self, faults)
+    }
+    fn waker(&mut self) -> Result<Waker, DriverError> {
+        Driver::waker(self)
     }
 }

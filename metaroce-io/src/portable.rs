@@ -2,6 +2,7 @@
 //! `ppoll` wait bounded by the core's next timer.
 
 use crate::fault::{self, Faults};
+use crate::waker::{WakeReceiver, Waker};
 use crate::{Clock, DriverConfig, DriverError, DriverStats, FaultConfig};
 use metaroce_proto::{Ecn, Endpoint, Instant};
 use quinn_udp::{EcnCodepoint, RecvMeta, Transmit as QTransmit, UdpSockRef, UdpSocketState};
@@ -32,6 +33,7 @@ pub struct PortableDriver {
     tx_buf: Vec<u8>,
     stats: DriverStats,
     faults: Option<Box<Faults>>,
+    wake: Option<WakeReceiver>,
 }
 
 impl std::fmt::Debug for PortableDriver {
@@ -118,6 +120,7 @@ impl PortableDriver {
             tx_buf: vec![0u8; 65_536],
             stats: DriverStats::default(),
             faults,
+            wake: None,
         })
     }
 
@@ -139,6 +142,19 @@ impl PortableDriver {
     /// The driver's own counters.
     pub fn stats(&self) -> DriverStats {
         self.stats
+    }
+
+    /// A handle that cuts this driver's wait short from another thread
+    /// (created on the first call; see [`Waker`]).
+    pub fn waker(&mut self) -> Result<Waker, DriverError> {
+        if self.wake.is_none() {
+            self.wake = Some(WakeReceiver::new()?);
+        }
+        Ok(self
+            .wake
+            .as_ref()
+            .map(WakeReceiver::waker)
+            .expect("just set"))
     }
 
     /// Replaces the fault injection (see [`IoDriver::set_faults`](crate::IoDriver::set_faults)).
@@ -269,24 +285,37 @@ impl PortableDriver {
         }
     }
 
-    /// Blocks until the receive socket is readable or `timeout` passes.
+    /// Blocks until the receive socket is readable, the waker fires or
+    /// `timeout` passes.
     fn wait_readable(&self, timeout: Duration) -> Result<(), DriverError> {
-        let mut pfd = libc::pollfd {
-            fd: self.recv_sock.as_raw_fd(),
+        let pollfd = |fd| libc::pollfd {
+            fd,
             events: libc::POLLIN,
             revents: 0,
         };
+        let mut pfd = [pollfd(self.recv_sock.as_raw_fd()), pollfd(-1)];
+        let mut n = 1;
+        if let Some(w) = &self.wake {
+            pfd[1] = pollfd(w.fd());
+            n = 2;
+        }
         let ts = libc::timespec {
             tv_sec: timeout.as_secs() as libc::time_t,
             tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
         };
-        // SAFETY: `pfd` is one valid pollfd that lives across the call, `ts`
-        // is a valid timespec, and a null signal mask leaves the mask alone.
-        let r = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
+        // SAFETY: `pfd` holds at least `n` valid pollfds and lives across
+        // the call, `ts` is a valid timespec, and a null signal mask leaves
+        // the mask alone.
+        let r = unsafe { libc::ppoll(pfd.as_mut_ptr(), n, &ts, std::ptr::null()) };
         if r < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() != std::io::ErrorKind::Interrupted {
                 return Err(e.into());
+            }
+        }
+        if let Some(w) = &self.wake {
+            if pfd[1].revents != 0 {
+                w.drain();
             }
         }
         Ok(())

@@ -15,6 +15,7 @@ mod sys;
 
 use crate::fault::{self, Faults};
 use crate::portable::udp_socket;
+use crate::waker::{WakeReceiver, Waker};
 use crate::{Backend, Clock, DriverConfig, DriverError, DriverStats, FaultConfig, IoDriver};
 use io_uring::cqueue;
 use io_uring::types::RecvMsgOut;
@@ -26,7 +27,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 pub use sys::UringCaps;
-use sys::{SendCqe, TAG_CTRL, TAG_MASK, TAG_RECV, TAG_SEND, TAG_TIMER};
+use sys::{SendCqe, TAG_CTRL, TAG_MASK, TAG_RECV, TAG_SEND, TAG_TIMER, TAG_WAKE};
 
 /// The kernel's `UDP_MAX_SEGMENTS` on every kernel with GSO (newer ones allow 128).
 const KERNEL_GSO_SEGMENTS: usize = 64;
@@ -92,6 +93,10 @@ pub struct UringDriver {
     timer_gen: u64,
     stats: DriverStats,
     faults: Option<Box<Faults>>,
+    wake: Option<WakeReceiver>,
+    /// The armed waker poll: generation and the thread that armed it.
+    wake_armed: Option<(u64, std::thread::ThreadId)>,
+    wake_gen: u64,
 }
 
 impl std::fmt::Debug for UringDriver {
@@ -189,6 +194,9 @@ impl UringDriver {
             timer_gen: 0,
             stats: DriverStats::default(),
             faults,
+            wake: None,
+            wake_armed: None,
+            wake_gen: 0,
         })
     }
 
@@ -216,6 +224,35 @@ impl UringDriver {
     /// zero copy (false once the kernel refused it).
     pub fn zero_copy(&self) -> bool {
         self.zc
+    }
+
+    /// A handle that cuts this driver's wait short from another thread
+    /// (created on the first call, polled on the ring; see [`Waker`]).
+    pub fn waker(&mut self) -> Result<Waker, DriverError> {
+        if self.wake.is_none() {
+            self.wake = Some(WakeReceiver::new()?);
+        }
+        Ok(self
+            .wake
+            .as_ref()
+            .map(WakeReceiver::waker)
+            .expect("just set"))
+    }
+
+    /// Keeps the waker's poll armed, by the thread that polls (like the
+    /// receive: a poll armed by another thread is replaced).
+    fn arm_wake(&mut self) -> Result<(), DriverError> {
+        let Some(w) = &self.wake else { return Ok(()) };
+        let me = std::thread::current().id();
+        match self.wake_armed {
+            Some((_, owner)) if owner == me => return Ok(()),
+            Some((gen, _)) => self.ring.cancel(TAG_WAKE | gen)?,
+            None => {}
+        }
+        self.wake_gen += 1;
+        self.ring.arm_wake(w.fd(), self.wake_gen)?;
+        self.wake_armed = Some((self.wake_gen, me));
+        Ok(())
     }
 
     /// Replaces the fault injection (see [`IoDriver::set_faults`]).
@@ -277,6 +314,7 @@ impl UringDriver {
         if self.ring.arm_recv(self.recv_sock.as_raw_fd())? {
             self.stats.recv_arms += 1;
         }
+        self.arm_wake()?;
         Ok(progress)
     }
 
@@ -313,6 +351,14 @@ impl UringDriver {
                 TAG_TIMER => {
                     if self.timer.is_some_and(|(g, _)| g == low) {
                         self.timer = None;
+                    }
+                }
+                TAG_WAKE => {
+                    if let Some(w) = &self.wake {
+                        w.drain();
+                    }
+                    if !cqueue::more(c.flags()) && self.wake_armed.is_some_and(|(g, _)| g == low) {
+                        self.wake_armed = None;
                     }
                 }
                 TAG_CTRL => {}
@@ -503,5 +549,8 @@ impl IoDriver for UringDriver {
     }
     fn set_faults(&mut self, faults: FaultConfig) {
         UringDriver::set_faults(self, faults)
+    }
+    fn waker(&mut self) -> Result<Waker, DriverError> {
+        UringDriver::waker(self)
     }
 }

@@ -47,6 +47,8 @@ pub(super) const TAG_SEND: u64 = 2 << 56;
 pub(super) const TAG_TIMER: u64 = 3 << 56;
 /// A cancellation or timeout removal (no memory, nothing to do).
 pub(super) const TAG_CTRL: u64 = 4 << 56;
+/// The driver's waker poll; the low bits are its generation.
+pub(super) const TAG_WAKE: u64 = 5 << 56;
 /// Mask of the tag.
 pub(super) const TAG_MASK: u64 = 0xff << 56;
 
@@ -573,6 +575,27 @@ impl Ring {
         // request, during the next submission; it is boxed in `self`, so it
         // outlives that. (Overwriting it before a submission only changes the
         // deadline read, never the memory's validity.)
+        unsafe { self.push(&e) }
+    }
+
+    /// Arms a multishot poll for readability of `fd` (the waker), tagged
+    /// `TAG_WAKE | gen`.
+    pub(super) fn arm_wake(&mut self, fd: RawFd, gen: u64) -> io::Result<()> {
+        let e = opcode::PollAdd::new(Fd(fd), libc::POLLIN as u32)
+            .multi(true)
+            .build()
+            .user_data(TAG_WAKE | gen);
+        // SAFETY: a poll refers to no memory of ours, only to the descriptor
+        // (the kernel holds its own reference to the file while it polls).
+        unsafe { self.push(&e) }
+    }
+
+    /// Cancels the request tagged `user_data`.
+    pub(super) fn cancel(&mut self, user_data: u64) -> io::Result<()> {
+        let e = opcode::AsyncCancel::new(user_data)
+            .build()
+            .user_data(TAG_CTRL);
+        // SAFETY: a cancellation refers to no memory.
         unsafe { self.push(&e) }
     }
 

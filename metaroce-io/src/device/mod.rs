@@ -1,0 +1,710 @@
+//! The async, verbs-shaped API: what an embedding Rust service uses.
+//!
+//! A [`Device`] is one endpoint on its own thread (the *endpoint thread*),
+//! which owns the [`Driver`](crate::Driver), the core and every registered
+//! buffer. The handles ([`ProtectionDomain`], [`MemoryRegion`],
+//! [`CompletionQueue`], [`QueuePair`], [`Connection`]) send it commands
+//! through one queue, in order, and wake it if it sleeps; what it answers
+//! comes back through `tokio::sync` channels, so any async runtime (or
+//! `futures::executor::block_on`) can await it. Work requests return a
+//! [`WorkRequest`] future of their completion, or go to a completion
+//! queue when posted with [`QueuePair::post_send`]/[`QueuePair::post_recv`].
+//!
+//! # Setting up a connection (the out-of-band exchange)
+//!
+//! As with rdma_cm, an RC connection needs two things from the peer that
+//! the transport cannot discover: where its QP is ([`QpEndpoint`]) and, for
+//! WRITE/READ, which of its memory may be accessed ([`RemoteMr`]). The
+//! application carries them over any channel it has (a TCP socket, a
+//! rendezvous service; both have a byte form and serde support):
+//!
+//! 1. the server opens a device on a known address and waits in
+//!    [`Device::accept`]; the client calls [`Device::connect`] with that
+//!    address (a cookie-protected handshake, like rdma_cm's
+//!    route/connect steps);
+//! 2. each side creates its QP and sends the peer its [`QpEndpoint`]
+//!    (and any [`RemoteMr`]s);
+//! 3. each side calls [`QueuePair::connect`] with the connection and the
+//!    peer's QP number; the QPs are then ready to send (RTS).
+//!
+//! # Which memory the application may touch
+//!
+//! [`ProtectionDomain::reg_mr`] moves the buffer into the endpoint: from
+//! then until [`MemoryRegion::dereg`] gives it back, the application holds
+//! no reference into it, so no request can race with the application's own
+//! loads and stores in the memory-safety sense. It reads and writes the
+//! region through [`MemoryRegion::read`] and [`MemoryRegion::write`], which
+//! copy, in order with the requests posted on the same device. The verbs
+//! rule still applies to the *contents*:
+//!
+//! - bytes a posted SEND or WRITE reads must not be changed until its
+//!   completion: packets are built from the region when they are sent and
+//!   again when they are retransmitted, so the peer could get a mix;
+//! - bytes a posted RECV or READ fills, and bytes of a region the peer may
+//!   WRITE to, hold their final value only once the completion is seen
+//!   (for a peer's WRITE: once the peer says so, e.g. with a
+//!   WRITE-with-immediate or a SEND after it).
+//!
+//! # Example
+//!
+//! ```no_run
+//! use metaroce_io::{AccessFlags, Device, DriverConfig};
+//! # async fn demo() -> Result<(), metaroce_io::ApiError> {
+//! let server = Device::open(DriverConfig::new("127.0.0.1:0".parse().unwrap())).await?;
+//! let client = Device::open(DriverConfig::new("127.0.0.1:0".parse().unwrap())).await?;
+//! let (conn_c, conn_s) = tokio::join!(client.connect(server.local_addr()), server.accept());
+//! let (conn_c, conn_s) = (conn_c?, conn_s?);
+//!
+//! let (pd_c, pd_s) = (client.alloc_pd().await?, server.alloc_pd().await?);
+//! let (cq_c, cq_s) = (client.create_cq(256).await?, server.create_cq(256).await?);
+//! let qp_c = pd_c.create_qp(&cq_c, &cq_c).await?;
+//! let qp_s = pd_s.create_qp(&cq_s, &cq_s).await?;
+//! // Out of band: QP endpoints and the target region cross to the peer.
+//! let target = pd_s.reg_mr(vec![0u8; 1 << 20], AccessFlags::REMOTE_WRITE).await?;
+//! let (ep_c, ep_s, remote) = (qp_c.endpoint(), qp_s.endpoint(), target.remote());
+//! qp_c.connect(&conn_c, ep_s.qpn()).await?;
+//! qp_s.connect(&conn_s, ep_c.qpn()).await?;
+//!
+//! let src = pd_c.reg_mr(vec![7u8; 1 << 20], AccessFlags::NONE).await?;
+//! qp_c.write(src.sge(0, 1 << 20)?, remote.at(0).unwrap()).await?;
+//! assert_eq!(target.read(0, 4).await?, vec![7u8; 4]);
+//! # Ok(()) }
+//! ```
+
+mod oob;
+mod worker;
+
+pub use oob::{OobDecodeError, QpEndpoint, RemoteMr};
+
+use crate::{Backend, DriverConfig, DriverError, Metrics, Waker};
+use metaroce_proto::verbs::*;
+use metaroce_proto::{ConnectionError, ConnectionState, EndpointStats};
+use std::collections::VecDeque;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{mpsc, Arc, Mutex};
+use std::task::{Context, Poll};
+use tokio::sync::{mpsc as tmpsc, oneshot, Notify};
+use worker::{Command, Notify as Dest};
+
+/// Why a call of the async API failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The core refused the call (bad key, wrong QP state, queue full…).
+    #[error(transparent)]
+    Verbs(#[from] VerbsError),
+    /// The driver could not be set up.
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+    /// The connection failed or was lost.
+    #[error("connection failed: {0}")]
+    Connection(#[from] ConnectionError),
+    /// A work request completed with an error status.
+    #[error("work request {} failed: {:?}", .0.wr_id, .0.status)]
+    Failed(WorkCompletion),
+    /// A range lies outside a memory region.
+    #[error("range of {len} bytes at offset {offset} outside a region of {size} bytes")]
+    OutOfBounds {
+        /// Start of the range.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The region's size.
+        size: u64,
+    },
+    /// The endpoint thread has stopped (a driver error, logged).
+    #[error("the endpoint thread has stopped")]
+    Closed,
+}
+
+/// A connection a peer opened to us, as the endpoint thread reports it.
+#[derive(Debug, Clone, Copy)]
+struct Incoming {
+    conn: ConnectionHandle,
+    peer: SocketAddr,
+}
+
+struct Shared {
+    tx: mpsc::Sender<Command>,
+    waker: Waker,
+    local: SocketAddr,
+    backend: Backend,
+    incoming: tokio::sync::Mutex<tmpsc::UnboundedReceiver<Incoming>>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // The queue's sender goes with us: the thread sees it closed and ends.
+        self.waker.wake();
+    }
+}
+
+/// An endpoint on its own thread: the verbs "device" (`ibv_context`).
+/// Cheap to clone; the thread ends when the last handle of it (including
+/// every PD, region, CQ, QP and connection) is dropped.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), metaroce_io::ApiError> {
+/// let dev = metaroce_io::Device::open(
+///     metaroce_io::DriverConfig::new("0.0.0.0:4791".parse().unwrap()),
+/// ).await?;
+/// println!("listening on {} ({})", dev.local_addr(), dev.backend());
+/// let conn = dev.accept().await?;
+/// println!("connection from {}", conn.peer());
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Device {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("local", &self.shared.local)
+            .field("backend", &self.shared.backend)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A future of one reply from the endpoint thread.
+async fn answer<T>(rx: oneshot::Receiver<Result<T, ApiError>>) -> Result<T, ApiError> {
+    rx.await.unwrap_or(Err(ApiError::Closed))
+}
+
+impl Device {
+    /// Starts the endpoint thread and binds the driver there (on the backend
+    /// `cfg` asks for; see [`Driver::bind`](crate::Driver::bind)).
+    pub async fn open(cfg: DriverConfig) -> Result<Device, ApiError> {
+        Self::start(cfg, None).await
+    }
+
+    /// Like [`open`](Self::open), and keeps `metrics` up to date with the
+    /// endpoint's and the driver's counters (every 250 ms); serve its
+    /// registry with [`MetricsServer`](crate::MetricsServer).
+    pub async fn open_with_metrics(
+        cfg: DriverConfig,
+        metrics: Metrics,
+    ) -> Result<Device, ApiError> {
+        Self::start(cfg, Some(metrics)).await
+    }
+
+    async fn start(cfg: DriverConfig, metrics: Option<Metrics>) -> Result<Device, ApiError> {
+        let (tx, rx) = mpsc::channel();
+        let (in_tx, in_rx) = tmpsc::unbounded_channel();
+        let (st_tx, st_rx) = oneshot::channel();
+        std::thread::Builder::new()
+            .name("metaroce-endpoint".into())
+            .spawn(move || worker::run(cfg, metrics, rx, in_tx, st_tx))
+            .map_err(DriverError::Io)?;
+        let started = st_rx.await.map_err(|_| ApiError::Closed)??;
+        Ok(Device {
+            shared: Arc::new(Shared {
+                tx,
+                waker: started.waker,
+                local: started.local,
+                backend: started.backend,
+                incoming: tokio::sync::Mutex::new(in_rx),
+            }),
+        })
+    }
+
+    /// The address peers connect to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.shared.local
+    }
+
+    /// The backend the driver runs on.
+    pub fn backend(&self) -> Backend {
+        self.shared.backend
+    }
+
+    fn send(&self, c: Command) {
+        // A closed queue means the thread stopped: the reply channel inside
+        // `c` is dropped with it and the caller sees `Closed`.
+        if self.shared.tx.send(c).is_ok() {
+            self.shared.waker.wake();
+        }
+    }
+
+    async fn call<T>(
+        &self,
+        f: impl FnOnce(oneshot::Sender<Result<T, ApiError>>) -> Command,
+    ) -> Result<T, ApiError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(f(tx));
+        answer(rx).await
+    }
+
+    /// Opens a connection to the endpoint listening at `peer` and waits
+    /// until it is established (or the handshake fails).
+    pub async fn connect(&self, peer: SocketAddr) -> Result<Connection, ApiError> {
+        let conn = self.call(|r| Command::Connect(peer, r)).await?;
+        Ok(Connection {
+            dev: self.clone(),
+            conn,
+            peer,
+        })
+    }
+
+    /// Waits for the next connection a peer opens to this endpoint.
+    pub async fn accept(&self) -> Result<Connection, ApiError> {
+        let inc = self.shared.incoming.lock().await.recv().await;
+        let inc = inc.ok_or(ApiError::Closed)?;
+        Ok(Connection {
+            dev: self.clone(),
+            conn: inc.conn,
+            peer: inc.peer,
+        })
+    }
+
+    /// Allocates a protection domain (`ibv_alloc_pd`).
+    pub async fn alloc_pd(&self) -> Result<ProtectionDomain, ApiError> {
+        let pd = self.call(Command::AllocPd).await?;
+        Ok(ProtectionDomain {
+            dev: self.clone(),
+            pd,
+        })
+    }
+
+    /// Creates a completion queue (`ibv_create_cq`) for the requests posted
+    /// with [`QueuePair::post_send`]/[`QueuePair::post_recv`] (requests
+    /// awaited one by one never land there).
+    pub async fn create_cq(&self, capacity: usize) -> Result<CompletionQueue, ApiError> {
+        let sink = Arc::new(CqSink::default());
+        let s = sink.clone();
+        let cq = self
+            .call(|r| Command::CreateCq(capacity.max(1), s, r))
+            .await?;
+        Ok(CompletionQueue {
+            dev: self.clone(),
+            cq,
+            sink,
+        })
+    }
+
+    /// The endpoint's counters (packets, rejections by reason, …).
+    pub async fn stats(&self) -> Result<EndpointStats, ApiError> {
+        self.call(Command::Stats).await
+    }
+}
+
+/// A connection to a peer endpoint; QPs are bound to it with
+/// [`QueuePair::connect`].
+#[derive(Debug, Clone)]
+pub struct Connection {
+    dev: Device,
+    conn: ConnectionHandle,
+    peer: SocketAddr,
+}
+
+impl Connection {
+    /// The peer's address (its IP and listening port).
+    pub fn peer(&self) -> SocketAddr {
+        self.peer
+    }
+
+    /// The core's handle.
+    pub fn handle(&self) -> ConnectionHandle {
+        self.conn
+    }
+
+    /// Where the connection stands (`None` once released).
+    pub async fn state(&self) -> Result<Option<ConnectionState>, ApiError> {
+        let c = self.conn;
+        self.dev.call(|r| Command::ConnState(c, r)).await
+    }
+
+    /// Closes the connection: the peer is told, every QP bound to it moves
+    /// to the error state and its outstanding requests complete flushed.
+    pub async fn close(&self) -> Result<(), ApiError> {
+        let c = self.conn;
+        self.dev.call(|r| Command::Close(c, r)).await
+    }
+}
+
+/// A protection domain (`ibv_pd`): regions and QPs of one PD only work
+/// with each other.
+#[derive(Debug)]
+pub struct ProtectionDomain {
+    dev: Device,
+    pd: PdHandle,
+}
+
+impl Drop for ProtectionDomain {
+    fn drop(&mut self) {
+        self.dev.send(Command::DeallocPd(self.pd));
+    }
+}
+
+impl ProtectionDomain {
+    /// Registers `buf` as a memory region (`ibv_reg_mr`); the endpoint owns
+    /// it until [`MemoryRegion::dereg`]. Its virtual address is chosen by
+    /// the endpoint (a distinct range per region).
+    ///
+    /// `access` is what the peer may do (`REMOTE_WRITE`, `REMOTE_READ`) and
+    /// whether this side's own requests may write into it: a region a
+    /// receive or a READ lands in needs `LOCAL_WRITE`, as in verbs (a post
+    /// without it is refused with [`VerbsError::InvalidKey`]).
+    pub async fn reg_mr(
+        &self,
+        buf: impl Into<Box<[u8]>>,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion, ApiError> {
+        // Each region gets its own 1 TiB-aligned virtual range, so that an
+        // address names one region's byte only.
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let addr = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) << 40;
+        self.reg_mr_at(buf, addr, access).await
+    }
+
+    /// Registers `buf` with byte 0 at virtual address `addr` (an iova).
+    pub async fn reg_mr_at(
+        &self,
+        buf: impl Into<Box<[u8]>>,
+        addr: u64,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion, ApiError> {
+        let buf = buf.into();
+        let pd = self.pd;
+        let info = self
+            .dev
+            .call(|reply| Command::RegMr {
+                pd,
+                buf,
+                addr,
+                access,
+                reply,
+            })
+            .await?;
+        Ok(MemoryRegion {
+            dev: self.dev.clone(),
+            info,
+            live: true,
+        })
+    }
+
+    /// Creates an RC queue pair (`ibv_create_qp`) with default capacities
+    /// (1024 send and 1024 receive requests).
+    pub async fn create_qp(
+        &self,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+    ) -> Result<QueuePair, ApiError> {
+        self.create_qp_with(QpInit::new(self.pd, send_cq.cq, recv_cq.cq))
+            .await
+    }
+
+    /// Creates a queue pair with explicit capacities (`init.pd` is replaced
+    /// by this PD).
+    pub async fn create_qp_with(&self, mut init: QpInit) -> Result<QueuePair, ApiError> {
+        init.pd = self.pd;
+        let qpn = self.dev.call(|r| Command::CreateQp(init, r)).await?;
+        Ok(QueuePair {
+            dev: self.dev.clone(),
+            qpn,
+        })
+    }
+}
+
+/// A registered memory region (`ibv_mr`). Dropping it deregisters it once
+/// no request uses it any more; [`dereg`](Self::dereg) gives the buffer back.
+#[derive(Debug)]
+pub struct MemoryRegion {
+    dev: Device,
+    info: MrInfo,
+    live: bool,
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        if self.live {
+            self.dev.send(Command::DropMr(self.info.lkey));
+        }
+    }
+}
+
+impl MemoryRegion {
+    /// Local key, address, length and access of the region.
+    pub fn info(&self) -> MrInfo {
+        self.info
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.info.len
+    }
+
+    /// Whether the region is empty (never: empty regions are refused).
+    pub fn is_empty(&self) -> bool {
+        self.info.len == 0
+    }
+
+    /// What a peer needs to WRITE to or READ from this region.
+    pub fn remote(&self) -> RemoteMr {
+        RemoteMr {
+            rkey: self.info.rkey,
+            addr: self.info.addr,
+            len: self.info.len,
+        }
+    }
+
+    /// The local buffer `len` bytes at `offset`, for a work request.
+    pub fn sge(&self, offset: u64, len: u32) -> Result<Sge, ApiError> {
+        match offset.checked_add(u64::from(len)) {
+            Some(end) if end <= self.info.len => Ok(Sge {
+                lkey: self.info.lkey,
+                addr: self.info.addr + offset,
+                len,
+            }),
+            _ => Err(ApiError::OutOfBounds {
+                offset,
+                len: u64::from(len),
+                size: self.info.len,
+            }),
+        }
+    }
+
+    /// A copy of `len` bytes at `offset` (see the module documentation for
+    /// when they are final).
+    pub async fn read(&self, offset: usize, len: usize) -> Result<Vec<u8>, ApiError> {
+        let lkey = self.info.lkey;
+        self.dev
+            .call(|reply| Command::ReadMr {
+                lkey,
+                offset,
+                len,
+                reply,
+            })
+            .await
+    }
+
+    /// Copies `data` into the region at `offset`.
+    pub async fn write(&self, offset: usize, data: impl Into<Vec<u8>>) -> Result<(), ApiError> {
+        let (lkey, data) = (self.info.lkey, data.into());
+        self.dev
+            .call(|reply| Command::WriteMr {
+                lkey,
+                offset,
+                data,
+                reply,
+            })
+            .await
+    }
+
+    /// Deregisters the region and gives its buffer back; fails (and keeps
+    /// the region) while requests still use it.
+    pub async fn dereg(mut self) -> Result<Box<[u8]>, ApiError> {
+        let lkey = self.info.lkey;
+        let buf = self.dev.call(|r| Command::DeregMr(lkey, r)).await;
+        if buf.is_ok() {
+            self.live = false;
+        }
+        buf
+    }
+}
+
+/// Completions waiting for the application, filled by the endpoint thread.
+#[derive(Debug, Default)]
+struct CqSink {
+    queue: Mutex<VecDeque<WorkCompletion>>,
+    ready: Notify,
+    /// The endpoint thread has stopped: nothing more will come.
+    closed: std::sync::atomic::AtomicBool,
+}
+
+impl CqSink {
+    fn close(&self) {
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.ready.notify_one();
+    }
+
+    fn push(&self, wcs: Vec<WorkCompletion>) {
+        self.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(wcs);
+        self.ready.notify_one();
+    }
+}
+
+/// A completion queue (`ibv_cq`): where requests posted with
+/// [`QueuePair::post_send`] and [`QueuePair::post_recv`] complete, with the
+/// caller's `wr_id`, in the order the transport completes them (per QP in
+/// posting order, as RC requires).
+#[derive(Debug)]
+pub struct CompletionQueue {
+    dev: Device,
+    cq: CqHandle,
+    sink: Arc<CqSink>,
+}
+
+impl CompletionQueue {
+    /// The device the queue belongs to.
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    /// Takes up to `max` completions that are ready, without waiting (`ibv_poll_cq`).
+    pub fn poll(&self, max: usize) -> Vec<WorkCompletion> {
+        let mut q = self.sink.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let n = max.min(q.len());
+        q.drain(..n).collect()
+    }
+
+    /// Waits for the next completion.
+    pub async fn next(&self) -> Result<WorkCompletion, ApiError> {
+        loop {
+            if let Some(wc) = self
+                .sink
+                .queue
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .pop_front()
+            {
+                return Ok(wc);
+            }
+            if self.sink.closed.load(std::sync::atomic::Ordering::Acquire) {
+                return Err(ApiError::Closed);
+            }
+            self.sink.ready.notified().await;
+        }
+    }
+}
+
+/// A reliable-connected queue pair (`ibv_qp`, RC).
+///
+/// The one-request calls ([`write`](Self::write), [`read`](Self::read),
+/// [`send`](Self::send), [`recv`](Self::recv), …) post at once, when
+/// called, in call order, and return a [`WorkRequest`] future of the
+/// completion: post many, then await them (their completions come in
+/// posting order).
+#[derive(Debug)]
+pub struct QueuePair {
+    dev: Device,
+    qpn: Qpn,
+}
+
+impl Drop for QueuePair {
+    fn drop(&mut self) {
+        self.dev.send(Command::DestroyQp(self.qpn));
+    }
+}
+
+/// The completion of one posted work request: `Ok` with the completion if
+/// it succeeded, [`ApiError::Failed`] with it if not, or the post's own
+/// refusal.
+#[derive(Debug)]
+#[must_use = "a work request's outcome is only known by awaiting it"]
+pub struct WorkRequest {
+    rx: oneshot::Receiver<Result<WorkCompletion, ApiError>>,
+}
+
+impl Future for WorkRequest {
+    type Output = Result<WorkCompletion, ApiError>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.rx).poll(cx).map(|r| match r {
+            Ok(Ok(wc)) if wc.status == WcStatus::Success => Ok(wc),
+            Ok(Ok(wc)) => Err(ApiError::Failed(wc)),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(ApiError::Closed),
+        })
+    }
+}
+
+impl QueuePair {
+    /// The QP number.
+    pub fn qpn(&self) -> Qpn {
+        self.qpn
+    }
+
+    /// What the peer needs to connect its QP to this one.
+    pub fn endpoint(&self) -> QpEndpoint {
+        QpEndpoint {
+            addr: self.dev.local_addr(),
+            qpn: self.qpn.0,
+        }
+    }
+
+    /// Where the QP's state machine stands.
+    pub async fn state(&self) -> Result<Option<QpState>, ApiError> {
+        let q = self.qpn;
+        self.dev.call(|r| Command::QpState(q, r)).await
+    }
+
+    /// Binds the QP to `conn` and the peer's QP `remote`, and brings it to
+    /// RTS (RESET→INIT→RTR→RTS with every remote access the regions allow).
+    pub async fn connect(&self, conn: &Connection, remote: Qpn) -> Result<(), ApiError> {
+        let (qpn, conn) = (self.qpn, conn.conn);
+        self.dev
+            .call(|reply| Command::ConnectQp {
+                qpn,
+                conn,
+                remote,
+                reply,
+            })
+            .await
+    }
+
+    fn post(&self, op: SendOp, local: Sge) -> WorkRequest {
+        let (tx, rx) = oneshot::channel();
+        let wr = SendWr::new(0, op, local);
+        self.dev
+            .send(Command::PostSend(self.qpn, wr, Dest::Once(tx)));
+        WorkRequest { rx }
+    }
+
+    /// RDMA WRITE of `local` to `remote`.
+    pub fn write(&self, local: Sge, remote: RemoteAddr) -> WorkRequest {
+        self.post(SendOp::Write(remote), local)
+    }
+
+    /// RDMA WRITE with immediate data: also consumes a receive at the peer,
+    /// which completes with `imm` once every byte is placed.
+    pub fn write_imm(&self, local: Sge, remote: RemoteAddr, imm: u32) -> WorkRequest {
+        self.post(SendOp::WriteImm(remote, imm), local)
+    }
+
+    /// RDMA READ of `local.len` bytes at `remote` into `local`.
+    pub fn read(&self, local: Sge, remote: RemoteAddr) -> WorkRequest {
+        self.post(SendOp::Read(remote), local)
+    }
+
+    /// SEND of `local` into the peer's next posted receive.
+    pub fn send(&self, local: Sge) -> WorkRequest {
+        self.post(SendOp::Send, local)
+    }
+
+    /// SEND with immediate data.
+    pub fn send_imm(&self, local: Sge, imm: u32) -> WorkRequest {
+        self.post(SendOp::SendImm(imm), local)
+    }
+
+    /// Posts a receive into `sge`; the future completes when a SEND (or a
+    /// WRITE with immediate) consumed it (`byte_len`, `imm`).
+    pub fn recv(&self, sge: Sge) -> WorkRequest {
+        let (tx, rx) = oneshot::channel();
+        let wr = RecvWr { wr_id: 0, sge };
+        self.dev
+            .send(Command::PostRecv(self.qpn, wr, Dest::Once(tx)));
+        WorkRequest { rx }
+    }
+
+    /// Posts a send request whose completion goes to the send CQ, with
+    /// `wr.wr_id` (`ibv_post_send`). Every request completes: `signaled`
+    /// is ignored. Resolves when the endpoint accepted (or refused) it.
+    pub fn post_send(&self, wr: SendWr) -> impl Future<Output = Result<(), ApiError>> {
+        let (tx, rx) = oneshot::channel();
+        self.dev.send(Command::PostSend(self.qpn, wr, Dest::Cq(tx)));
+        answer(rx)
+    }
+
+    /// Posts a receive whose completion goes to the receive CQ (`ibv_post_recv`).
+    pub fn post_recv(&self, wr: RecvWr) -> impl Future<Output = Result<(), ApiError>> {
+        let (tx, rx) = oneshot::channel();
+        self.dev.send(Command::PostRecv(self.qpn, wr, Dest::Cq(tx)));
+        answer(rx)
+    }
+}

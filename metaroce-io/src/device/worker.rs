@@ -1,0 +1,444 @@
+//! The endpoint thread behind a [`Device`](super::Device): it owns the
+//! driver (and so the endpoint and every registered buffer), takes commands
+//! from a queue in batches, and hands completions and events back through
+//! one-shot channels and completion-queue sinks.
+
+use super::{ApiError, CqSink, Incoming};
+use crate::{Driver, DriverConfig, DriverError, Metrics, Waker};
+use metaroce_proto::verbs::*;
+use metaroce_proto::{ConnectionError, ConnectionState, EndpointStats, Event};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::mpsc::{self, TryRecvError};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc as tmpsc, oneshot};
+
+/// A reply channel.
+pub(super) type Reply<T> = oneshot::Sender<Result<T, ApiError>>;
+
+/// Where a posted request's completion goes.
+pub(super) enum Notify {
+    /// To the caller awaiting this one request.
+    Once(oneshot::Sender<Result<WorkCompletion, ApiError>>),
+    /// To the completion queue, for `poll`/`next`; the sender hears
+    /// whether the post was accepted.
+    Cq(Reply<()>),
+}
+
+/// Where a completion goes once the post was accepted.
+enum Waiter {
+    Once(oneshot::Sender<Result<WorkCompletion, ApiError>>),
+    Cq,
+}
+
+impl Notify {
+    /// The post was accepted: acknowledges it, and says where the completion goes.
+    fn accepted(self) -> Waiter {
+        match self {
+            Notify::Once(tx) => Waiter::Once(tx),
+            Notify::Cq(ack) => {
+                let _ = ack.send(Ok(()));
+                Waiter::Cq
+            }
+        }
+    }
+}
+
+/// What the API asks the endpoint thread to do.
+pub(super) enum Command {
+    AllocPd(Reply<PdHandle>),
+    DeallocPd(PdHandle),
+    RegMr {
+        pd: PdHandle,
+        buf: Box<[u8]>,
+        addr: u64,
+        access: AccessFlags,
+        reply: Reply<MrInfo>,
+    },
+    DeregMr(u32, Reply<Box<[u8]>>),
+    DropMr(u32),
+    ReadMr {
+        lkey: u32,
+        offset: usize,
+        len: usize,
+        reply: Reply<Vec<u8>>,
+    },
+    WriteMr {
+        lkey: u32,
+        offset: usize,
+        data: Vec<u8>,
+        reply: Reply<()>,
+    },
+    CreateCq(usize, Arc<CqSink>, Reply<CqHandle>),
+    CreateQp(QpInit, Reply<Qpn>),
+    ConnectQp {
+        qpn: Qpn,
+        conn: ConnectionHandle,
+        remote: Qpn,
+        reply: Reply<()>,
+    },
+    QpState(Qpn, Reply<Option<QpState>>),
+    DestroyQp(Qpn),
+    PostSend(Qpn, SendWr, Notify),
+    PostRecv(Qpn, RecvWr, Notify),
+    Connect(SocketAddr, Reply<ConnectionHandle>),
+    Close(ConnectionHandle, Reply<()>),
+    ConnState(ConnectionHandle, Reply<Option<ConnectionState>>),
+    Stats(Reply<EndpointStats>),
+}
+
+/// A posted request waiting for its completion.
+struct Pending {
+    user_wr_id: u64,
+    waiter: Waiter,
+}
+
+/// The endpoint thread's state.
+pub(super) struct Worker {
+    drv: Driver,
+    rx: mpsc::Receiver<Command>,
+    incoming: tmpsc::UnboundedSender<Incoming>,
+    metrics: Option<Metrics>,
+    /// Completion-queue sinks, by core CQ.
+    cqs: HashMap<CqHandle, Arc<CqSink>>,
+    /// Requests in flight, by the internal wr_id given to the core.
+    pending: HashMap<u64, Pending>,
+    next_wr: u64,
+    /// Connects waiting for the handshake.
+    connecting: HashMap<ConnectionHandle, Reply<ConnectionHandle>>,
+    /// Regions and PDs whose handles were dropped while still in use.
+    zombies_mr: Vec<u32>,
+    zombies_pd: Vec<PdHandle>,
+    scratch: Vec<WorkCompletion>,
+}
+
+/// What the endpoint thread tells `open` once it is up.
+pub(super) struct Started {
+    pub local: SocketAddr,
+    pub backend: crate::Backend,
+    pub waker: Waker,
+}
+
+/// Binds the driver on this thread and runs until every handle is gone.
+pub(super) fn run(
+    cfg: DriverConfig,
+    metrics: Option<Metrics>,
+    rx: mpsc::Receiver<Command>,
+    incoming: tmpsc::UnboundedSender<Incoming>,
+    started: oneshot::Sender<Result<Started, DriverError>>,
+) {
+    let mut drv = match Driver::bind(cfg) {
+        Ok(d) => d,
+        Err(e) => {
+            let _ = started.send(Err(e));
+            return;
+        }
+    };
+    let waker = match drv.waker() {
+        Ok(w) => w,
+        Err(e) => {
+            let _ = started.send(Err(e));
+            return;
+        }
+    };
+    let info = Started {
+        local: drv.local_addr(),
+        backend: drv.backend(),
+        waker,
+    };
+    if started.send(Ok(info)).is_err() {
+        return;
+    }
+    let mut w = Worker {
+        drv,
+        rx,
+        incoming,
+        metrics,
+        cqs: HashMap::new(),
+        pending: HashMap::new(),
+        next_wr: 1,
+        connecting: HashMap::new(),
+        zombies_mr: Vec::new(),
+        zombies_pd: Vec::new(),
+        scratch: Vec::new(),
+    };
+    if let Err(e) = w.run() {
+        tracing::error!(error = %e, "metaroce endpoint thread stopped on a driver error");
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        for sink in self.cqs.values() {
+            sink.close();
+        }
+    }
+}
+
+impl Worker {
+    fn run(&mut self) -> Result<(), DriverError> {
+        let mut last_metrics = std::time::Instant::now();
+        loop {
+            // Every command queued so far, in order, before the next turn.
+            loop {
+                match self.rx.try_recv() {
+                    Ok(c) => self.command(c),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => return Ok(()),
+                }
+            }
+            // Nothing to do: sleep until a datagram, a timer or a command.
+            self.drv.poll(Duration::from_millis(100))?;
+            self.events();
+            self.completions();
+            if !self.zombies_mr.is_empty() || !self.zombies_pd.is_empty() {
+                self.reap_zombies();
+            }
+            if let Some(m) = &mut self.metrics {
+                if last_metrics.elapsed() >= Duration::from_millis(250) {
+                    last_metrics = std::time::Instant::now();
+                    m.update(self.drv.endpoint());
+                    m.update_driver(&self.drv.stats());
+                }
+            }
+        }
+    }
+
+    fn command(&mut self, c: Command) {
+        let now = self.drv.now();
+        let ep = self.drv.endpoint();
+        match c {
+            Command::AllocPd(r) => {
+                let _ = r.send(Ok(ep.alloc_pd()));
+            }
+            Command::DeallocPd(pd) => {
+                if ep.dealloc_pd(pd).is_err() {
+                    self.zombies_pd.push(pd);
+                }
+            }
+            Command::RegMr {
+                pd,
+                buf,
+                addr,
+                access,
+                reply,
+            } => {
+                let _ = reply.send(ep.reg_mr(pd, buf, addr, access).map_err(Into::into));
+            }
+            Command::DeregMr(lkey, r) => {
+                let _ = r.send(ep.dereg_mr(lkey).map_err(Into::into));
+            }
+            Command::DropMr(lkey) => {
+                if let Err(VerbsError::MrInUse(_)) = ep.dereg_mr(lkey) {
+                    self.zombies_mr.push(lkey);
+                }
+            }
+            Command::ReadMr {
+                lkey,
+                offset,
+                len,
+                reply,
+            } => {
+                let res = match ep.mr(lkey) {
+                    None => Err(ApiError::Verbs(VerbsError::InvalidKey(lkey))),
+                    Some(b) => slice_range(b.len(), offset, len).map(|r| b[r].to_vec()),
+                };
+                let _ = reply.send(res);
+            }
+            Command::WriteMr {
+                lkey,
+                offset,
+                data,
+                reply,
+            } => {
+                let res = match ep.mr_mut(lkey) {
+                    None => Err(ApiError::Verbs(VerbsError::InvalidKey(lkey))),
+                    Some(b) => slice_range(b.len(), offset, data.len()).map(|r| {
+                        b[r].copy_from_slice(&data);
+                    }),
+                };
+                let _ = reply.send(res);
+            }
+            Command::CreateCq(cap, sink, r) => {
+                let cq = ep.create_cq(cap);
+                self.cqs.insert(cq, sink);
+                let _ = r.send(Ok(cq));
+            }
+            Command::CreateQp(init, r) => {
+                let _ = r.send(ep.create_qp(init).map_err(Into::into));
+            }
+            Command::ConnectQp {
+                qpn,
+                conn,
+                remote,
+                reply,
+            } => {
+                let _ = reply.send(ep.connect_qp(qpn, conn, remote).map_err(Into::into));
+            }
+            Command::QpState(q, r) => {
+                let _ = r.send(Ok(ep.qp_state(q)));
+            }
+            Command::DestroyQp(q) => {
+                let _ = ep.destroy_qp(q);
+            }
+            Command::PostSend(qpn, mut wr, notify) => {
+                let id = self.next_wr;
+                self.next_wr += 1;
+                let user = wr.wr_id;
+                wr.wr_id = id;
+                // Every request completes, so that every entry here is
+                // removed by its completion.
+                wr.signaled = true;
+                match ep.post_send(now, qpn, wr) {
+                    Ok(()) => {
+                        self.pending.insert(
+                            id,
+                            Pending {
+                                user_wr_id: user,
+                                waiter: notify.accepted(),
+                            },
+                        );
+                    }
+                    Err(e) => refuse(notify, e),
+                }
+            }
+            Command::PostRecv(qpn, mut wr, notify) => {
+                let id = self.next_wr;
+                self.next_wr += 1;
+                let user = wr.wr_id;
+                wr.wr_id = id;
+                match ep.post_recv(qpn, wr) {
+                    Ok(()) => {
+                        self.pending.insert(
+                            id,
+                            Pending {
+                                user_wr_id: user,
+                                waiter: notify.accepted(),
+                            },
+                        );
+                    }
+                    Err(e) => refuse(notify, e),
+                }
+            }
+            Command::Connect(peer, r) => match ep.connect(now, peer) {
+                Ok(c) => {
+                    self.connecting.insert(c, r);
+                }
+                Err(e) => {
+                    let _ = r.send(Err(e.into()));
+                }
+            },
+            Command::Close(c, r) => {
+                let _ = r.send(ep.close(now, c).map_err(Into::into));
+            }
+            Command::ConnState(c, r) => {
+                let _ = r.send(Ok(ep.connection_state(c)));
+            }
+            Command::Stats(r) => {
+                let _ = r.send(Ok(ep.stats()));
+            }
+        }
+    }
+
+    fn events(&mut self) {
+        while let Some(e) = self.drv.endpoint().poll_event() {
+            match e {
+                Event::Connected(c) => {
+                    if let Some(r) = self.connecting.remove(&c) {
+                        let _ = r.send(Ok(c));
+                    }
+                }
+                Event::Incoming { conn, peer } => {
+                    if self.incoming.send(Incoming { conn, peer }).is_err() {
+                        tracing::debug!(%peer, "incoming connection with no one accepting");
+                    }
+                }
+                Event::ConnectionLost { conn, error } => {
+                    if let Some(r) = self.connecting.remove(&conn) {
+                        let _ = r.send(Err(ApiError::Connection(error)));
+                    } else {
+                        log_lost(conn, error);
+                    }
+                }
+                Event::QpError { qpn, status } => {
+                    tracing::debug!(qpn = qpn.0, ?status, "QP moved to the error state");
+                }
+                Event::CqOverrun(cq) => {
+                    tracing::warn!(?cq, "completion queue overrun");
+                }
+            }
+        }
+    }
+
+    /// Hands every completion to its waiter or its queue's sink.
+    fn completions(&mut self) {
+        for (&cq, sink) in &self.cqs {
+            loop {
+                self.scratch.clear();
+                let n = self
+                    .drv
+                    .endpoint()
+                    .poll_cq(cq, 256, &mut self.scratch)
+                    .unwrap_or(0);
+                if n == 0 {
+                    break;
+                }
+                let mut to_sink = Vec::new();
+                for wc in self.scratch.drain(..) {
+                    let Some(p) = self.pending.remove(&wc.wr_id) else {
+                        tracing::debug!(wr_id = wc.wr_id, "completion of an unknown request");
+                        continue;
+                    };
+                    let wc = WorkCompletion {
+                        wr_id: p.user_wr_id,
+                        ..wc
+                    };
+                    match p.waiter {
+                        Waiter::Once(tx) => {
+                            let _ = tx.send(Ok(wc));
+                        }
+                        Waiter::Cq => to_sink.push(wc),
+                    }
+                }
+                if !to_sink.is_empty() {
+                    sink.push(to_sink);
+                }
+            }
+        }
+    }
+
+    fn reap_zombies(&mut self) {
+        let ep = self.drv.endpoint();
+        self.zombies_mr
+            .retain(|&k| matches!(ep.dereg_mr(k), Err(VerbsError::MrInUse(_))));
+        self.zombies_pd.retain(|&pd| ep.dealloc_pd(pd).is_err());
+    }
+}
+
+fn refuse(notify: Notify, e: VerbsError) {
+    match notify {
+        Notify::Once(tx) => {
+            let _ = tx.send(Err(e.into()));
+        }
+        Notify::Cq(ack) => {
+            let _ = ack.send(Err(e.into()));
+        }
+    }
+}
+
+fn log_lost(conn: ConnectionHandle, error: ConnectionError) {
+    tracing::info!(conn = conn.index(), %error, "connection lost");
+}
+
+/// `offset..offset + len` if it lies within `size` bytes.
+fn slice_range(size: usize, offset: usize, len: usize) -> Result<std::ops::Range<usize>, ApiError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(offset..end),
+        _ => Err(ApiError::OutOfBounds {
+            offset: offset as u64,
+            len: len as u64,
+            size: size as u64,
+        }),
+    }
+}

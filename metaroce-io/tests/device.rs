@@ -1,0 +1,441 @@
+#![cfg(target_os = "linux")]
+//! The async verbs API ([`Device`] and its handles) end to end over
+//! loopback, on both backends: every operation with its payload checked,
+//! the error statuses a user can provoke, completion-queue posting, and a
+//! transfer through 1% and 10% injected loss. Where io_uring is unavailable
+//! the io_uring variants print `skipped: io_uring unavailable: <reason>`
+//! and pass.
+
+use metaroce_io::{
+    AccessFlags, ApiError, Backend, CompletionQueue, Connection, Device, DriverConfig, FaultConfig,
+    ProtectionDomain, QueuePair, RecvWr, SendOp, SendWr, WcOpcode, WcStatus,
+};
+use metaroce_proto::verbs::{QpState, VerbsError};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// One test at a time: each runs two endpoint threads that busy-poll.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Every test ends within this (a hang is a failure).
+const LIMIT: Duration = Duration::from_secs(20);
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn config(backend: Backend, faults: FaultConfig) -> DriverConfig {
+    let mut c = DriverConfig::new("127.0.0.1:0".parse().unwrap());
+    c.backend = backend;
+    c.faults = faults;
+    c
+}
+
+/// Runs `f` on a fresh runtime with `backend`, unless it cannot run here.
+fn run<F, Fut>(backend: Backend, f: F)
+where
+    F: FnOnce(Backend) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    if backend == Backend::Uring {
+        if let Err(why) = metaroce_io::uring_probe() {
+            println!("skipped: io_uring unavailable: {why}");
+            return;
+        }
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        tokio::time::timeout(LIMIT, f(backend))
+            .await
+            .expect("test timed out")
+    });
+}
+
+/// Both ends of a connected QP pair, each with its PD and one CQ.
+struct Side {
+    dev: Device,
+    _conn: Connection,
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    qp: QueuePair,
+}
+
+async fn pair(backend: Backend, faults: FaultConfig) -> (Side, Side) {
+    let a = Device::open(config(backend, faults.clone())).await.unwrap();
+    let b = Device::open(config(backend, faults)).await.unwrap();
+    assert_eq!(a.backend(), backend);
+    let (ca, cb) = tokio::join!(a.connect(b.local_addr()), b.accept());
+    let (ca, cb) = (ca.unwrap(), cb.unwrap());
+    assert_eq!(cb.peer(), a.local_addr());
+    let (pda, pdb) = (a.alloc_pd().await.unwrap(), b.alloc_pd().await.unwrap());
+    let (cqa, cqb) = (
+        a.create_cq(1024).await.unwrap(),
+        b.create_cq(1024).await.unwrap(),
+    );
+    let qa = pda.create_qp(&cqa, &cqa).await.unwrap();
+    let qb = pdb.create_qp(&cqb, &cqb).await.unwrap();
+    // The out-of-band exchange, through the byte form a real one would use.
+    let ea = metaroce_io::QpEndpoint::from_bytes(&qa.endpoint().to_bytes()).unwrap();
+    let eb = metaroce_io::QpEndpoint::from_bytes(&qb.endpoint().to_bytes()).unwrap();
+    assert_eq!(ea.addr, a.local_addr());
+    qa.connect(&ca, eb.qpn()).await.unwrap();
+    qb.connect(&cb, ea.qpn()).await.unwrap();
+    assert_eq!(qa.state().await.unwrap(), Some(QpState::Rts));
+    (
+        Side {
+            dev: a,
+            _conn: ca,
+            pd: pda,
+            cq: cqa,
+            qp: qa,
+        },
+        Side {
+            dev: b,
+            _conn: cb,
+            pd: pdb,
+            cq: cqb,
+            qp: qb,
+        },
+    )
+}
+
+async fn every_operation(backend: Backend) {
+    let (a, b) = pair(backend, FaultConfig::default()).await;
+    let len = 3 << 20;
+    let data = pattern(1, len);
+
+    // WRITE, then WRITE with immediate into a posted receive.
+    let src = a.pd.reg_mr(data.clone(), AccessFlags::NONE).await.unwrap();
+    let dst =
+        b.pd.reg_mr(
+            vec![0u8; len],
+            AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
+        )
+        .await
+        .unwrap();
+    let remote = metaroce_io::RemoteMr::from_bytes(&dst.remote().to_bytes()).unwrap();
+    let half = (len / 2) as u32;
+    // Posted back to back, awaited together: completions in posting order.
+    let w1 = a.qp.write(src.sge(0, half).unwrap(), remote.at(0).unwrap());
+    let w2 = a.qp.write(
+        src.sge(u64::from(half), half).unwrap(),
+        remote.at(u64::from(half)).unwrap(),
+    );
+    let (w1, w2) = tokio::join!(w1, w2);
+    assert_eq!(w1.unwrap().opcode, WcOpcode::Write);
+    assert_eq!(w2.unwrap().byte_len, half);
+    assert!(
+        dst.read(0, len).await.unwrap() == data,
+        "WRITE bytes differ"
+    );
+
+    let scratch =
+        b.pd.reg_mr(vec![0u8; 64], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    let r = b.qp.recv(scratch.sge(0, 64).unwrap());
+    let tail = pattern(2, 4096);
+    src.write(0, tail.clone()).await.unwrap();
+    let wi =
+        a.qp.write_imm(src.sge(0, 4096).unwrap(), remote.at(8192).unwrap(), 0xfeed)
+            .await
+            .unwrap();
+    assert_eq!(wi.opcode, WcOpcode::Write);
+    let rc = r.await.unwrap();
+    assert_eq!(
+        (rc.opcode, rc.imm),
+        (WcOpcode::RecvRdmaWithImm, Some(0xfeed))
+    );
+    assert_eq!(dst.read(8192, 4096).await.unwrap(), tail);
+
+    // READ back what was written, into a fresh region.
+    let back =
+        a.pd.reg_mr(vec![0u8; len], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    let rd =
+        a.qp.read(back.sge(0, len as u32).unwrap(), remote.at(0).unwrap())
+            .await
+            .unwrap();
+    assert_eq!((rd.opcode, rd.byte_len), (WcOpcode::Read, len as u32));
+    assert!(back.read(0, len).await.unwrap() == dst.read(0, len).await.unwrap());
+
+    // SEND / RECV, with and without immediate, both directions.
+    let msg = pattern(3, 10_000);
+    let sbuf = a.pd.reg_mr(msg.clone(), AccessFlags::NONE).await.unwrap();
+    let rbuf =
+        b.pd.reg_mr(vec![0u8; 16_384], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    let r1 = b.qp.recv(rbuf.sge(0, 16_384).unwrap());
+    let s1 =
+        a.qp.send_imm(sbuf.sge(0, 10_000).unwrap(), 42)
+            .await
+            .unwrap();
+    assert_eq!(s1.opcode, WcOpcode::Send);
+    let r1 = r1.await.unwrap();
+    assert_eq!(
+        (r1.opcode, r1.byte_len, r1.imm),
+        (WcOpcode::Recv, 10_000, Some(42))
+    );
+    assert_eq!(rbuf.read(0, 10_000).await.unwrap(), msg);
+    let abuf =
+        a.pd.reg_mr(vec![0u8; 100], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    let r2 = a.qp.recv(abuf.sge(0, 100).unwrap());
+    b.qp.send(rbuf.sge(0, 100).unwrap()).await.unwrap();
+    assert_eq!(r2.await.unwrap().byte_len, 100);
+    assert_eq!(abuf.read(0, 100).await.unwrap(), msg[..100]);
+
+    // The buffer comes back at deregistration.
+    let buf = back.dereg().await.unwrap();
+    assert!(buf[..] == dst.read(0, len).await.unwrap()[..]);
+    let stats = b.dev.stats().await.unwrap();
+    assert!(stats.datagrams_received > 0);
+}
+
+async fn completion_queue_posting(backend: Backend) {
+    let (a, b) = pair(backend, FaultConfig::default()).await;
+    let n = 64u64;
+    let size = 8192u32;
+    let data = pattern(4, (n as usize) * size as usize);
+    let src = a.pd.reg_mr(data.clone(), AccessFlags::NONE).await.unwrap();
+    let dst =
+        b.pd.reg_mr(vec![0u8; data.len()], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    // Receives first, each with its own wr_id, then the SENDs.
+    for i in 0..n {
+        let sge = dst.sge(i * u64::from(size), size).unwrap();
+        b.qp.post_recv(RecvWr {
+            wr_id: 1000 + i,
+            sge,
+        })
+        .await
+        .unwrap();
+    }
+    let posts: Vec<_> = (0..n)
+        .map(|i| {
+            let sge = src.sge(i * u64::from(size), size).unwrap();
+            a.qp.post_send(SendWr::new(i, SendOp::Send, sge))
+        })
+        .collect();
+    for p in posts {
+        p.await.unwrap();
+    }
+    for i in 0..n {
+        let wc = a.cq.next().await.unwrap();
+        assert_eq!(
+            (wc.wr_id, wc.status),
+            (i, WcStatus::Success),
+            "send CQ order"
+        );
+    }
+    for i in 0..n {
+        let wc = b.cq.next().await.unwrap();
+        assert_eq!(
+            (wc.wr_id, wc.opcode, wc.byte_len),
+            (1000 + i, WcOpcode::Recv, size)
+        );
+    }
+    assert!(a.cq.poll(16).is_empty() && b.cq.poll(16).is_empty());
+    assert!(dst.read(0, data.len()).await.unwrap() == data);
+}
+
+async fn error_statuses(backend: Backend) {
+    let (a, b) = pair(backend, FaultConfig::default()).await;
+    let src =
+        a.pd.reg_mr(vec![1u8; 8192], AccessFlags::NONE)
+            .await
+            .unwrap();
+    // A receive needs a region this side may write.
+    let no_lw =
+        b.pd.reg_mr(vec![0u8; 100], AccessFlags::REMOTE_READ)
+            .await
+            .unwrap();
+    let r =
+        b.qp.post_recv(RecvWr {
+            wr_id: 9,
+            sge: no_lw.sge(0, 100).unwrap(),
+        })
+        .await;
+    assert!(
+        matches!(r, Err(ApiError::Verbs(VerbsError::InvalidKey(_)))),
+        "{r:?}"
+    );
+    // A region the peer may only read: a WRITE to it is refused remotely.
+    let ro =
+        b.pd.reg_mr(vec![0u8; 8192], AccessFlags::REMOTE_READ)
+            .await
+            .unwrap();
+    let e =
+        a.qp.write(src.sge(0, 4096).unwrap(), ro.remote().at(0).unwrap())
+            .await
+            .unwrap_err();
+    assert!(
+        matches!(&e, ApiError::Failed(wc) if wc.status == WcStatus::RemoteAccessError),
+        "{e}"
+    );
+    assert_eq!(
+        ro.read(0, 8192).await.unwrap(),
+        vec![0u8; 8192],
+        "nothing written"
+    );
+    // Local checks happen before anything is sent.
+    assert!(matches!(
+        src.sge(4096, 8192),
+        Err(ApiError::OutOfBounds { .. })
+    ));
+    assert!(matches!(
+        src.read(8000, 1000).await,
+        Err(ApiError::OutOfBounds { .. })
+    ));
+    // After the error the QP is in ERROR; a fresh pair for the next case.
+    drop((a, b));
+    let (a, b) = pair(backend, FaultConfig::default()).await;
+    let src =
+        a.pd.reg_mr(vec![2u8; 8192], AccessFlags::NONE)
+            .await
+            .unwrap();
+    let small =
+        b.pd.reg_mr(vec![0u8; 100], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    let r = b.qp.recv(small.sge(0, 100).unwrap());
+    let s = a.qp.send(src.sge(0, 4096).unwrap()).await;
+    let r = r.await.unwrap_err();
+    assert!(
+        matches!(&r, ApiError::Failed(wc) if wc.status == WcStatus::LocalLengthError),
+        "{r}"
+    );
+    assert!(
+        matches!(&s, Err(ApiError::Failed(wc)) if wc.status == WcStatus::RemoteInvalidRequest),
+        "{s:?}"
+    );
+    let r2 = b.qp.recv(small.sge(0, 100).unwrap()).await;
+    assert!(
+        r2.is_err(),
+        "a receive on a QP in ERROR is flushed or refused"
+    );
+    let q = a.pd.reg_mr(vec![0u8; 0], AccessFlags::NONE).await;
+    assert!(
+        matches!(q, Err(ApiError::Verbs(VerbsError::InvalidLength(0)))),
+        "{q:?}"
+    );
+}
+
+async fn write_through_loss(backend: Backend, loss: f64) {
+    let faults = FaultConfig {
+        seed: 7,
+        drop: loss,
+        duplicate: 0.01,
+        reorder: 0.02,
+        reorder_delay: Duration::from_micros(300),
+        per_path: None,
+    };
+    let (a, b) = pair(backend, faults).await;
+    let len = 4 << 20;
+    let data = pattern(5, len);
+    let src = a.pd.reg_mr(data.clone(), AccessFlags::NONE).await.unwrap();
+    let dst =
+        b.pd.reg_mr(vec![0u8; len], AccessFlags::REMOTE_WRITE)
+            .await
+            .unwrap();
+    let piece = 256 << 10;
+    let reqs: Vec<_> = (0..len / piece)
+        .map(|i| {
+            let off = (i * piece) as u64;
+            a.qp.write(
+                src.sge(off, piece as u32).unwrap(),
+                dst.remote().at(off).unwrap(),
+            )
+        })
+        .collect();
+    for r in reqs {
+        r.await.unwrap();
+    }
+    assert!(
+        dst.read(0, len).await.unwrap() == data,
+        "bytes differ at loss {loss}"
+    );
+    println!("loss {loss}: b {:?}", b.dev.stats().await.unwrap());
+}
+
+#[test]
+fn every_operation_io_uring() {
+    run(Backend::Uring, every_operation);
+}
+
+#[test]
+fn every_operation_portable() {
+    run(Backend::Portable, every_operation);
+}
+
+#[test]
+fn completion_queue_posting_io_uring() {
+    run(Backend::Uring, completion_queue_posting);
+}
+
+#[test]
+fn completion_queue_posting_portable() {
+    run(Backend::Portable, completion_queue_posting);
+}
+
+#[test]
+fn error_statuses_io_uring() {
+    run(Backend::Uring, error_statuses);
+}
+
+#[test]
+fn error_statuses_portable() {
+    run(Backend::Portable, error_statuses);
+}
+
+#[test]
+fn write_through_1pct_and_10pct_loss_io_uring() {
+    run(Backend::Uring, |b| async move {
+        write_through_loss(b, 0.01).await;
+        write_through_loss(b, 0.10).await;
+    });
+}
+
+#[test]
+fn write_through_1pct_and_10pct_loss_portable() {
+    run(Backend::Portable, |b| async move {
+        write_through_loss(b, 0.01).await;
+        write_through_loss(b, 0.10).await;
+    });
+}
+
+#[test]
+fn a_device_that_cannot_bind_says_why() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let a = Device::open(config(Backend::Portable, FaultConfig::default()))
+            .await
+            .unwrap();
+        let mut c = config(Backend::Portable, FaultConfig::default());
+        c.listen = a.local_addr();
+        let e = Device::open(c).await.unwrap_err();
+        assert!(
+            matches!(e, ApiError::Driver(metaroce_io::DriverError::Bind { .. })),
+            "{e}"
+        );
+    });
+}
