@@ -30,7 +30,7 @@ pub struct SimArgs {
     /// Spines per plane.
     #[arg(long, default_value_t = 8)]
     pub spines: u32,
-    /// Independent planes (NIC ports per host). metaroce uses plane 0 only for now.
+    /// Independent planes (NIC ports per host, one address each). metaroce spreads each connection's paths over them (use --paths 8×P).
     #[arg(long, default_value_t = 1)]
     pub planes: u32,
     /// Hosts per leaf (default: as many as spines, 1:1 subscription).

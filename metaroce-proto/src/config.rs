@@ -2,6 +2,7 @@
 
 use crate::consts::*;
 use core::time::Duration;
+use std::net::IpAddr;
 
 /// How an endpoint behaves. Every field has a documented default
 /// ([`EndpointConfig::default`]), taken from [`crate::consts`].
@@ -67,6 +68,16 @@ pub struct EndpointConfig {
     pub max_gso_segments: usize,
     /// Inbound capacity the receiver shares among its senders (kbit/s); `None`: grant no limit.
     pub receiver_capacity_kbps: Option<u64>,
+    /// Local addresses, one per plane (multiplane: one NIC port and address
+    /// per independent fabric plane), plane 0 first. Empty: one plane, sent
+    /// from [`Endpoint::set_local_ip`](crate::Endpoint::set_local_ip)'s address.
+    ///
+    /// With two or more, HELLO and ACCEPT advertise planes 1.. to the peer,
+    /// and a connection spreads its paths round robin over the planes both
+    /// sides have (path `i` on plane `i mod P`, plane `k` paired with the
+    /// peer's plane `k`). A failed plane is then a failed set of paths.
+    /// At most [`MAX_PLANES`].
+    pub plane_ips: Vec<IpAddr>,
 }
 
 impl Default for EndpointConfig {
@@ -94,6 +105,7 @@ impl Default for EndpointConfig {
             receiver_capacity_kbps: None,
             receiver_active_window: DEFAULT_RECEIVER_ACTIVE_WINDOW,
             max_gso_segments: 1,
+            plane_ips: Vec::new(),
         }
     }
 }
@@ -128,6 +140,9 @@ impl EndpointConfig {
         }
         if self.ack_every == 0 {
             return Err(ConfigError("ack_every must be at least 1"));
+        }
+        if self.plane_ips.len() > MAX_PLANES {
+            return Err(ConfigError("plane_ips holds at most MAX_PLANES addresses"));
         }
         if self.handshake_retries == 0 {
             return Err(ConfigError("handshake_retries must be at least 1"));

@@ -44,6 +44,12 @@ pub const SACK_BYTES: usize = (SACK_BITS / 8) as usize;
 /// Largest number of paths a connection may have (`MAX_PATHS`). Path ids are `0..MAX_PATHS`.
 pub const MAX_PATHS: usize = 64;
 
+/// Largest number of planes (local addresses) a connection may span (`MAX_PLANES`).
+///
+/// HELLO and ACCEPT carry at most `MAX_PLANES - 1` additional plane addresses
+/// (plane 0 is the packet's source address).
+pub const MAX_PLANES: usize = 8;
+
 /// Width of the receiver's connection-sequence (CSN) duplicate window (`CSN_WINDOW`).
 ///
 /// A sender never has CSNs outstanding over a span larger than this.

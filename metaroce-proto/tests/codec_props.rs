@@ -11,11 +11,13 @@
 
 use metaroce_proto::consts::{
     ACK_HEADER_LEN, ACK_NAK_ENTRY_LEN, ACK_PATH_ENTRY_LEN, ACK_STREAM_ENTRY_LEN, COOKIE_LEN,
-    DATA_HEADER_LEN, HELLO_LEN, MAX_MTU, MAX_OPTIONS_LEN, MAX_PATHS, MIN_MTU, SACK_BYTES, VERSION,
+    DATA_HEADER_LEN, HELLO_LEN, MAX_MTU, MAX_OPTIONS_LEN, MAX_PATHS, MAX_PLANES, MIN_MTU,
+    SACK_BYTES, VERSION,
 };
 use metaroce_proto::wire::{
     self, Accept, AckBuilder, AckHeader, AckPacket, AckPathEntry, AckStreamEntry, Close, CloseCode,
-    CookieReply, DataHeader, Hello, NakCode, NakEntry, OpcodeExt, VersionNegotiation, WireError,
+    CookieReply, DataHeader, Hello, NakCode, NakEntry, OpcodeExt, PlaneAddrs, VersionNegotiation,
+    WireError,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{RngAlgorithm, RngSeed};
@@ -287,6 +289,13 @@ fn hello_strategy() -> impl Strategy<Value = Hello> {
                 cookie,
             },
         )
+}
+
+fn plane_ip_strategy() -> impl Strategy<Value = std::net::IpAddr> {
+    prop_oneof![
+        any::<[u8; 4]>().prop_map(std::net::IpAddr::from),
+        any::<[u8; 16]>().prop_map(std::net::IpAddr::from),
+    ]
 }
 
 fn accept_strategy() -> impl Strategy<Value = Accept> {
@@ -648,6 +657,36 @@ proptest! {
         prop_assert_eq!(wire::peek_common(&buf[..n]).unwrap().dst_cid, 0);
         // Stays a HELLO with trailing bytes (the length is a minimum).
         prop_assert_eq!(Hello::parse(&buf[..n + 10]).unwrap(), h);
+    }
+
+    #[test]
+    fn hello_with_planes_round_trip_and_truncations(
+        h in hello_strategy(),
+        ips in prop::collection::vec(plane_ip_strategy(), 1..MAX_PLANES),
+    ) {
+        let planes = PlaneAddrs::new(&ips).unwrap();
+        let mut buf = vec![0u8; HELLO_LEN + planes.encoded_len()];
+        let n = h.emit(&mut buf).unwrap();
+        let m = planes.emit(&mut buf[n..]).unwrap();
+        prop_assert_eq!(m, planes.encoded_len());
+        let all = &buf[..n + m];
+        // An old decoder's view: the HELLO itself, extension ignored.
+        prop_assert_eq!(Hello::parse(all).unwrap(), h);
+        let parsed = PlaneAddrs::parse(&all[HELLO_LEN..]).unwrap();
+        prop_assert_eq!(parsed.as_slice(), &ips[..]);
+        // Any cut inside the extension is an error, never a shorter list.
+        for cut in HELLO_LEN + 1..n + m {
+            prop_assert!(PlaneAddrs::parse(&all[HELLO_LEN..cut]).is_err(), "cut {}", cut);
+        }
+    }
+
+    #[test]
+    fn plane_trailer_never_panics(t in prop::collection::vec(any::<u8>(), 0..200)) {
+        if let Ok(p) = PlaneAddrs::parse(&t) {
+            let mut out = vec![0u8; p.encoded_len()];
+            let n = p.emit(&mut out).unwrap();
+            prop_assert_eq!(&out[..n], &t[..n]);
+        }
     }
 
     #[test]

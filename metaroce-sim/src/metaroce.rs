@@ -1,8 +1,8 @@
 //! The metaroce transport in the simulator: one real
 //! [`metaroce_proto::Endpoint`] per host, carrying real datagram bytes.
 //!
-//! - Every host's endpoint listens on port [`METAROCE_PORT`] of its plane-0
-//!   address from the [`AddressMap`](crate::AddressMap); the UDP source port of each
+//! - Every host's endpoint listens on port [`METAROCE_PORT`] of its
+//!   addresses (connections are opened to the plane-0 address) from the [`AddressMap`](crate::AddressMap); the UDP source port of each
 //!   [`Transmit`](metaroce_proto::Transmit) becomes the fabric packet's source
 //!   port, so the fabric's ECMP hash spreads a connection's paths over the
 //!   spines (the spraying).
@@ -23,7 +23,13 @@
 //!   difference is reported as corrupted. Each WRITE reads its source at a
 //!   different offset of a random buffer, so stale or misplaced data shows.
 //!
-//! Limits: one plane per connection (plane 0); multiplane comes later.
+//! - Multiplane (`planes` > 1): each endpoint gets one address per plane
+//!   ([`EndpointConfig::plane_ips`]); connections spread their paths over
+//!   the planes, each [`Transmit`](metaroce_proto::Transmit) goes out on the
+//!   NIC port of the plane of its addresses, and the core is asked only for
+//!   packets of idle ports ([`Endpoint::poll_transmit_planes`]). The line
+//!   rate, the receiver's grant capacity and the initial window are per
+//!   host: P ports of `link_gbps`.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
@@ -135,6 +141,11 @@ impl MetaroceParams {
             .unwrap_or_else(|| (5 * env.base_rtt_ns).max(20 * NS_PER_US));
         let initial_rto = self.initial_rto_ns.unwrap_or(2 * min_rto);
         let defaults = EndpointConfig::default();
+        // Every plane the fabric has (at most what the core spans).
+        let planes = env
+            .addresses
+            .planes()
+            .clamp(1, metaroce_proto::consts::MAX_PLANES as u32);
         EndpointConfig {
             listen_port: METAROCE_PORT,
             // A WRITE packet carries exactly the fabric MTU of payload.
@@ -148,14 +159,22 @@ impl MetaroceParams {
             handshake_rto: Duration::from_nanos(initial_rto),
             ack_delay: Duration::from_nanos(self.ack_delay_ns),
             ack_every: self.ack_every.max(1),
-            initial_window: self.initial_window.unwrap_or(env.bdp_bytes),
+            // One BDP per NIC port: with P planes the host's line is P ports.
+            initial_window: self.initial_window.unwrap_or(env.bdp_bytes * planes as u64),
             max_window: self.max_window.unwrap_or(defaults.max_window),
             first_flight_bytes: self
                 .first_flight_bytes
                 .unwrap_or(defaults.first_flight_bytes),
             receiver_capacity_kbps: self
                 .receiver_hints
-                .then(|| (env.link_gbps * 1e6).round() as u64),
+                .then(|| (env.link_gbps * 1e6 * planes as f64).round() as u64),
+            plane_ips: if planes > 1 {
+                (0..planes)
+                    .map(|p| IpAddr::V4(env.addresses.ip(env.host, p as u8)))
+                    .collect()
+            } else {
+                Vec::new()
+            },
             ..defaults
         }
     }
@@ -860,18 +879,23 @@ impl SimTransport for Metaroce {
     }
 
     fn poll_transmit(&mut self, now: Nanos, idle: PlaneMask) -> Option<Packet<Datagram>> {
-        if !idle.contains(0) {
-            return None;
+        // A GSO batch's segments go first, on their own plane.
+        if let Some(p) = self.segments.front() {
+            if !idle.contains(p.plane) {
+                return None;
+            }
+            return self.segments.pop_front();
         }
-        if let Some(p) = self.segments.pop_front() {
-            return Some(p);
+        if idle.0 == 0 {
+            return None;
         }
         self.take_mail();
         let mut buf = self.take_buf();
-        let t = self
-            .ep
-            .borrow_mut()
-            .poll_transmit(Instant::from_nanos(now), &mut buf);
+        // The core sends only on idle ports' planes (one port per plane).
+        let t =
+            self.ep
+                .borrow_mut()
+                .poll_transmit_planes(Instant::from_nanos(now), &mut buf, idle.0);
         let out = match t {
             Some(t) => {
                 self.packet_from(t, buf);

@@ -156,6 +156,15 @@ pub(crate) struct Connection {
     /// Peer IP and the port it listens on.
     pub(crate) peer: SocketAddr,
     pub(crate) local_ip: Option<IpAddr>,
+    /// Local addresses per plane (empty: one plane, `local_ip`).
+    pub(crate) local_planes: Vec<IpAddr>,
+    /// The peer's addresses per plane, plane 0 (= `peer.ip()`) first.
+    pub(crate) peer_planes: Vec<IpAddr>,
+    /// Planes the driver can send on right now (bit per plane), for the
+    /// duration of one transmit call; all ones otherwise.
+    pub(crate) tx_mask: u64,
+    /// Plane of the peer's address the latest DATA came from.
+    pub(crate) last_rx_plane: u8,
     pub(crate) mtu: usize,
 
     // Handshake.
@@ -261,6 +270,10 @@ impl Connection {
             error: None,
             peer,
             local_ip,
+            local_planes: config.plane_ips.clone(),
+            peer_planes: vec![peer.ip()],
+            tx_mask: u64::MAX,
+            last_rx_plane: 0,
             mtu: usize::from(config.mtu),
             cookie: None,
             hello_attempts: 0,
@@ -314,6 +327,76 @@ impl Connection {
     /// Sets up the receive side for a peer spraying over `peer_paths` paths.
     pub(crate) fn set_peer_paths(&mut self, peer_paths: u8) {
         self.paths_rx = (0..peer_paths).map(|_| PathRx::new()).collect();
+    }
+
+    /// Records the peer's additional plane addresses (from its HELLO or
+    /// ACCEPT) and binds the paths round robin to the planes both sides
+    /// have: path `i` to plane `i mod P`, local plane `k` with the peer's
+    /// plane `k`.
+    pub(crate) fn set_peer_planes(&mut self, extra: &[IpAddr]) {
+        self.peer_planes.truncate(1);
+        self.peer_planes[0] = self.peer.ip();
+        self.peer_planes.extend_from_slice(extra);
+        let planes = if self.local_planes.len() < 2 {
+            1
+        } else {
+            self.local_planes.len().min(self.peer_planes.len())
+        };
+        for (i, p) in self.paths_tx.iter_mut().enumerate() {
+            p.plane = (i % planes) as u8;
+        }
+    }
+
+    /// Planes the connection's paths use.
+    pub(crate) fn planes(&self) -> usize {
+        self.paths_tx
+            .iter()
+            .map(|p| usize::from(p.plane) + 1)
+            .max()
+            .unwrap_or(1)
+    }
+
+    /// The plane ACKs go on: the one the latest DATA arrived on, if some
+    /// path of this side uses it (else plane 0).
+    pub(crate) fn ack_plane(&self) -> u8 {
+        if self.paths_tx.iter().any(|p| p.plane == self.last_rx_plane) {
+            self.last_rx_plane
+        } else {
+            0
+        }
+    }
+
+    /// Whether `ip` is one of the peer's plane addresses.
+    pub(crate) fn is_peer_ip(&self, ip: IpAddr) -> bool {
+        self.peer.ip() == ip || self.peer_planes.contains(&ip)
+    }
+
+    /// Whether the driver can send on `plane` now.
+    pub(crate) fn plane_open(&self, plane: u8) -> bool {
+        self.tx_mask & (1u64 << (plane & 63)) != 0
+    }
+
+    /// Whether path `p` may be used by this transmit call.
+    pub(crate) fn path_open(&self, p: &PathTx) -> bool {
+        self.plane_open(p.plane)
+    }
+
+    /// A failed path that may send its next NOP probe now (nothing of it in
+    /// flight, its plane open), if any.
+    pub(crate) fn probe_path(&self) -> Option<usize> {
+        if !self.csn_room() {
+            return None;
+        }
+        self.paths_tx.iter().position(|p| {
+            p.state == PathState::Probing && p.in_flight == 0 && p.has_room() && self.path_open(p)
+        })
+    }
+
+    /// Whether some path the driver can send on has SACK room.
+    pub(crate) fn open_path_room(&self) -> bool {
+        self.paths_tx
+            .iter()
+            .any(|p| self.path_open(p) && p.has_room())
     }
 
     pub(crate) fn is_established(&self) -> bool {
@@ -377,7 +460,9 @@ impl Connection {
                 return false;
             }
         }
-        self.paths_tx.iter().any(|p| p.can_send(bytes))
+        self.paths_tx
+            .iter()
+            .any(|p| self.path_open(p) && p.state == PathState::Active && p.can_send(bytes))
     }
 
     /// The scheduler: among the paths whose window has room for `bytes`,
@@ -392,7 +477,11 @@ impl Connection {
         for k in 0..n {
             let i = (self.path_rr + k) % n;
             let p = &self.paths_tx[i];
-            if !p.can_send(bytes) {
+            // A failed path carries NOP probes only (`probe_path`) until it
+            // delivers again: data sent into a dead route (a failed plane
+            // keeps every new source port dead) would hold up its message
+            // for a timeout.
+            if !p.can_send(bytes) || !self.path_open(p) || p.state == PathState::Probing {
                 continue;
             }
             if Some(p.id) == avoid && n > 1 {
@@ -512,8 +601,22 @@ impl Connection {
         self.ack_needed && (self.ack_now || self.ack_deadline.is_some_and(|d| d <= now))
     }
 
-    pub(crate) fn source(&self, path: usize) -> (Option<IpAddr>, u16) {
-        (self.local_ip, self.paths_tx[path].src_port)
+    /// The local address to send from on `plane`.
+    pub(crate) fn plane_src(&self, plane: u8) -> Option<IpAddr> {
+        self.local_planes
+            .get(usize::from(plane))
+            .copied()
+            .or(self.local_ip)
+    }
+
+    /// Where packets on `plane` go: the peer's address on that plane.
+    pub(crate) fn plane_dst(&self, plane: u8) -> SocketAddr {
+        let ip = self
+            .peer_planes
+            .get(usize::from(plane))
+            .copied()
+            .unwrap_or(self.peer.ip());
+        SocketAddr::new(ip, self.peer.port())
     }
 
     pub(crate) fn snapshot(&self) -> ConnectionStats {

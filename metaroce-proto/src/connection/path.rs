@@ -61,12 +61,16 @@ pub struct PathStats {
     pub failures: u64,
     /// Current state (`None` only in a default value).
     pub state: Option<PathState>,
+    /// Plane the path runs on (index into the endpoint's plane addresses).
+    pub plane: u8,
 }
 
 /// Sender side of a path.
 #[derive(Debug)]
 pub(crate) struct PathTx {
     pub(crate) id: u8,
+    /// Plane (local/remote address pair) the path is bound to.
+    pub(crate) plane: u8,
     pub(crate) src_port: u16,
     pub(crate) next_psn: u32,
     pub(crate) una: u32,
@@ -109,6 +113,7 @@ impl PathTx {
         let restart = cc.window();
         PathTx {
             id,
+            plane: 0,
             src_port,
             next_psn: 0,
             una: 0,
@@ -364,6 +369,7 @@ impl PathTx {
             in_flight: self.in_flight,
             cwnd: self.cc.window(),
             src_port: self.src_port,
+            plane: self.plane,
             ..self.stats
         }
     }

@@ -548,7 +548,7 @@ impl Endpoint {
         if !c.is_established() {
             return false;
         }
-        if c.ack_due(now) {
+        if c.ack_due(now) || c.probe_path().is_some() {
             return true;
         }
         let path_room = c.paths_tx.iter().any(|p| p.has_room());

@@ -12,7 +12,7 @@ use crate::verbs::{AccessFlags, ConnectionHandle, QpState, Qpn, WcStatus};
 use crate::wire::seq::{seq_dist, seq_le, seq_lt};
 use crate::wire::{
     self, data_flags, Accept, AckPacket, Close, CloseCode, CookieReply, DataHeader, Hello, NakCode,
-    NakEntry, Opcode, OpcodeExt, PacketType, VersionNegotiation, WireError,
+    NakEntry, Opcode, OpcodeExt, PacketType, PlaneAddrs, VersionNegotiation, WireError,
 };
 use std::net::SocketAddr;
 
@@ -81,7 +81,7 @@ impl Endpoint {
         };
         let ok = self.conns[ci]
             .as_ref()
-            .is_some_and(|c| c.peer.ip() == from.ip());
+            .is_some_and(|c| c.is_peer_ip(from.ip()));
         if !ok {
             self.reject(RejectReason::WrongSource, from);
             return None;
@@ -96,6 +96,11 @@ impl Endpoint {
     fn on_hello(&mut self, now: Instant, from: SocketAddr, data: &[u8]) {
         let hello = match Hello::parse(data) {
             Ok(h) => h,
+            Err(e) => return self.reject(e.into(), from),
+        };
+        // `Hello::parse` checked the length, so the slice is in bounds.
+        let planes = match PlaneAddrs::parse(&data[HELLO_LEN..]) {
+            Ok(p) => p,
             Err(e) => return self.reject(e.into(), from),
         };
         if !self.config.accept_incoming {
@@ -151,6 +156,7 @@ impl Endpoint {
             c.remote_cid = hello.src_cid;
             c.mtu = c.mtu.min(usize::from(hello.mtu));
             c.set_peer_paths(hello.max_paths);
+            c.set_peer_planes(planes.as_slice());
             c.peer_grants = hello.grants;
             c.established_at = now;
         }
@@ -186,6 +192,10 @@ impl Endpoint {
             Ok(a) => a,
             Err(e) => return self.reject(e.into(), from),
         };
+        let planes = match PlaneAddrs::parse(&data[Accept::LEN..]) {
+            Ok(p) => p,
+            Err(e) => return self.reject(e.into(), from),
+        };
         let Some(ci) = self.conn_for(a.dst_cid, from) else {
             return;
         };
@@ -200,6 +210,7 @@ impl Endpoint {
         conn.peer = SocketAddr::new(conn.peer.ip(), a.listen_port);
         conn.mtu = conn.mtu.min(usize::from(a.mtu));
         conn.set_peer_paths(a.max_paths);
+        conn.set_peer_planes(planes.as_slice());
         conn.peer_grants = a.grants;
         conn.established_at = now;
         conn.state = ConnectionState::Established;
@@ -294,6 +305,12 @@ impl Endpoint {
         // packet whose PSN was given up is still checked by its CSN below:
         // the CSN, not the PSN, decides whether its contents are new.
         let fresh = c.accept_csn(hdr.csn) == SeqAccept::New;
+        // ACKs go back over the plane data last arrived on: it works.
+        c.last_rx_plane = c
+            .peer_planes
+            .iter()
+            .position(|&ip| ip == from.ip())
+            .unwrap_or(0) as u8;
         c.note_rx(
             now,
             hdr.path_id,

@@ -19,13 +19,29 @@ impl Endpoint {
     /// Writes the next datagram to send into `buf` and says where it goes.
     /// Call until it returns `None`. `buf` should hold at least one MTU.
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+        self.poll_transmit_planes(now, buf, u64::MAX)
+    }
+
+    /// [`poll_transmit`](Self::poll_transmit) for a driver with one NIC port
+    /// per plane ([`EndpointConfig::plane_ips`](crate::EndpointConfig::plane_ips)):
+    /// only packets for the planes whose bit is set in `planes` (bit `k`:
+    /// plane `k`, the address `plane_ips[k]`) come out, so a busy port does
+    /// not hold up the others. Connections with packets for a masked plane
+    /// stay ready for a later call. Stateless replies (COOKIE,
+    /// VERSION_NEGOTIATION) go out whatever the mask.
+    pub fn poll_transmit_planes(
+        &mut self,
+        now: Instant,
+        buf: &mut [u8],
+        planes: u64,
+    ) -> Option<Transmit> {
         self.last_now = self.last_now.max(now);
         if let Some(r) = self.stateless.pop_front() {
             if buf.len() >= r.len {
                 buf[..r.len].copy_from_slice(&r.buf[..r.len]);
                 return Some(self.sent(Transmit {
                     dst: r.dst,
-                    src_ip: self.local_ip,
+                    src_ip: self.primary_ip(),
                     src_port: self.config.listen_port,
                     ecn: Ecn::NotEct,
                     size: r.len,
@@ -33,24 +49,53 @@ impl Endpoint {
                 }));
             }
         }
+        // Connections that only have packets for masked planes: ready again
+        // once this call is over. Each connection is tried once per call.
+        let mut blocked = Vec::new();
+        let mut out = None;
         while let Some(ci) = self.ready.pop_front() {
             if let Some(c) = self.conns[ci].as_mut() {
                 c.in_ready = false;
+                c.tx_mask = planes;
             }
             let t = self.transmit_conn(ci, now, buf);
+            if let Some(c) = self.conns[ci].as_mut() {
+                c.tx_mask = u64::MAX;
+            }
             match t {
                 Some(t) => {
                     self.touch(ci, Some(now));
-                    return Some(self.sent(t));
+                    out = Some(self.sent(t));
+                    break;
                 }
                 None => {
-                    // Nothing after all: refresh the timer, but do not requeue.
+                    // Nothing after all: refresh the timer, but do not requeue
+                    // unless a masked plane was what stopped it.
                     let next = self.conn_deadline(ci);
                     self.set_timer(ci, next);
+                    let masked = self.conns[ci]
+                        .as_ref()
+                        .is_some_and(|c| planes | !plane_bits(c.planes()) != u64::MAX);
+                    if masked && self.wants_send(ci, now) {
+                        blocked.push(ci);
+                    }
                 }
             }
         }
-        None
+        for ci in blocked.into_iter().rev() {
+            if let Some(c) = self.conns[ci].as_mut() {
+                if !c.in_ready {
+                    c.in_ready = true;
+                    self.ready.push_front(ci);
+                }
+            }
+        }
+        out
+    }
+
+    /// The address stateless replies and handshakes go from: plane 0.
+    pub(crate) fn primary_ip(&self) -> Option<std::net::IpAddr> {
+        self.config.plane_ips.first().copied().or(self.local_ip)
     }
 
     fn sent(&mut self, t: Transmit) -> Transmit {
@@ -79,18 +124,31 @@ impl Endpoint {
         let max_paths = self.config.paths;
         let listen_port = self.config.listen_port;
         let grants = self.rcc.enabled();
+        let extra = if self.config.plane_ips.len() > 1 {
+            crate::wire::PlaneAddrs::new(&self.config.plane_ips[1..]).unwrap_or_default()
+        } else {
+            crate::wire::PlaneAddrs::default()
+        };
         let c = self.conns[ci].as_mut()?;
         let mtu = c.mtu.min(buf.len());
-        let (src_ip, src_port) = c.source(0);
+        // Handshake and close go on plane 0.
+        let (src_ip, src_port) = (c.plane_src(0), c.paths_tx[0].src_port);
         let dst = c.peer;
+        if c.ctrl.is_some() && !c.plane_open(0) {
+            return None;
+        }
         if let Some(ctrl) = c.ctrl.take() {
+            let with_planes = |len: Result<usize, crate::wire::WireError>, buf: &mut [u8]| {
+                let n = len?;
+                Ok(n + extra.emit(&mut buf[n..])?)
+            };
             let len = match ctrl {
                 Ctrl::Hello => {
                     c.hello_attempts += 1;
                     // Exponential backoff from `handshake_rto`.
                     let shift = u32::from(c.hello_attempts.saturating_sub(1)).min(16);
                     c.hello_deadline = Some(now + handshake_rto * (1u32 << shift));
-                    Hello {
+                    let n = Hello {
                         src_cid: c.local_cid,
                         listen_port,
                         mtu: c.mtu as u16,
@@ -98,17 +156,21 @@ impl Endpoint {
                         grants,
                         cookie: c.cookie,
                     }
-                    .emit(buf)
+                    .emit(buf);
+                    with_planes(n, buf)
                 }
-                Ctrl::Accept => Accept {
-                    dst_cid: c.remote_cid,
-                    src_cid: c.local_cid,
-                    listen_port,
-                    mtu: c.mtu as u16,
-                    max_paths,
-                    grants,
+                Ctrl::Accept => {
+                    let n = Accept {
+                        dst_cid: c.remote_cid,
+                        src_cid: c.local_cid,
+                        listen_port,
+                        mtu: c.mtu as u16,
+                        max_paths,
+                        grants,
+                    }
+                    .emit(buf);
+                    with_planes(n, buf)
                 }
-                .emit(buf),
                 Ctrl::Close(code) => Close {
                     dst_cid: c.remote_cid,
                     code,
@@ -127,7 +189,9 @@ impl Endpoint {
         if !c.is_established() {
             return None;
         }
-        if c.ack_due(now) {
+        // An ACK whose plane's port is busy waits for it; data on other
+        // planes may go meanwhile.
+        if c.ack_due(now) && c.plane_open(c.ack_plane()) {
             return self.emit_ack(ci, now, &mut buf[..mtu]);
         }
         // Retransmissions: same CSN, new PSN, preferably another path.
@@ -151,9 +215,26 @@ impl Endpoint {
             c.stats.retransmits += 1;
             return self.emit_data(ci, path, csn, kind, now, &mut buf[..mtu], true, None);
         }
+        // A failed path probes its new route with a NOP (no message waits
+        // on it); a delivered probe makes the path active again.
+        let c = self.conns[ci].as_mut()?;
+        if let Some(path) = c.probe_path() {
+            c.stats.probes_sent += 1;
+            let csn = c.new_csn(CsnKind::Nop);
+            return self.emit_data(
+                ci,
+                path,
+                csn,
+                CsnKind::Nop,
+                now,
+                &mut buf[..mtu],
+                false,
+                None,
+            );
+        }
         // Progress probes: a NOP asking for one QP's state at once.
         let c = self.conns[ci].as_mut()?;
-        if c.csn_room() && c.paths_tx.iter().any(|p| p.has_room()) {
+        if c.csn_room() && c.open_path_room() {
             let probe = c.qps.iter().copied().find(|&qpn| {
                 let idx = (qpn.0 & super::QPN_INDEX_MASK) as usize;
                 self.qps
@@ -185,11 +266,7 @@ impl Endpoint {
         }
         let c = self.conns[ci].as_mut()?;
         // New data, QPs in round robin.
-        if !c.csn_room()
-            || !c.cwnd_room(mtu as u64)
-            || !c.pacer.ready(now)
-            || !c.paths_tx.iter().any(|p| p.has_room())
-        {
+        if !c.csn_room() || !c.cwnd_room(mtu as u64) || !c.pacer.ready(now) || !c.open_path_room() {
             return None;
         }
         let nq = c.qps.len();
@@ -453,9 +530,10 @@ impl Endpoint {
             r.last_path = path_id;
             r.transmissions = r.transmissions.saturating_add(1);
         }
+        let plane = c.paths_tx[path].plane;
         Some(Transmit {
-            dst: c.peer,
-            src_ip: c.local_ip,
+            dst: c.plane_dst(plane),
+            src_ip: c.plane_src(plane),
             src_port,
             ecn: Ecn::Ect0,
             size,
@@ -560,17 +638,33 @@ impl Endpoint {
             c.ack_deadline = None;
             c.since_ack = 0;
         }
+        // ACKs rotate over the paths (source ports) of the plane the
+        // latest DATA arrived on.
         let n = c.paths_tx.len();
-        let pi = c.path_rr % n;
-        c.path_rr = (c.path_rr + 1) % n;
+        let plane = c.ack_plane();
+        let pi = (0..n)
+            .map(|k| (c.path_rr + k) % n)
+            .find(|&i| c.paths_tx[i].plane == plane)
+            .unwrap_or(c.path_rr % n);
+        c.path_rr = (pi + 1) % n;
+        let plane = c.paths_tx[pi].plane;
         Some(Transmit {
-            dst: c.peer,
-            src_ip: c.local_ip,
+            dst: c.plane_dst(plane),
+            src_ip: c.plane_src(plane),
             src_port: c.paths_tx[pi].src_port,
             ecn: Ecn::NotEct,
             size,
             segment_size: None,
         })
+    }
+}
+
+/// Bit mask of planes `0..planes`.
+fn plane_bits(planes: usize) -> u64 {
+    if planes >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << planes) - 1
     }
 }
 

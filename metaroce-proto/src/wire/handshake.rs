@@ -15,7 +15,8 @@ use super::{
     check_len, check_out, expect_type, get_u16, get_u32, put_common, put_u16, put_u32, PacketType,
     WireError,
 };
-use crate::consts::{COOKIE_LEN, HELLO_LEN, MAX_MTU, MAX_PATHS, MIN_MTU, VERSION};
+use crate::consts::{COOKIE_LEN, HELLO_LEN, MAX_MTU, MAX_PATHS, MAX_PLANES, MIN_MTU, VERSION};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 /// HELLO flag: a cookie is present.
 const HELLO_HAS_COOKIE: u8 = 0x01;
@@ -217,6 +218,154 @@ impl Accept {
         buf[16] = self.max_paths;
         buf[17] = if self.grants { CAP_GRANTS } else { 0 };
         Ok(Self::LEN)
+    }
+}
+
+/// Type byte of the plane-address extension that may follow the fixed part
+/// of a HELLO or an ACCEPT.
+pub const EXT_PLANES: u8 = 0x01;
+
+/// The sender's additional plane addresses: an optional extension after the
+/// fixed part of a HELLO (offset [`HELLO_LEN`]) or an ACCEPT (offset
+/// [`Accept::LEN`]). Plane 0 is the packet's source address; entry `k` of
+/// the list is the sender's address on plane `k + 1`.
+///
+/// | offset | size | field |
+/// |---|---|---|
+/// | 0 | 1 | extension type [`EXT_PLANES`] |
+/// | 1 | 1 | `count`: addresses listed, `1..MAX_PLANES` |
+/// | 2 | … | `count` entries: family byte (4 or 6), then 4 or 16 address bytes |
+///
+/// Receivers that predate the extension ignore it (bytes beyond the fixed
+/// length are ignored). A trailer whose first byte is another extension type
+/// is ignored too (forward compatibility); bytes after a well-formed list are
+/// ignored.
+///
+/// ```
+/// use metaroce_proto::wire::PlaneAddrs;
+/// use std::net::IpAddr;
+/// let ips: Vec<IpAddr> = vec!["10.1.0.1".parse().unwrap(), "fd00::1".parse().unwrap()];
+/// let p = PlaneAddrs::new(&ips).unwrap();
+/// let mut buf = [0u8; 64];
+/// let n = p.emit(&mut buf).unwrap();
+/// assert_eq!(n, p.encoded_len());
+/// assert_eq!(PlaneAddrs::parse(&buf[..n]).unwrap().as_slice(), &ips[..]);
+/// assert!(PlaneAddrs::parse(&[]).unwrap().is_empty());
+/// assert!(PlaneAddrs::parse(&buf[..n - 1]).is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlaneAddrs {
+    addrs: [IpAddr; MAX_PLANES - 1],
+    len: u8,
+}
+
+impl Default for PlaneAddrs {
+    fn default() -> Self {
+        PlaneAddrs {
+            addrs: [IpAddr::V4(Ipv4Addr::UNSPECIFIED); MAX_PLANES - 1],
+            len: 0,
+        }
+    }
+}
+
+impl PlaneAddrs {
+    /// A list of additional plane addresses; more than `MAX_PLANES - 1` is
+    /// an error.
+    pub fn new(list: &[IpAddr]) -> Result<Self, WireError> {
+        if list.len() > MAX_PLANES - 1 {
+            return Err(WireError::InvalidField("plane count"));
+        }
+        let mut p = PlaneAddrs::default();
+        p.addrs[..list.len()].copy_from_slice(list);
+        p.len = list.len() as u8;
+        Ok(p)
+    }
+
+    /// The addresses, plane 1 first.
+    pub fn as_slice(&self) -> &[IpAddr] {
+        &self.addrs[..usize::from(self.len)]
+    }
+
+    /// Whether the list is empty (the sender spans one plane).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes [`emit`](Self::emit) writes: 0 for an empty list.
+    pub fn encoded_len(&self) -> usize {
+        if self.is_empty() {
+            return 0;
+        }
+        2 + self
+            .as_slice()
+            .iter()
+            .map(|a| if a.is_ipv4() { 5 } else { 17 })
+            .sum::<usize>()
+    }
+
+    /// Parses the bytes after a HELLO's or ACCEPT's fixed part. No bytes:
+    /// an empty list. A malformed plane list (count 0 or too large, unknown
+    /// family, an entry cut short) is an error.
+    pub fn parse(trailer: &[u8]) -> Result<Self, WireError> {
+        let mut p = PlaneAddrs::default();
+        if trailer.first() != Some(&EXT_PLANES) {
+            return Ok(p);
+        }
+        check_len(trailer, 2)?;
+        let count = usize::from(trailer[1]);
+        if count == 0 || count > MAX_PLANES - 1 {
+            return Err(WireError::InvalidField("plane count"));
+        }
+        let mut at = 2;
+        for slot in p.addrs.iter_mut().take(count) {
+            check_len(trailer, at + 1)?;
+            *slot = match trailer[at] {
+                4 => {
+                    check_len(trailer, at + 5)?;
+                    let mut o = [0u8; 4];
+                    o.copy_from_slice(&trailer[at + 1..at + 5]);
+                    at += 5;
+                    IpAddr::V4(Ipv4Addr::from(o))
+                }
+                6 => {
+                    check_len(trailer, at + 17)?;
+                    let mut o = [0u8; 16];
+                    o.copy_from_slice(&trailer[at + 1..at + 17]);
+                    at += 17;
+                    IpAddr::V6(Ipv6Addr::from(o))
+                }
+                _ => return Err(WireError::InvalidField("plane address family")),
+            };
+        }
+        p.len = count as u8;
+        Ok(p)
+    }
+
+    /// Writes the extension (nothing for an empty list).
+    pub fn emit(&self, buf: &mut [u8]) -> Result<usize, WireError> {
+        let n = self.encoded_len();
+        if n == 0 {
+            return Ok(0);
+        }
+        check_out(buf, n)?;
+        buf[0] = EXT_PLANES;
+        buf[1] = self.len;
+        let mut at = 2;
+        for a in self.as_slice() {
+            match a {
+                IpAddr::V4(v4) => {
+                    buf[at] = 4;
+                    buf[at + 1..at + 5].copy_from_slice(&v4.octets());
+                    at += 5;
+                }
+                IpAddr::V6(v6) => {
+                    buf[at] = 6;
+                    buf[at + 1..at + 17].copy_from_slice(&v6.octets());
+                    at += 17;
+                }
+            }
+        }
+        Ok(at)
     }
 }
 
@@ -439,6 +588,55 @@ mod tests {
         assert_eq!(Close::parse(&buf[..n]).unwrap(), cl);
         buf[11] = 200;
         assert!(Close::parse(&buf[..n]).is_err());
+    }
+
+    #[test]
+    fn plane_addrs_round_trip_and_malformed() {
+        let ips: Vec<IpAddr> = (1..MAX_PLANES as u8)
+            .map(|p| IpAddr::V4(Ipv4Addr::new(10, p, 0, 1)))
+            .collect();
+        let p = PlaneAddrs::new(&ips).unwrap();
+        let mut buf = [0u8; 128];
+        let n = p.emit(&mut buf).unwrap();
+        assert_eq!(n, 2 + 5 * ips.len());
+        assert_eq!(PlaneAddrs::parse(&buf[..n]).unwrap().as_slice(), &ips[..]);
+        // Trailing bytes after a well-formed list are ignored.
+        assert_eq!(PlaneAddrs::parse(&buf[..n + 3]).unwrap(), p);
+        // Every cut inside the list is refused.
+        for cut in 1..n {
+            assert!(
+                matches!(
+                    PlaneAddrs::parse(&buf[..cut]),
+                    Err(WireError::Truncated { .. })
+                ),
+                "cut at {cut}"
+            );
+        }
+        let mut b = buf;
+        b[1] = 0;
+        assert_eq!(
+            PlaneAddrs::parse(&b[..n]),
+            Err(WireError::InvalidField("plane count"))
+        );
+        b[1] = MAX_PLANES as u8;
+        assert_eq!(
+            PlaneAddrs::parse(&b[..n]),
+            Err(WireError::InvalidField("plane count"))
+        );
+        let mut b = buf;
+        b[2] = 5;
+        assert_eq!(
+            PlaneAddrs::parse(&b[..n]),
+            Err(WireError::InvalidField("plane address family"))
+        );
+        // Another extension type, or none: no planes.
+        let mut b = buf;
+        b[0] = 0x7f;
+        assert!(PlaneAddrs::parse(&b[..n]).unwrap().is_empty());
+        assert!(PlaneAddrs::parse(&[]).unwrap().is_empty());
+        assert_eq!(PlaneAddrs::default().emit(&mut buf), Ok(0));
+        assert!(PlaneAddrs::new(&[ips[0]; MAX_PLANES]).is_err());
+        assert!(p.emit(&mut buf[..n - 1]).is_err());
     }
 
     #[test]

@@ -43,7 +43,9 @@ pub use ack::{
     AckBuilder, AckHeader, AckOption, AckPacket, AckPathEntry, AckStreamEntry, NakCode, NakEntry,
 };
 pub use data::{data_flags, DataHeader, Opcode, OpcodeExt};
-pub use handshake::{Accept, Close, CloseCode, CookieReply, Hello, VersionNegotiation};
+pub use handshake::{
+    Accept, Close, CloseCode, CookieReply, Hello, PlaneAddrs, VersionNegotiation, EXT_PLANES,
+};
 
 use crate::consts::{COMMON_HEADER_LEN, VERSION};
 

@@ -52,11 +52,27 @@ pub fn decode_packet(buf: &[u8]) {
             assert!(opts <= buf.len() - ACK_HEADER_LEN);
         }
     }
-    let _ = Hello::parse(buf);
+    if Hello::parse(buf).is_ok() {
+        plane_trailer(&buf[metaroce_proto::consts::HELLO_LEN..]);
+    }
     let _ = CookieReply::parse(buf);
-    let _ = Accept::parse(buf);
+    if Accept::parse(buf).is_ok() {
+        plane_trailer(&buf[Accept::LEN..]);
+    }
+    plane_trailer(buf);
     let _ = Close::parse(buf);
     let _ = VersionNegotiation::parse(buf);
+}
+
+/// The plane-address extension: a decoded list re-encodes to the bytes it
+/// came from.
+fn plane_trailer(t: &[u8]) {
+    if let Ok(p) = metaroce_proto::wire::PlaneAddrs::parse(t) {
+        assert!(p.as_slice().len() < metaroce_proto::consts::MAX_PLANES);
+        let mut out = vec![0u8; p.encoded_len()];
+        let n = p.emit(&mut out).expect("a decoded list re-encodes");
+        assert_eq!(&out[..n], &t[..n]);
+    }
 }
 
 // ---------------------------------------------------------------------------
