@@ -10,8 +10,11 @@
 //! `numgen random`, else `netem`, whichever the system has) and random ECN
 //! CE marking of ECN-capable packets (nftables `ip ecn set ce`).
 //!
-//! Everything lives in namespaces named `mr-*`; `down` removes every one of
-//! them and is safe to run at any time. Needs root.
+//! Everything lives in four namespaces, `PREFIX-h1`, `PREFIX-h2`,
+//! `PREFIX-r1` and `PREFIX-r2`; the prefix is `mr` unless `--prefix` or
+//! `METAROCE_FABRIC_PREFIX` says otherwise, so that several fabrics (a test's
+//! and a script's) can exist at once. `down` removes exactly those four and
+//! is safe to run at any time. Needs root.
 //!
 //! ```sh
 //! sudo metaroce fabric up --spines 4 --rate-mbit 1000
@@ -28,18 +31,58 @@ use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use std::process::Command;
 
-/// Host namespaces (client side, server side).
-pub const HOSTS: [&str; 2] = ["mr-h1", "mr-h2"];
-/// Router namespaces.
-pub const ROUTERS: [&str; 2] = ["mr-r1", "mr-r2"];
-/// The host addresses, in the order of [`HOSTS`].
+/// The host addresses (client side, server side).
 pub const HOST_IPS: [&str; 2] = ["10.77.1.1", "10.77.2.1"];
+/// Longest namespace prefix.
+const MAX_PREFIX: usize = 32;
+
+/// The namespaces of one fabric: `{prefix}-h1`, `-h2` (hosts, client side
+/// first) and `-r1`, `-r2` (their routers). Interface names inside them do
+/// not depend on the prefix (`eth0`, `h1`, `h2`, `sp0`..), so they stay
+/// within the kernel's 15 characters.
+#[derive(Debug, Clone)]
+struct Names {
+    hosts: [String; 2],
+    routers: [String; 2],
+}
+
+impl Names {
+    fn new(prefix: &str) -> anyhow::Result<Names> {
+        let ok = !prefix.is_empty()
+            && prefix.len() <= MAX_PREFIX
+            && prefix
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+        if !ok {
+            bail!(
+                "--prefix must be 1 to {MAX_PREFIX} characters of A-Z, a-z, 0-9, `_` and `-`, not `{prefix}`"
+            );
+        }
+        let n = |s: &str| format!("{prefix}-{s}");
+        Ok(Names {
+            hosts: [n("h1"), n("h2")],
+            routers: [n("r1"), n("r2")],
+        })
+    }
+
+    fn all(&self) -> impl Iterator<Item = &String> {
+        self.hosts.iter().chain(&self.routers)
+    }
+}
 /// Most spine links.
 const MAX_SPINES: u8 = 64;
 
 /// Arguments of `metaroce fabric`.
 #[derive(Debug, Args)]
 pub struct FabricArgs {
+    /// Namespace prefix: the fabric is PREFIX-h1, PREFIX-h2, PREFIX-r1, PREFIX-r2.
+    #[arg(
+        long,
+        global = true,
+        env = "METAROCE_FABRIC_PREFIX",
+        default_value = "mr"
+    )]
+    prefix: String,
     #[command(subcommand)]
     cmd: FabricCmd,
 }
@@ -55,7 +98,7 @@ enum FabricCmd {
         #[arg(long)]
         rate_mbit: Option<u32>,
     },
-    /// Remove every `mr-*` namespace (safe to repeat).
+    /// Remove the fabric's namespaces (safe to repeat).
     Down,
     /// Show the namespaces, spine links, routes and qdiscs.
     Status,
@@ -89,19 +132,21 @@ enum FabricCmd {
 
 /// Runs `metaroce fabric`.
 pub fn run(a: FabricArgs) -> anyhow::Result<()> {
+    let names = Names::new(&a.prefix)?;
     require_root()?;
+    let f = &names;
     match a.cmd {
-        FabricCmd::Up { spines, rate_mbit } => up(spines, rate_mbit),
+        FabricCmd::Up { spines, rate_mbit } => up(f, spines, rate_mbit),
         FabricCmd::Down => {
-            down();
-            println!("fabric down");
+            down(f);
+            println!("fabric {} down", a.prefix);
             Ok(())
         }
-        FabricCmd::Status => status(),
-        FabricCmd::Cut { k } => set_spine(k, false),
-        FabricCmd::Heal { k } => set_spine(k, true),
-        FabricCmd::Loss { pct, link } => loss(pct, &link),
-        FabricCmd::Ecn { pct, link } => ecn(pct, &link),
+        FabricCmd::Status => status(f),
+        FabricCmd::Cut { k } => set_spine(f, k, false),
+        FabricCmd::Heal { k } => set_spine(f, k, true),
+        FabricCmd::Loss { pct, link } => loss(f, pct, &link),
+        FabricCmd::Ecn { pct, link } => ecn(f, pct, &link),
     }
 }
 
@@ -145,29 +190,29 @@ fn sysctl(ns: &str, kv: &str) -> anyhow::Result<()> {
     sh("ip", &["netns", "exec", ns, "sysctl", "-qw", kv])
 }
 
-/// Every `mr-*` namespace that exists.
-fn namespaces() -> Vec<String> {
+/// The fabric's namespaces that exist.
+fn namespaces(f: &Names) -> Vec<String> {
     let out = Command::new("ip").args(["netns", "list"]).output();
     let Ok(out) = out else { return Vec::new() };
-    String::from_utf8_lossy(&out.stdout)
+    let have: Vec<String> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| l.split_whitespace().next())
-        .filter(|n| n.starts_with("mr-"))
         .map(str::to_string)
-        .collect()
+        .collect();
+    f.all().filter(|n| have.contains(n)).cloned().collect()
 }
 
-/// Removes every `mr-*` namespace (their veths go with them). Never fails.
-pub fn down() {
-    for ns in namespaces() {
+/// Removes the fabric's namespaces (their veths go with them). Never fails.
+fn down(f: &Names) {
+    for ns in namespaces(f) {
         let _ = sh("ip", &["netns", "del", &ns]);
     }
 }
 
 /// Spine links that exist (by index).
-fn spines() -> Vec<u8> {
+fn spines(f: &Names) -> Vec<u8> {
     let out = Command::new("ip")
-        .args(["-n", ROUTERS[0], "-br", "link"])
+        .args(["-n", &f.routers[0], "-br", "link"])
         .output();
     let Ok(out) = out else { return Vec::new() };
     let mut v: Vec<u8> = String::from_utf8_lossy(&out.stdout)
@@ -180,37 +225,38 @@ fn spines() -> Vec<u8> {
 }
 
 /// Builds the testbed.
-pub fn up(n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
+fn up(f: &Names, n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
     if n == 0 || n > MAX_SPINES {
         bail!("--spines must be between 1 and {MAX_SPINES}");
     }
     if rate_mbit == Some(0) {
         bail!("--rate-mbit must be positive");
     }
-    down();
-    let r = build(n, rate_mbit);
+    down(f);
+    let r = build(f, n, rate_mbit);
     if r.is_err() {
-        down();
+        down(f);
     }
     r?;
     println!(
         "fabric up: {} ({}) ↔ {} ({}) over {n} spine link(s){}",
-        HOSTS[0],
+        f.hosts[0],
         HOST_IPS[0],
-        HOSTS[1],
+        f.hosts[1],
         HOST_IPS[1],
         rate_mbit.map_or(String::new(), |r| format!(" of {r} Mbit/s"))
     );
     Ok(())
 }
 
-fn build(n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
-    for ns in HOSTS.iter().chain(&ROUTERS) {
+fn build(f: &Names, n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
+    let (hosts, routers) = (&f.hosts, &f.routers);
+    for ns in f.all() {
         sh("ip", &["netns", "add", ns])?;
         ip(ns, &["link", "set", "lo", "up"])?;
     }
     // Host legs: eth0 in the host, h1/h2 in its router.
-    for (i, (h, r)) in HOSTS.iter().zip(&ROUTERS).enumerate() {
+    for (i, (h, r)) in hosts.iter().zip(routers).enumerate() {
         let leg = format!("h{}", i + 1);
         ip(
             h,
@@ -232,7 +278,7 @@ fn build(n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
         ip(r, &["addr", "add", &format!("{net}.254/24"), "dev", &leg])?;
         ip(r, &["link", "set", &leg, "up"])?;
     }
-    for r in ROUTERS {
+    for r in routers {
         for kv in [
             "net.ipv4.ip_forward=1",
             "net.ipv4.fib_multipath_hash_policy=1",
@@ -246,12 +292,21 @@ fn build(n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
     for k in 0..n {
         let dev = format!("sp{k}");
         ip(
-            ROUTERS[0],
+            &routers[0],
             &[
-                "link", "add", &dev, "type", "veth", "peer", "name", &dev, "netns", ROUTERS[1],
+                "link",
+                "add",
+                &dev,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &dev,
+                "netns",
+                &routers[1],
             ],
         )?;
-        for (side, r) in ROUTERS.iter().enumerate() {
+        for (side, r) in routers.iter().enumerate() {
             ip(
                 r,
                 &[
@@ -291,7 +346,7 @@ fn build(n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
         }
     }
     // ECMP over every spine, each way.
-    for (side, r) in ROUTERS.iter().enumerate() {
+    for (side, r) in routers.iter().enumerate() {
         let dst = format!("10.77.{}.0/24", 2 - side);
         let mut args = vec!["route".to_string(), "add".into(), dst];
         for k in 0..n {
@@ -311,13 +366,13 @@ fn build(n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn set_spine(k: u8, up: bool) -> anyhow::Result<()> {
-    if !spines().contains(&k) {
+fn set_spine(f: &Names, k: u8, up: bool) -> anyhow::Result<()> {
+    if !spines(f).contains(&k) {
         bail!("no spine link {k} (is the fabric up? `metaroce fabric status`)");
     }
     let dev = format!("sp{k}");
     let state = if up { "up" } else { "down" };
-    for r in ROUTERS {
+    for r in &f.routers {
         ip(r, &["link", "set", &dev, state])?;
     }
     println!("spine {k} {state}");
@@ -332,8 +387,8 @@ fn have(prog: &str) -> bool {
 }
 
 /// The spines `link` names (`all` or an index), checking the fabric is up.
-fn spine_targets(link: &str) -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
-    let all = spines();
+fn spine_targets(f: &Names, link: &str) -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
+    let all = spines(f);
     if all.is_empty() {
         bail!("the fabric is not up (`metaroce fabric up`)");
     }
@@ -356,13 +411,14 @@ fn spine_targets(link: &str) -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
 /// a forward-hook chain at `priority` jumps by output interface to one chain
 /// per spine, so each spine's rule can be replaced on its own.
 fn nft_per_spine(
+    f: &Names,
     table: &str,
     priority: i32,
     all: &[u8],
     targets: &[u8],
     rule: Option<&str>,
 ) -> anyhow::Result<()> {
-    for r in ROUTERS {
+    for r in &f.routers {
         let nft = |args: &[&str]| {
             let mut v = vec!["netns", "exec", r, "nft"];
             v.extend_from_slice(args);
@@ -392,21 +448,28 @@ fn nft_per_spine(
     Ok(())
 }
 
-fn loss(pct: f64, link: &str) -> anyhow::Result<()> {
+fn loss(f: &Names, pct: f64, link: &str) -> anyhow::Result<()> {
     if !(0.0..=100.0).contains(&pct) {
         bail!("loss must be between 0 and 100 percent");
     }
-    let (all, targets) = spine_targets(link)?;
+    let (all, targets) = spine_targets(f, link)?;
     if have("nft") {
         // numgen random mod 10000 < pct*100: drop that fraction, per spine,
         // as packets leave each router.
         let per10k = (pct * 100.0).round() as u32;
         let rule = format!("numgen random mod 10000 < {per10k} drop");
-        nft_per_spine("mr_loss", 0, &all, &targets, (per10k > 0).then_some(&*rule))?;
+        nft_per_spine(
+            f,
+            "mr_loss",
+            0,
+            &all,
+            &targets,
+            (per10k > 0).then_some(&*rule),
+        )?;
     } else {
         // No nftables: netem on the spine's egress at both ends (replaces a
         // rate limit there).
-        for r in ROUTERS {
+        for r in &f.routers {
             for k in &targets {
                 let dev = format!("sp{k}");
                 if pct == 0.0 {
@@ -432,11 +495,11 @@ fn loss(pct: f64, link: &str) -> anyhow::Result<()> {
 
 /// CE-marks `pct` percent of the ECN-capable packets crossing the spines
 /// (nftables `ip ecn set ce`; the kernel here has no RED to mark by queue).
-fn ecn(pct: f64, link: &str) -> anyhow::Result<()> {
+fn ecn(f: &Names, pct: f64, link: &str) -> anyhow::Result<()> {
     if !(0.0..=100.0).contains(&pct) {
         bail!("the marked fraction must be between 0 and 100 percent");
     }
-    let (all, targets) = spine_targets(link)?;
+    let (all, targets) = spine_targets(f, link)?;
     if !have("nft") {
         bail!("ECN marking needs nftables (`nft`): install the nftables package");
     }
@@ -444,6 +507,7 @@ fn ecn(pct: f64, link: &str) -> anyhow::Result<()> {
     let rule = format!("ip ecn != not-ect numgen random mod 10000 < {per10k} ip ecn set ce");
     // Before the loss table: a packet is marked, then maybe dropped.
     nft_per_spine(
+        f,
         "mr_ecn",
         -10,
         &all,
@@ -454,14 +518,17 @@ fn ecn(pct: f64, link: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn status() -> anyhow::Result<()> {
-    let ns = namespaces();
+fn status(f: &Names) -> anyhow::Result<()> {
+    let ns = namespaces(f);
     if ns.is_empty() {
-        println!("fabric down (no mr-* namespaces)");
+        println!(
+            "fabric down (none of {} exists)",
+            f.all().cloned().collect::<Vec<_>>().join(" ")
+        );
         return Ok(());
     }
     println!("namespaces: {}", ns.join(" "));
-    for r in ROUTERS {
+    for r in &f.routers {
         if !ns.iter().any(|n| n == r) {
             continue;
         }
@@ -492,4 +559,26 @@ fn status() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_prefix() {
+        let f = Names::new("mrt42").unwrap();
+        assert_eq!(f.hosts, ["mrt42-h1", "mrt42-h2"]);
+        assert_eq!(f.routers, ["mrt42-r1", "mrt42-r2"]);
+        assert_eq!(Names::new("mr").unwrap().routers[1], "mr-r2");
+    }
+
+    #[test]
+    fn bad_prefixes_are_refused() {
+        for p in ["", "a b", "x/y", "é", &"p".repeat(MAX_PREFIX + 1)] {
+            let e = Names::new(p).unwrap_err().to_string();
+            assert!(e.contains("--prefix"), "{p:?}: {e}");
+        }
+        assert!(Names::new(&"p".repeat(MAX_PREFIX)).is_ok());
+    }
 }

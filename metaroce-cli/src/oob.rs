@@ -18,7 +18,13 @@ use std::sync::mpsc;
 use crate::perf::Op;
 
 /// Version of the control protocol. Bump on any incompatible change.
-pub const VERSION: u32 = 1;
+///
+/// v2: `--bidir` (the server runs a stream of its own towards the client:
+/// [`Msg::ClientQps`] carries the client's region, [`Msg::Start`] starts
+/// the server's stream, [`Msg::Done`] goes both ways and carries the
+/// sender's own figures). A v1 peer's `Hello` still parses, so it gets a
+/// clear version mismatch rather than a protocol error.
+pub const VERSION: u32 = 2;
 
 /// Largest control message accepted, bytes (they are all tiny).
 const MAX_MSG: u32 = 1 << 20;
@@ -80,6 +86,21 @@ pub struct RunParams {
     pub verify: bool,
     /// Test duration, seconds (the server derives its time limits from it).
     pub duration: f64,
+    /// Both ways at once: the server also runs the same operation towards
+    /// the client over the same QPs (absent in a v1 `Hello`).
+    #[serde(default)]
+    pub bidir: bool,
+}
+
+/// A region the peer's work requests target.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct Region {
+    /// Remote key.
+    pub rkey: u32,
+    /// Address of its first byte.
+    pub addr: u64,
+    /// Message slots in it (iteration `i` uses slot `i % slots`).
+    pub slots: u64,
 }
 
 /// One control message.
@@ -111,6 +132,10 @@ pub enum Msg {
     ClientQps {
         /// One per QP, in round-robin order.
         qpns: Vec<u32>,
+        /// With `bidir`: the region the server's stream targets (its
+        /// receives are posted already).
+        #[serde(default)]
+        region: Option<Region>,
     },
     /// Server → client: the server's QPs and the region the client targets.
     Ready {
@@ -123,12 +148,28 @@ pub enum Msg {
         /// Message slots in it (iteration `i` uses slot `i % slots`).
         slots: u64,
     },
-    /// Client → server: the run is over; how many messages completed.
+    /// Client → server, with `bidir`: the client's QPs are connected; the
+    /// server starts its own stream.
+    Start,
+    /// Either way: this side's stream is over (the client's always; the
+    /// server's with `bidir`).
     Done {
         /// Completed work requests.
         iterations: u64,
+        /// Seconds from the first post to the last completion.
+        #[serde(default)]
+        elapsed_s: f64,
+        /// Bytes the sender checked itself (READ) and found right ...
+        #[serde(default)]
+        verified_bytes: u64,
+        /// ... and wrong.
+        #[serde(default)]
+        corrupt_bytes: u64,
+        /// The sender's retransmissions on the connection.
+        #[serde(default)]
+        retransmits: u64,
     },
-    /// Server → client: what the server verified.
+    /// The answer to [`Msg::Done`]: what the receiving side verified.
     Result {
         /// Bytes that matched their pattern.
         verified_bytes: u64,
@@ -280,15 +321,31 @@ mod tests {
                     qps: 2,
                     verify: true,
                     duration: 1.5,
+                    bidir: true,
                 },
             },
+            Msg::ClientQps {
+                qpns: vec![3],
+                region: Some(Region {
+                    rkey: 9,
+                    addr: 0x1000_0000,
+                    slots: 4,
+                }),
+            },
+            Msg::Start,
             Msg::Ready {
                 qpns: vec![1, 2],
                 rkey: 7,
                 addr: 0x1000_0000,
                 slots: 32,
             },
-            Msg::Done { iterations: 9 },
+            Msg::Done {
+                iterations: 9,
+                elapsed_s: 0.5,
+                verified_bytes: 0,
+                corrupt_bytes: 0,
+                retransmits: 2,
+            },
         ];
         let mut buf = Vec::new();
         for m in &msgs {
@@ -306,6 +363,20 @@ mod tests {
             assert_eq!(read_msg(&mut r).unwrap().as_ref(), Some(m));
         }
         assert_eq!(read_msg(&mut r).unwrap(), None);
+    }
+
+    #[test]
+    fn a_v1_hello_still_parses_so_its_version_can_be_refused() {
+        let v1 = br#"{"type":"hello","version":1,"params":{"op":"write","size":64,"depth":4,"qps":1,"verify":true,"duration":1.0}}"#;
+        let mut buf = (v1.len() as u32).to_be_bytes().to_vec();
+        buf.extend_from_slice(v1);
+        match read_msg(&mut &buf[..]).unwrap() {
+            Some(Msg::Hello { version, params }) => {
+                assert_eq!(version, 1);
+                assert!(!params.bidir);
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -12,12 +12,12 @@
 //! slot is reused only after its receive is posted again, and the protocol
 //! refuses (RNR) a WRITE_IMM that has no receive.
 
-use crate::oob::{Link, Msg, PerfError, RunParams, VERSION};
+use crate::oob::{Link, Msg, PerfError, Region, RunParams, VERSION};
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand, ValueEnum};
 use metaroce_io::{Backend, Driver, DriverConfig, DriverError};
 use metaroce_proto::verbs::*;
-use metaroce_proto::{EndpointConfig, Event};
+use metaroce_proto::{Endpoint, EndpointConfig, Event};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -116,6 +116,10 @@ struct RunOpts {
     /// Skip payload verification.
     #[arg(long)]
     no_verify: bool,
+    /// Both ways at once: the server runs the same operation back to the
+    /// client over the same QPs; the report has each direction and the sum.
+    #[arg(short = 'b', long)]
+    bidir: bool,
     /// Print one JSON object instead of the report.
     #[arg(long)]
     json: bool,
@@ -133,6 +137,7 @@ impl RunOpts {
             qps: self.qps,
             verify: !self.no_verify,
             duration: self.duration,
+            bidir: self.bidir,
         }
     }
 }
@@ -241,13 +246,70 @@ struct PathReport {
     rtt_us: f64,
 }
 
-/// What `--json` prints.
+/// One direction of a run: the client's own stream (`tx`) or, with
+/// `--bidir`, the server's back to it (`rx`).
+#[derive(Debug, Default, Clone, Copy, Serialize)]
+struct Direction {
+    iterations: u64,
+    bytes: u64,
+    duration_s: f64,
+    gbps: f64,
+    verified_bytes: u64,
+    corrupt_bytes: u64,
+    retransmits: u64,
+}
+
+impl Direction {
+    fn new(iterations: u64, size: u64, secs: f64, checked: (u64, u64), retransmits: u64) -> Self {
+        let bytes = iterations * size;
+        Direction {
+            iterations,
+            bytes,
+            duration_s: secs,
+            gbps: if secs > 0.0 {
+                bytes as f64 * 8.0 / secs / 1e9
+            } else {
+                0.0
+            },
+            verified_bytes: checked.0,
+            corrupt_bytes: checked.1,
+            retransmits,
+        }
+    }
+
+    /// This side's own stream; `peer` is what the peer checked of it (the
+    /// requester checks READs itself).
+    fn of(r: &Requester, peer: &ServerResult, retransmits: u64, size: u64) -> Self {
+        let checked = if r.p.op == Op::Read {
+            (r.verified, r.corrupt)
+        } else {
+            (peer.verified_bytes, peer.corrupt_bytes)
+        };
+        Direction::new(r.completed, size, r.elapsed(), checked, retransmits)
+    }
+
+    /// The peer's stream, as its `Done` told and as checked here.
+    fn from_peer(d: &PeerDone, own: &ServerResult, op: Op, size: u64) -> Self {
+        let checked = if op == Op::Read {
+            (d.verified_bytes, d.corrupt_bytes)
+        } else {
+            (own.verified_bytes, own.corrupt_bytes)
+        };
+        Direction::new(d.iterations, size, d.elapsed_s, checked, d.retransmits)
+    }
+}
+
+/// What `--json` prints. With `--bidir` the totals (`iterations`, `bytes`,
+/// `gbps`, `msg_rate_mps`, `retransmits`, `verified_bytes`,
+/// `corrupt_bytes`) are sums of both directions, given apart in `tx` and
+/// `rx`; latency is the client's own requests'.
 #[derive(Debug, Serialize)]
 struct Report {
     op: Op,
     backend: String,
     msg_size: u64,
     qps: u32,
+    bidir: bool,
     iterations: u64,
     bytes: u64,
     duration_s: f64,
@@ -262,6 +324,10 @@ struct Report {
     rto_fires: u64,
     verified_bytes: u64,
     corrupt_bytes: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tx: Option<Direction>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rx: Option<Direction>,
     paths: Vec<PathReport>,
 }
 
@@ -406,14 +472,470 @@ fn unexpected(m: Msg, wanted: &str) -> anyhow::Error {
     }
 }
 
+/// One side's own stream: `op` work requests posted round robin over its
+/// QPs against the peer's region for the run's duration, each timed and
+/// (READ) checked on completion.
+struct Requester {
+    p: RunParams,
+    lay: Layout,
+    qps: Vec<Qpn>,
+    cq: CqHandle,
+    mr: MrInfo,
+    remote: Region,
+    hist: hdrhistogram::Histogram<u64>,
+    post_times: Vec<Instant>,
+    next_iter: u64,
+    completed: u64,
+    outstanding: u64,
+    qp_out: Vec<u64>,
+    verified: u64,
+    corrupt: u64,
+    error: Option<WcStatus>,
+    t0: Instant,
+    elapsed: Option<f64>,
+    wcs: Vec<WorkCompletion>,
+}
+
+impl Requester {
+    /// Registers the local buffer; `cq` is the QPs' send CQ.
+    fn new(
+        ep: &mut Endpoint,
+        pd: PdHandle,
+        cq: CqHandle,
+        qps: &[Qpn],
+        p: &RunParams,
+        remote: Region,
+    ) -> anyhow::Result<Requester> {
+        let lay = Layout::new(p);
+        let local_slots = lay.qps * lay.per_qp;
+        let mr = ep.reg_mr(
+            pd,
+            vec![0u8; (local_slots * p.size).max(1) as usize].into_boxed_slice(),
+            0,
+            AccessFlags::LOCAL_WRITE,
+        )?;
+        Ok(Requester {
+            p: p.clone(),
+            lay,
+            qps: qps.to_vec(),
+            cq,
+            mr,
+            remote,
+            hist: hdrhistogram::Histogram::new_with_bounds(1, 60_000_000_000, 3)?,
+            post_times: vec![Instant::now(); local_slots as usize],
+            next_iter: 0,
+            completed: 0,
+            outstanding: 0,
+            qp_out: vec![0; qps.len()],
+            verified: 0,
+            corrupt: 0,
+            error: None,
+            t0: Instant::now(),
+            elapsed: None,
+            wcs: Vec::new(),
+        })
+    }
+
+    /// The clock of the run starts now.
+    fn start(&mut self) {
+        self.t0 = Instant::now();
+    }
+
+    /// Reaps completions and posts what the depth allows; true once the run
+    /// is over (its time is up and nothing is outstanding) or a request failed.
+    fn step(&mut self, d: &mut Driver) -> bool {
+        if self.elapsed.is_some() {
+            return true;
+        }
+        let size = self.p.size;
+        let lay = self.lay;
+        let ep = d.endpoint();
+        self.wcs.clear();
+        let _ = ep.poll_cq(self.cq, 64, &mut self.wcs);
+        for wc in &self.wcs {
+            if wc.status != WcStatus::Success {
+                self.error.get_or_insert(wc.status);
+            }
+            let iter = wc.wr_id;
+            let ls = lay.client_slot(iter);
+            let lat = self.post_times[ls as usize].elapsed();
+            self.hist.saturating_record(lat.as_nanos().max(1) as u64);
+            if self.p.op == Op::Read && self.p.verify && wc.status == WcStatus::Success {
+                if let Some(buf) = ep.mr(self.mr.lkey) {
+                    let b = &buf[(ls * size) as usize..((ls + 1) * size) as usize];
+                    let bad = check(b, iter % self.remote.slots);
+                    self.corrupt += bad;
+                    self.verified += size - bad;
+                }
+            }
+            self.completed += 1;
+            self.outstanding -= 1;
+            self.qp_out[lay.qp_of(iter)] -= 1;
+        }
+        if self.error.is_some() {
+            self.elapsed = Some(self.t0.elapsed().as_secs_f64());
+            return true;
+        }
+        let sending = self.t0.elapsed() < Duration::from_secs_f64(self.p.duration);
+        let now = d.now();
+        let ep = d.endpoint();
+        while sending && self.outstanding < u64::from(self.p.depth) {
+            let i = self.next_iter;
+            let ls = lay.client_slot(i);
+            let local = Sge {
+                lkey: self.mr.lkey,
+                addr: ls * size,
+                len: size as u32,
+            };
+            let remote = RemoteAddr {
+                rkey: self.remote.rkey,
+                addr: self.remote.addr + (i % self.remote.slots) * size,
+            };
+            let op = match self.p.op {
+                Op::Write => SendOp::WriteImm(remote, i as u32),
+                Op::Read => SendOp::Read(remote),
+                Op::Send => SendOp::SendImm(i as u32),
+            };
+            let j = lay.qp_of(i);
+            // Round robin: wait for this QP rather than skip it; its slot
+            // for `i` is free once it has fewer than `per_qp` outstanding.
+            if self.qp_out[j] >= lay.per_qp {
+                break;
+            }
+            if self.p.verify && self.p.op != Op::Read {
+                if let Some(buf) = ep.mr_mut(self.mr.lkey) {
+                    fill(
+                        &mut buf[(ls * size) as usize..((ls + 1) * size) as usize],
+                        i,
+                    );
+                }
+            }
+            if ep
+                .post_send(now, self.qps[j], SendWr::new(i, op, local))
+                .is_err()
+            {
+                break;
+            }
+            self.post_times[ls as usize] = Instant::now();
+            self.next_iter += 1;
+            self.outstanding += 1;
+            self.qp_out[j] += 1;
+        }
+        if !sending && self.outstanding == 0 {
+            self.elapsed = Some(self.t0.elapsed().as_secs_f64());
+            return true;
+        }
+        false
+    }
+
+    fn elapsed(&self) -> f64 {
+        self.elapsed
+            .unwrap_or_else(|| self.t0.elapsed().as_secs_f64())
+    }
+}
+
+/// One side's part in the peer's stream: a region the peer targets, the
+/// receives its messages complete, and the check of every message.
+struct Responder {
+    p: RunParams,
+    lay: Layout,
+    qps: Vec<Qpn>,
+    cq: CqHandle,
+    mr: MrInfo,
+    posted: Vec<u64>,
+    res: ServerResult,
+    expected: Option<u64>,
+    wcs: Vec<WorkCompletion>,
+}
+
+impl Responder {
+    /// Registers the region and fills it (READ) or posts every receive;
+    /// `cq` is the QPs' receive CQ.
+    fn new(
+        ep: &mut Endpoint,
+        pd: PdHandle,
+        cq: CqHandle,
+        qps: &[Qpn],
+        p: &RunParams,
+    ) -> anyhow::Result<Responder> {
+        let lay = Layout::new(p);
+        let (size, slots) = (p.size, lay.slots);
+        let mr = ep.reg_mr(
+            pd,
+            vec![0u8; (slots * size).max(1) as usize].into_boxed_slice(),
+            0x1000_0000,
+            AccessFlags::ALL,
+        )?;
+        let mut posted = vec![0u64; qps.len()];
+        if p.op == Op::Read {
+            // The peer reads slots; each slot holds the pattern of its index.
+            let buf = ep.mr_mut(mr.lkey).context("region vanished")?;
+            for s in 0..slots {
+                fill(&mut buf[(s * size) as usize..((s + 1) * size) as usize], s);
+            }
+        } else {
+            for (j, &qp) in qps.iter().enumerate() {
+                for _ in 0..2 * lay.per_qp {
+                    ep.post_recv(qp, recv_wr(p.op, &mr, &lay, j, posted[j], size))?;
+                    posted[j] += 1;
+                }
+            }
+        }
+        Ok(Responder {
+            p: p.clone(),
+            lay,
+            qps: qps.to_vec(),
+            cq,
+            mr,
+            posted,
+            res: ServerResult::default(),
+            expected: None,
+            wcs: Vec::new(),
+        })
+    }
+
+    fn region(&self) -> Region {
+        Region {
+            rkey: self.mr.rkey,
+            addr: self.mr.addr,
+            slots: self.lay.slots,
+        }
+    }
+
+    /// Checks what arrived and lets the peer reuse each checked slot; true
+    /// once the peer said how many messages it sent and all are in.
+    fn step(&mut self, d: &mut Driver) -> bool {
+        let (size, slots) = (self.p.size, self.lay.slots);
+        self.wcs.clear();
+        let ep = d.endpoint();
+        let _ = ep.poll_cq(self.cq, 64, &mut self.wcs);
+        for wc in &self.wcs {
+            if wc.status != WcStatus::Success {
+                self.res.corrupt_bytes += u64::from(wc.byte_len);
+                continue;
+            }
+            let iter = wc.imm.map_or(self.res.messages, u64::from);
+            let slot = iter % slots;
+            if self.p.verify {
+                if let Some(buf) = ep.mr(self.mr.lkey) {
+                    let b =
+                        &buf[(slot * size) as usize..(slot * size) as usize + wc.byte_len as usize];
+                    let bad = check(b, iter);
+                    self.res.corrupt_bytes += bad;
+                    self.res.verified_bytes += u64::from(wc.byte_len) - bad;
+                }
+            }
+            self.res.messages += 1;
+            // The slot is checked: let the peer reuse it.
+            if let Some(j) = self.qps.iter().position(|&q| q == wc.qpn) {
+                let wr = recv_wr(self.p.op, &self.mr, &self.lay, j, self.posted[j], size);
+                let _ = ep.post_recv(self.qps[j], wr);
+                self.posted[j] += 1;
+            }
+        }
+        match self.expected {
+            None => false,
+            // READs complete at the reader; nothing arrives here.
+            Some(_) if self.p.op == Op::Read => true,
+            Some(n) => self.res.messages >= n,
+        }
+    }
+}
+
+/// What the peer said about its own stream when it ended (its `Done`).
+#[derive(Debug, Default, Clone, Copy)]
+struct PeerDone {
+    iterations: u64,
+    elapsed_s: f64,
+    verified_bytes: u64,
+    corrupt_bytes: u64,
+    retransmits: u64,
+}
+
+/// What the data phase learned from the peer.
+#[derive(Debug, Default)]
+struct Exchange {
+    /// The peer's check of our stream (its answer to our `Done`).
+    peer_result: Option<ServerResult>,
+    /// The peer's own stream, when it ran one.
+    peer_done: Option<PeerDone>,
+}
+
+/// The data phase of one side: runs its own stream (`req`) and its part in
+/// the peer's (`resp`) at once, until its stream is over and checked by
+/// the peer, and the peer's stream is over and checked here. `started`:
+/// whether `req` runs from the start or waits for the peer's `Start`.
+fn data_phase(
+    drv: &mut Driver,
+    link: &Link,
+    conn: ConnectionHandle,
+    mut req: Option<&mut Requester>,
+    mut resp: Option<&mut Responder>,
+    mut started: bool,
+) -> anyhow::Result<Exchange> {
+    let duration = req
+        .as_ref()
+        .map(|r| r.p.duration)
+        .or(resp.as_ref().map(|r| r.p.duration))
+        .unwrap_or(0.0);
+    if started {
+        if let Some(r) = req.as_deref_mut() {
+            r.start();
+        }
+    }
+    let mut ex = Exchange::default();
+    let mut done_sent = false;
+    let mut result_sent = false;
+    let mut err: Option<anyhow::Error> = None;
+    let finished = drive(drv, Duration::from_secs_f64(duration + 30.0), |d| {
+        loop {
+            match link.try_recv() {
+                Ok(None) => break,
+                Ok(Some(Msg::Start)) if !started && req.is_some() => {
+                    started = true;
+                    if let Some(r) = req.as_deref_mut() {
+                        r.start();
+                    }
+                }
+                Ok(Some(Msg::Done {
+                    iterations,
+                    elapsed_s,
+                    verified_bytes,
+                    corrupt_bytes,
+                    retransmits,
+                })) if ex.peer_done.is_none() && resp.is_some() => {
+                    ex.peer_done = Some(PeerDone {
+                        iterations,
+                        elapsed_s,
+                        verified_bytes,
+                        corrupt_bytes,
+                        retransmits,
+                    });
+                    if let Some(r) = resp.as_deref_mut() {
+                        r.expected = Some(iterations);
+                    }
+                }
+                Ok(Some(Msg::Result {
+                    verified_bytes,
+                    corrupt_bytes,
+                    messages,
+                })) if done_sent && ex.peer_result.is_none() => {
+                    ex.peer_result = Some(ServerResult {
+                        verified_bytes,
+                        corrupt_bytes,
+                        messages,
+                    });
+                }
+                Ok(Some(m)) => {
+                    err = Some(unexpected(m, "Start, Done or Result"));
+                    break;
+                }
+                Err(e) => {
+                    err = Some(e.into());
+                    break;
+                }
+            }
+        }
+        if err.is_some() {
+            return true;
+        }
+        if let Some(r) = req.as_deref_mut() {
+            if started && !done_sent && r.step(d) {
+                if let Some(st) = r.error {
+                    err = Some(anyhow::anyhow!("a work request failed with {st:?}"));
+                    return true;
+                }
+                let retransmits = d
+                    .endpoint()
+                    .connection_stats(conn)
+                    .map_or(0, |s| s.retransmits);
+                link.send(Msg::Done {
+                    iterations: r.completed,
+                    elapsed_s: r.elapsed(),
+                    verified_bytes: r.verified,
+                    corrupt_bytes: r.corrupt,
+                    retransmits,
+                });
+                done_sent = true;
+            }
+        }
+        if let Some(r) = resp.as_deref_mut() {
+            if !result_sent && r.step(d) {
+                link.send(Msg::Result {
+                    verified_bytes: r.res.verified_bytes,
+                    corrupt_bytes: r.res.corrupt_bytes,
+                    messages: r.res.messages,
+                });
+                result_sent = true;
+            }
+        }
+        (req.is_none() || ex.peer_result.is_some()) && (resp.is_none() || result_sent)
+    });
+    let failure = match finished {
+        Err(e) => Some(e),
+        Ok(_) if err.is_some() => err,
+        Ok(true) => None,
+        Ok(false) => Some(match (&req, &resp) {
+            (Some(r), _) if !done_sent => {
+                anyhow::anyhow!("{} work requests did not complete", r.outstanding)
+            }
+            (Some(_), _) if ex.peer_result.is_none() => {
+                anyhow::anyhow!("the peer never said what it verified")
+            }
+            (_, Some(r)) => anyhow::anyhow!(
+                "not every message arrived ({} of {:?})",
+                r.res.messages,
+                r.expected
+            ),
+            _ => anyhow::anyhow!("the run did not finish"),
+        }),
+    };
+    if let Some(e) = failure {
+        link.send(Msg::Abort {
+            reason: format!("{e:#}"),
+        });
+        return Err(e);
+    }
+    Ok(ex)
+}
+
+/// Creates a run's QPs (each with room for its share of the send depth and
+/// twice that many receives), a send CQ and a receive CQ.
+fn create_qps(
+    ep: &mut Endpoint,
+    p: &RunParams,
+) -> anyhow::Result<(PdHandle, CqHandle, CqHandle, Vec<Qpn>)> {
+    let lay = Layout::new(p);
+    let pd = ep.alloc_pd();
+    let send_cq = ep.create_cq(lay.slots as usize * 2);
+    let recv_cq = ep.create_cq(lay.slots as usize * 2);
+    let mut qps = Vec::new();
+    for _ in 0..lay.qps {
+        let mut init = QpInit::new(pd, send_cq, recv_cq);
+        init.max_send_wr = lay.per_qp as u32;
+        init.max_recv_wr = (2 * lay.per_qp) as u32;
+        qps.push(ep.create_qp(init)?);
+    }
+    Ok((pd, send_cq, recv_cq, qps))
+}
+
+/// What the server checked of the client's stream, and with `bidir` how
+/// its own stream went.
+#[derive(Debug, Default, Clone, Copy)]
+struct ServeOutcome {
+    received: ServerResult,
+    sent: Option<Direction>,
+}
+
 /// The server's side of one run over `link`: reads the client's `Hello`,
-/// accepts its connection, exposes a region, verifies every message.
+/// accepts its connection, exposes a region, verifies every message (and
+/// with `bidir` runs the same stream back to the client).
 /// `peer_ip`, if known, is the client's address (its control connection's).
 fn serve_run(
     drv: &mut Driver,
     link: &Link,
     peer_ip: Option<IpAddr>,
-) -> anyhow::Result<ServerResult> {
+) -> anyhow::Result<ServeOutcome> {
     let setup = Duration::from_secs(10);
     // Anything left over from an earlier run is not ours.
     while drv.endpoint().poll_event().is_some() {}
@@ -455,11 +977,19 @@ fn serve_run(
         version: VERSION,
         udp_port: drv.local_addr().port(),
     });
-    let mut client_qpns = None;
-    while client_qpns.is_none() || conn.is_none() {
-        if client_qpns.is_none() {
+    let mut client = None;
+    while client.is_none() || conn.is_none() {
+        if client.is_none() {
             match drive_until_msg(drv, link, setup, |e| take(e, &mut conn))? {
-                Msg::ClientQps { qpns } if qpns.len() == p.qps as usize => client_qpns = Some(qpns),
+                Msg::ClientQps { qpns, region } if qpns.len() == p.qps as usize => {
+                    if p.bidir && region.is_none() {
+                        return Err(PerfError::Protocol(
+                            "a bidirectional run without the client's region".into(),
+                        )
+                        .into());
+                    }
+                    client = Some((qpns, region));
+                }
                 m => return Err(unexpected(m, "ClientQps")),
             }
         } else {
@@ -475,112 +1005,26 @@ fn serve_run(
         }
     }
     let conn = conn.context("no client connected")?;
-    let client_qpns = client_qpns.unwrap_or_default();
-    let lay = Layout::new(&p);
-    let size = p.size;
-    let slots = lay.slots;
+    let (client_qpns, client_region) = client.unwrap_or_default();
     let ep = drv.endpoint();
-    let pd = ep.alloc_pd();
-    let cq = ep.create_cq(slots as usize * 2);
-    let mr = ep.reg_mr(
-        pd,
-        vec![0u8; (slots * size).max(1) as usize].into_boxed_slice(),
-        0x1000_0000,
-        AccessFlags::ALL,
-    )?;
-    let mut qps = Vec::new();
-    for &remote in &client_qpns {
-        let mut init = QpInit::new(pd, cq, cq);
-        init.max_recv_wr = (2 * lay.per_qp) as u32;
-        let qp = ep.create_qp(init)?;
+    let (pd, send_cq, recv_cq, qps) = create_qps(ep, &p)?;
+    for (&qp, &remote) in qps.iter().zip(&client_qpns) {
         ep.connect_qp(qp, conn, Qpn(remote))?;
-        qps.push(qp);
     }
-    let mut posted = vec![0u64; qps.len()];
-    if p.op == Op::Read {
-        // The client reads slots; each slot holds the pattern of its index.
-        let buf = ep.mr_mut(mr.lkey).context("region vanished")?;
-        for s in 0..slots {
-            fill(&mut buf[(s * size) as usize..((s + 1) * size) as usize], s);
-        }
-    } else {
-        for (j, &qp) in qps.iter().enumerate() {
-            for _ in 0..2 * lay.per_qp {
-                ep.post_recv(qp, recv_wr(p.op, &mr, &lay, j, posted[j], size))?;
-                posted[j] += 1;
-            }
-        }
-    }
+    let mut resp = Responder::new(ep, pd, recv_cq, &qps, &p)?;
+    let mut req = match client_region {
+        Some(region) if p.bidir => Some(Requester::new(ep, pd, send_cq, &qps, &p, region)?),
+        _ => None,
+    };
+    let region = resp.region();
     link.send(Msg::Ready {
         qpns: qps.iter().map(|q| q.0).collect(),
-        rkey: mr.rkey,
-        addr: mr.addr,
-        slots,
+        rkey: region.rkey,
+        addr: region.addr,
+        slots: region.slots,
     });
-    let mut res = ServerResult::default();
-    let mut expected: Option<u64> = None;
-    let mut link_err = None;
-    let mut wcs = Vec::new();
-    let limit = Duration::from_secs_f64(p.duration + 30.0);
-    let ok = drive(drv, limit, |d| {
-        if expected.is_none() {
-            match link.try_recv() {
-                Ok(Some(Msg::Done { iterations })) => expected = Some(iterations),
-                Ok(Some(m)) => link_err = Some(unexpected(m, "Done")),
-                Ok(None) => {}
-                Err(e) => link_err = Some(e.into()),
-            }
-        }
-        if link_err.is_some() {
-            return true;
-        }
-        wcs.clear();
-        let ep = d.endpoint();
-        let _ = ep.poll_cq(cq, 64, &mut wcs);
-        for wc in &wcs {
-            if wc.status != WcStatus::Success {
-                res.corrupt_bytes += u64::from(wc.byte_len);
-                continue;
-            }
-            let iter = wc.imm.map_or(res.messages, u64::from);
-            let slot = iter % slots;
-            if p.verify {
-                if let Some(buf) = ep.mr(mr.lkey) {
-                    let b =
-                        &buf[(slot * size) as usize..(slot * size) as usize + wc.byte_len as usize];
-                    let bad = check(b, iter);
-                    res.corrupt_bytes += bad;
-                    res.verified_bytes += u64::from(wc.byte_len) - bad;
-                }
-            }
-            res.messages += 1;
-            // The slot is checked: let the client reuse it.
-            if let Some(j) = qps.iter().position(|&q| q == wc.qpn) {
-                let _ = ep.post_recv(qps[j], recv_wr(p.op, &mr, &lay, j, posted[j], size));
-                posted[j] += 1;
-            }
-        }
-        p.op == Op::Read && expected.is_some() || expected.is_some_and(|n| res.messages >= n)
-    });
-    let outcome = match (ok, link_err) {
-        (Err(e), _) | (_, Some(e)) => Err(e),
-        (Ok(false), None) => Err(anyhow::anyhow!(
-            "server: not every message arrived ({} of {:?})",
-            res.messages,
-            expected
-        )),
-        (Ok(true), None) => Ok(res),
-    };
-    match &outcome {
-        Ok(r) => link.send(Msg::Result {
-            verified_bytes: r.verified_bytes,
-            corrupt_bytes: r.corrupt_bytes,
-            messages: r.messages,
-        }),
-        Err(e) => link.send(Msg::Abort {
-            reason: format!("{e:#}"),
-        }),
-    }
+    // The server's own stream (bidir) waits for the client's `Start`.
+    let ex = data_phase(drv, link, conn, req.as_mut(), Some(&mut resp), false);
     // Let the last ACKs go out, then free the run's resources.
     drive(drv, Duration::from_millis(20), |_| false)?;
     let now = drv.now();
@@ -588,9 +1032,21 @@ fn serve_run(
     for &qp in &qps {
         let _ = ep.destroy_qp(qp);
     }
-    let _ = ep.dereg_mr(mr.lkey);
+    let _ = ep.dereg_mr(resp.mr.lkey);
+    if let Some(r) = &req {
+        let _ = ep.dereg_mr(r.mr.lkey);
+    }
+    let retransmits = ep.connection_stats(conn).map_or(0, |s| s.retransmits);
     let _ = ep.close(now, conn);
-    outcome
+    let ex = ex?;
+    let sent = match (&req, ex.peer_result) {
+        (Some(r), Some(pr)) => Some(Direction::of(r, &pr, retransmits, p.size)),
+        _ => None,
+    };
+    Ok(ServeOutcome {
+        received: resp.res,
+        sent,
+    })
 }
 
 fn recv_wr(op: Op, mr: &MrInfo, lay: &Layout, j: usize, k: u64, size: u64) -> RecvWr {
@@ -691,16 +1147,24 @@ fn run_server(a: ServerArgs) -> anyhow::Result<()> {
         let r = serve_run(&mut drv, &link, Some(peer.ip()));
         drop(link);
         match r {
-            Ok(r) => {
+            Ok(o) => {
+                let r = o.received;
+                let back = o.sent.map_or(String::new(), |d| {
+                    format!(
+                        "; sent back {} messages ({:.3} Gbit/s), {} bytes verified by the client, {} corrupt",
+                        d.iterations, d.gbps, d.verified_bytes, d.corrupt_bytes
+                    )
+                });
                 // A closed stdout (the parent stopped reading) must not end the server.
                 let _ = writeln!(
                     std::io::stdout(),
-                    "metaroce perf server: run from {peer}: {} messages received, {} bytes verified, {} corrupt",
+                    "metaroce perf server: run from {peer}: {} messages received, {} bytes verified, {} corrupt{back}",
                     r.messages, r.verified_bytes, r.corrupt_bytes
                 );
                 if a.once {
-                    if r.corrupt_bytes > 0 {
-                        bail!("{} corrupt bytes", r.corrupt_bytes);
+                    let corrupt = r.corrupt_bytes + o.sent.map_or(0, |d| d.corrupt_bytes);
+                    if corrupt > 0 {
+                        bail!("{corrupt} corrupt bytes");
                     }
                     return Ok(());
                 }
@@ -810,181 +1274,83 @@ fn client_run(
     if !up {
         bail!("cannot connect to {server_addr}: no answer");
     }
-    let lay = Layout::new(&p);
-    let size = p.size;
-    let depth = u64::from(p.depth);
-    let local_slots = lay.qps * lay.per_qp;
     let ep = drv.endpoint();
-    let pd = ep.alloc_pd();
-    let cq = ep.create_cq(local_slots as usize * 2);
-    let mr = ep.reg_mr(
-        pd,
-        vec![0u8; (local_slots * size).max(1) as usize].into_boxed_slice(),
-        0,
-        AccessFlags::LOCAL_WRITE,
-    )?;
-    let mut qps = Vec::new();
-    for _ in 0..lay.qps {
-        let mut init = QpInit::new(pd, cq, cq);
-        init.max_send_wr = lay.per_qp as u32;
-        qps.push(ep.create_qp(init)?);
-    }
+    let (pd, send_cq, recv_cq, qps) = create_qps(ep, &p)?;
+    // With --bidir the server's stream lands here: receives go up before
+    // the server learns where to send.
+    let mut resp = if p.bidir {
+        for &qp in &qps {
+            // INIT takes receives; `connect_qp` goes on from there.
+            let attrs = QpAttrs {
+                access: Some(AccessFlags::ALL),
+                ..Default::default()
+            };
+            ep.modify_qp(qp, QpState::Init, attrs)?;
+        }
+        Some(Responder::new(ep, pd, recv_cq, &qps, &p)?)
+    } else {
+        None
+    };
     link.send(Msg::ClientQps {
         qpns: qps.iter().map(|q| q.0).collect(),
+        region: resp.as_ref().map(Responder::region),
     });
-    let (remote_qpns, rkey, raddr, slots) = match drive_until_msg(drv, link, setup, |_| {})? {
+    let (remote_qpns, remote) = match drive_until_msg(drv, link, setup, |_| {})? {
         Msg::Ready {
             qpns,
             rkey,
             addr,
             slots,
-        } if qpns.len() == qps.len() => (qpns, rkey, addr, slots),
+        } if qpns.len() == qps.len() => (qpns, Region { rkey, addr, slots }),
         m => return Err(unexpected(m, "Ready")),
     };
+    let ep = drv.endpoint();
     for (&qp, &r) in qps.iter().zip(&remote_qpns) {
-        drv.endpoint().connect_qp(qp, conn, Qpn(r))?;
+        ep.connect_qp(qp, conn, Qpn(r))?;
     }
-
-    let verify = p.verify;
-    let mut hist = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
-    let mut post_times = vec![Instant::now(); local_slots as usize];
-    let mut next_iter = 0u64;
-    let mut completed = 0u64;
-    let mut outstanding = 0u64;
-    let mut qp_out = vec![0u64; qps.len()];
-    let mut client_verified = 0u64;
-    let mut client_corrupt = 0u64;
-    let mut error: Option<WcStatus> = None;
-    let mut wcs = Vec::new();
-    let t0 = Instant::now();
-    let run_for = Duration::from_secs_f64(p.duration);
-    let finished = drive(drv, run_for + Duration::from_secs(30), |d| {
-        let ep = d.endpoint();
-        wcs.clear();
-        let _ = ep.poll_cq(cq, 64, &mut wcs);
-        for wc in &wcs {
-            if wc.status != WcStatus::Success {
-                error.get_or_insert(wc.status);
-            }
-            let iter = wc.wr_id;
-            let ls = lay.client_slot(iter);
-            let lat = post_times[ls as usize].elapsed();
-            hist.saturating_record(lat.as_nanos().max(1) as u64);
-            if p.op == Op::Read && verify && wc.status == WcStatus::Success {
-                if let Some(buf) = ep.mr(mr.lkey) {
-                    let b = &buf[(ls * size) as usize..((ls + 1) * size) as usize];
-                    let bad = check(b, iter % slots);
-                    client_corrupt += bad;
-                    client_verified += size - bad;
-                }
-            }
-            completed += 1;
-            outstanding -= 1;
-            qp_out[lay.qp_of(iter)] -= 1;
-        }
-        if error.is_some() {
-            return true;
-        }
-        let sending = t0.elapsed() < run_for;
-        let now = d.now();
-        let ep = d.endpoint();
-        while sending && outstanding < depth {
-            let i = next_iter;
-            let ls = lay.client_slot(i);
-            let local = Sge {
-                lkey: mr.lkey,
-                addr: ls * size,
-                len: size as u32,
-            };
-            let remote = RemoteAddr {
-                rkey,
-                addr: raddr + (i % slots) * size,
-            };
-            let op = match p.op {
-                Op::Write => SendOp::WriteImm(remote, i as u32),
-                Op::Read => SendOp::Read(remote),
-                Op::Send => SendOp::SendImm(i as u32),
-            };
-            let j = lay.qp_of(i);
-            // Round robin: wait for this QP rather than skip it; its slot
-            // for `i` is free once it has fewer than `per_qp` outstanding.
-            if qp_out[j] >= lay.per_qp {
-                break;
-            }
-            let qp = qps[j];
-            if verify && p.op != Op::Read {
-                if let Some(buf) = ep.mr_mut(mr.lkey) {
-                    fill(
-                        &mut buf[(ls * size) as usize..((ls + 1) * size) as usize],
-                        i,
-                    );
-                }
-            }
-            if ep.post_send(now, qp, SendWr::new(i, op, local)).is_err() {
-                break;
-            }
-            post_times[ls as usize] = Instant::now();
-            next_iter += 1;
-            outstanding += 1;
-            qp_out[j] += 1;
-        }
-        !sending && outstanding == 0
-    })?;
-    let elapsed = t0.elapsed().as_secs_f64();
-    if let Some(st) = error {
-        link.send(Msg::Abort {
-            reason: format!("a work request failed with {st:?}"),
-        });
-        bail!("a work request failed with {st:?}");
+    let mut req = Requester::new(ep, pd, send_cq, &qps, &p, remote)?;
+    if p.bidir {
+        link.send(Msg::Start);
     }
-    if !finished {
-        link.send(Msg::Abort {
-            reason: format!("{outstanding} work requests did not complete"),
-        });
-        bail!("{outstanding} work requests did not complete");
-    }
-    link.send(Msg::Done {
-        iterations: completed,
-    });
+    let ex = data_phase(drv, link, conn, Some(&mut req), resp.as_mut(), true)?;
     let cs = drv.endpoint().connection_stats(conn).unwrap_or_default();
     // Keep answering until the server is done with its last ACKs.
-    let (verified_bytes, corrupt_bytes) =
-        match drive_until_msg(drv, link, Duration::from_secs(30), |_| {})? {
-            Msg::Result {
-                verified_bytes,
-                corrupt_bytes,
-                ..
-            } => {
-                if p.op == Op::Read {
-                    (client_verified, client_corrupt)
-                } else {
-                    (verified_bytes, corrupt_bytes)
-                }
-            }
-            m => return Err(unexpected(m, "Result")),
-        };
     drive(drv, Duration::from_millis(20), |_| false)?;
-    let bytes = completed * size;
+    let size = p.size;
+    let peer_result = ex.peer_result.unwrap_or_default();
+    let tx = Direction::of(&req, &peer_result, cs.retransmits, size);
+    let rx = match (&resp, ex.peer_done) {
+        (Some(r), Some(d)) => Some(Direction::from_peer(&d, &r.res, p.op, size)),
+        _ => None,
+    };
+    let both = |f: fn(&Direction) -> u64| f(&tx) + rx.as_ref().map_or(0, f);
+    let hist = &req.hist;
     let us = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
+    let elapsed = tx.duration_s;
     Ok(Report {
         op: p.op,
         backend: drv.backend().to_string(),
         msg_size: size,
         qps: p.qps,
-        iterations: completed,
-        bytes,
+        bidir: p.bidir,
+        iterations: both(|d| d.iterations),
+        bytes: both(|d| d.bytes),
         duration_s: elapsed,
-        gbps: bytes as f64 * 8.0 / elapsed / 1e9,
-        msg_rate_mps: completed as f64 / elapsed / 1e6,
+        gbps: tx.gbps + rx.as_ref().map_or(0.0, |d| d.gbps),
+        msg_rate_mps: tx.iterations as f64 / elapsed / 1e6
+            + rx.as_ref()
+                .map_or(0.0, |d| d.iterations as f64 / d.duration_s / 1e6),
         lat_min_us: hist.min() as f64 / 1000.0,
         lat_p50_us: us(0.5),
         lat_avg_us: hist.mean() / 1000.0,
         lat_p99_us: us(0.99),
         lat_p999_us: us(0.999),
-        retransmits: cs.retransmits,
+        retransmits: both(|d| d.retransmits),
         rto_fires: cs.rto_fires,
-        verified_bytes,
-        corrupt_bytes,
+        verified_bytes: both(|d| d.verified_bytes),
+        corrupt_bytes: both(|d| d.corrupt_bytes),
+        tx: p.bidir.then_some(tx),
+        rx,
         paths: cs
             .paths
             .iter()
@@ -1018,11 +1384,32 @@ fn print_report(r: &Report, paths: u8, depth: u32, where_: &str) {
         r.qps
     );
     println!(" Tx depth        : {depth}\t\tVerification         : every byte");
+    if r.bidir {
+        println!(" Direction       : both (tx: client -> server requests, rx: server -> client)");
+    }
     println!("{line}");
     println!(" #bytes     #iterations    BW average[Gb/sec]   MsgRate[Mpps]   Retransmits   RTOs");
+    if let (Some(tx), Some(rx)) = (&r.tx, &r.rx) {
+        for (what, d) in [("tx", tx), ("rx", rx)] {
+            println!(
+                " {:<10} {:<14} {:<20.3} {:<15.6} {:<13} {what}",
+                r.msg_size,
+                d.iterations,
+                d.gbps,
+                d.iterations as f64 / d.duration_s.max(1e-9) / 1e6,
+                d.retransmits
+            );
+        }
+    }
     println!(
-        " {:<10} {:<14} {:<20.3} {:<15.6} {:<13} {}",
-        r.msg_size, r.iterations, r.gbps, r.msg_rate_mps, r.retransmits, r.rto_fires
+        " {:<10} {:<14} {:<20.3} {:<15.6} {:<13} {}{}",
+        r.msg_size,
+        r.iterations,
+        r.gbps,
+        r.msg_rate_mps,
+        r.retransmits,
+        r.rto_fires,
+        if r.bidir { " (sum of both ways)" } else { "" }
     );
     println!("{line}");
     println!(
@@ -1089,6 +1476,7 @@ mod remote_tests {
             qps: 1,
             paths: 1,
             no_verify: false,
+            bidir: false,
             json: true,
             backend: Backend::Portable,
         };
@@ -1119,6 +1507,7 @@ mod remote_tests {
             qps: 2,
             verify: true,
             duration: 1.0,
+            bidir: false,
         };
         let lay = Layout::new(&p);
         assert_eq!((lay.per_qp, lay.slots), (3, 12));

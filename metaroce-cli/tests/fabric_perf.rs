@@ -2,7 +2,9 @@
 //! fabric up, run `metaroce perf` client ↔ server across it for a second,
 //! check every byte, and tear the fabric down (always, even on failure).
 //!
-//! Without root it prints "skipped: needs root" and passes.
+//! Without root it prints "skipped: needs root" and passes. The fabric has
+//! a namespace prefix of its own (`mrt<pid>`), so it never touches a fabric
+//! someone else brought up with the default prefix or another.
 
 mod common;
 
@@ -17,8 +19,29 @@ fn is_root() -> bool {
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
 }
 
+/// This test's namespace prefix.
+fn prefix() -> String {
+    format!("mrt{}", std::process::id())
+}
+
+/// This test's namespace `role` (`h1`, `h2`, `r1`, `r2`).
+fn ns(role: &str) -> String {
+    format!("{}-{role}", prefix())
+}
+
+/// `metaroce ARGS`, with this test's fabric prefix in the environment.
 fn metaroce(args: &[&str]) -> Output {
-    Command::new(BIN).args(args).output().expect("run metaroce")
+    Command::new(BIN)
+        .args(args)
+        .env("METAROCE_FABRIC_PREFIX", prefix())
+        .output()
+        .expect("run metaroce")
+}
+
+/// The namespaces that exist now.
+fn netns_list() -> String {
+    let out = Command::new("ip").args(["netns", "list"]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Tears the fabric down when dropped.
@@ -28,6 +51,11 @@ impl Drop for FabricGuard {
     fn drop(&mut self) {
         let out = metaroce(&["fabric", "down"]);
         assert!(out.status.success() || std::thread::panicking());
+        let left = netns_list();
+        assert!(
+            !left.contains(&prefix()) || std::thread::panicking(),
+            "fabric down left {left}"
+        );
     }
 }
 
@@ -50,6 +78,22 @@ fn perf_across_a_two_spine_fabric() {
     }
     let status = metaroce(&["fabric", "status"]);
     assert!(String::from_utf8_lossy(&status.stdout).contains("sp1"));
+    let list = netns_list();
+    for role in ["h1", "h2", "r1", "r2"] {
+        assert!(list.contains(&ns(role)), "no {} in {list}", ns(role));
+    }
+    // A fabric under another prefix is another fabric: its `down` leaves
+    // this one alone, and `--prefix` wins over the environment.
+    let other = Command::new(BIN)
+        .args(["fabric", "down", "--prefix", &format!("{}x", prefix())])
+        .env("METAROCE_FABRIC_PREFIX", prefix())
+        .output()
+        .unwrap();
+    assert!(other.status.success());
+    assert!(
+        netns_list().contains(&ns("r1")),
+        "another prefix's down removed ours"
+    );
 
     // (The host stack itself may drop a few datagrams: no loss configured
     // does not mean no retransmits.)
@@ -118,7 +162,7 @@ fn sum_over_paths(report: &serde_json::Value, field: &str) -> u64 {
         .sum()
 }
 
-/// Bytes sent so far on `sp0` and `sp1` by router mr-r1 (the direction the
+/// Bytes sent so far on `sp0` and `sp1` by router r1 (the direction the
 /// data goes), read from the namespace of a process living in it.
 fn spine_tx(pid: u32) -> [u64; 2] {
     let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).expect("net/dev");
@@ -141,7 +185,7 @@ fn spine_tx(pid: u32) -> [u64; 2] {
 fn cut_spine_mid_run() -> u64 {
     let probe = ChildGuard(
         Command::new("ip")
-            .args(["netns", "exec", "mr-r1", "sleep", "30"])
+            .args(["netns", "exec", &ns("r1"), "sleep", "30"])
             .spawn()
             .expect("probe process"),
     );
@@ -180,7 +224,7 @@ fn cut_spine_mid_run() -> u64 {
     }
 }
 
-/// Runs one `perf server --once` in mr-h2 and one client in mr-h1, checks
+/// Runs one `perf server --once` in h2 and one client in h1, checks
 /// every byte and returns the client's JSON report.
 fn perf_across() -> serde_json::Value {
     perf_across_for("1")
@@ -190,12 +234,12 @@ fn perf_across() -> serde_json::Value {
 fn perf_across_for(secs: &str) -> serde_json::Value {
     let mut server = Command::new("ip");
     server
-        .args(["netns", "exec", "mr-h2", BIN, "perf", "server"])
+        .args(["netns", "exec", &ns("h2"), BIN, "perf", "server"])
         .args(["--bind", "10.77.2.1:0", "--once"]);
     let (srv, addr) = start_server(server);
 
     let mut cli = Command::new("ip");
-    cli.args(["netns", "exec", "mr-h1", BIN, "perf", "client", &addr])
+    cli.args(["netns", "exec", &ns("h1"), BIN, "perf", "client", &addr])
         .args(["-D", secs, "-q", "2", "--json"]);
     let out = bounded(cli, Duration::from_secs(60));
     assert!(

@@ -70,3 +70,106 @@ fn bad_flags_are_refused() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("exceeds the largest message"));
 }
+
+/// One direction of a `--bidir` report: it ran and every byte was checked.
+fn check_direction(v: &serde_json::Value, which: &str) -> (u64, f64) {
+    let d = &v[which];
+    let iters = d["iterations"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{which}: {v}"));
+    assert!(iters > 0, "{which} carried nothing: {v}");
+    assert_eq!(d["corrupt_bytes"], 0, "{which}: {v}");
+    assert_eq!(
+        d["verified_bytes"].as_u64().unwrap(),
+        iters * v["msg_size"].as_u64().unwrap(),
+        "{which}: {v}"
+    );
+    assert_eq!(
+        d["bytes"].as_u64().unwrap(),
+        iters * v["msg_size"].as_u64().unwrap()
+    );
+    (iters, d["gbps"].as_f64().unwrap())
+}
+
+#[test]
+fn bidir_loopback_checks_every_byte_both_ways() {
+    for op in ["write", "read", "send"] {
+        let v = perf(&[
+            "--bidir",
+            "--backend",
+            "portable",
+            "--op",
+            op,
+            "-D",
+            "0.3",
+            "-s",
+            "16K",
+            "-q",
+            "2",
+        ]);
+        assert_eq!(v["bidir"], true, "{v}");
+        check(&v, op);
+        let (tx_iters, tx_gbps) = check_direction(&v, "tx");
+        let (rx_iters, rx_gbps) = check_direction(&v, "rx");
+        // The totals are the sums of the two directions.
+        assert_eq!(
+            v["iterations"].as_u64().unwrap(),
+            tx_iters + rx_iters,
+            "{v}"
+        );
+        let sum = v["gbps"].as_f64().unwrap();
+        assert!((sum - (tx_gbps + rx_gbps)).abs() < 1e-9, "{v}");
+    }
+}
+
+#[test]
+fn one_way_runs_have_no_direction_objects() {
+    let v = perf(&["--backend", "portable", "-D", "0.2", "-s", "16K"]);
+    assert_eq!(v["bidir"], false);
+    assert!(v.get("tx").is_none() && v.get("rx").is_none(), "{v}");
+}
+
+#[test]
+fn bidir_text_report_shows_each_direction_and_the_sum() {
+    let out = Command::new(env!("CARGO_BIN_EXE_metaroce"))
+        .args([
+            "perf",
+            "-b",
+            "--backend",
+            "portable",
+            "-D",
+            "0.2",
+            "-s",
+            "16K",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let row = |tag: &str| {
+        text.lines()
+            .find(|l| l.trim_end().ends_with(tag))
+            .unwrap_or_else(|| panic!("no `{tag}` row in\n{text}"))
+            .split_whitespace()
+            .nth(2)
+            .unwrap()
+            .parse::<f64>()
+            .unwrap()
+    };
+    let (tx, rx) = (row(" tx"), row(" rx"));
+    let sum = text
+        .lines()
+        .find(|l| l.contains("(sum of both ways)"))
+        .unwrap_or_else(|| panic!("no sum row in\n{text}"))
+        .split_whitespace()
+        .nth(2)
+        .unwrap()
+        .parse::<f64>()
+        .unwrap();
+    assert!(tx > 0.0 && rx > 0.0, "{text}");
+    assert!((sum - (tx + rx)).abs() < 0.002, "{text}");
+}

@@ -94,6 +94,55 @@ fn default_backend_single_qp_write() {
 }
 
 #[test]
+fn bidir_between_processes_checks_both_ways() {
+    let (srv, addr) = start_server(&["--backend", "portable"]);
+    let out = run_bounded(
+        &[
+            "perf",
+            "client",
+            &addr,
+            "--bidir",
+            "-D",
+            "0.3",
+            "-s",
+            "16K",
+            "-q",
+            "2",
+            "--backend",
+            "portable",
+            "--json",
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(
+        out.status.success(),
+        "client failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let size = v["msg_size"].as_u64().unwrap();
+    let mut total = 0;
+    for which in ["tx", "rx"] {
+        let d = &v[which];
+        let iters = d["iterations"].as_u64().unwrap();
+        assert!(iters > 0, "{which}: {v}");
+        assert_eq!(d["corrupt_bytes"], 0, "{which}: {v}");
+        assert_eq!(
+            d["verified_bytes"].as_u64().unwrap(),
+            iters * size,
+            "{which}: {v}"
+        );
+        total += iters;
+    }
+    assert_eq!(v["iterations"].as_u64().unwrap(), total, "{v}");
+    assert_eq!(v["verified_bytes"].as_u64().unwrap(), total * size, "{v}");
+    assert!(
+        server_exit(srv, Duration::from_secs(20)),
+        "the server failed"
+    );
+}
+
+#[test]
 fn unreachable_server_is_a_clear_error() {
     // A port nobody listens on: bind one, note it, let it go.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
