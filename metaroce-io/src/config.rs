@@ -75,7 +75,11 @@ pub struct UringConfig {
     /// Send buffers (each up to 64 KiB). A transmit waits in the core while
     /// all are with the kernel.
     pub send_slots: usize,
-    /// Send large transmits with `IORING_OP_SENDMSG_ZC` (zero copy).
+    /// Send large transmits with `IORING_OP_SENDMSG_ZC` (zero copy). The
+    /// driver turns it off by itself (with a log line) once
+    /// [`ZC_COPIED_LIMIT`](crate::ZC_COPIED_LIMIT) notifications in a row
+    /// say the kernel copied anyway, as it always does on loopback and veth:
+    /// there pinning the pages only adds to the copy.
     pub zero_copy: bool,
     /// Smallest transmit (bytes, a whole GSO batch) sent with zero copy.
     pub zero_copy_threshold: usize,

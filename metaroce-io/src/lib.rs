@@ -68,7 +68,7 @@ pub use metrics::{Metrics, MetricsServer};
 pub use mtu::max_udp_payload;
 pub use portable::PortableDriver;
 #[cfg(target_os = "linux")]
-pub use uring::{uring_probe, UringCaps, UringDriver};
+pub use uring::{uring_probe, UringCaps, UringDriver, ZC_COPIED_LIMIT};
 pub use waker::Waker;
 
 pub use metaroce_proto::verbs::{

@@ -61,6 +61,10 @@ struct SlotMeta {
     gso: bool,
 }
 
+/// Zero-copy notifications in a row saying the kernel copied after which
+/// the driver stops asking for zero copy.
+pub const ZC_COPIED_LIMIT: u32 = 64;
+
 /// Runs one [`Endpoint`] on io_uring. Same shape and loop as
 /// [`PortableDriver`](crate::PortableDriver): call [`poll`](Self::poll) in a
 /// loop and use [`endpoint`](Self::endpoint) in between.
@@ -88,6 +92,8 @@ pub struct UringDriver {
     /// Zero copy enabled and still working.
     zc: bool,
     zc_threshold: usize,
+    /// Zero-copy notifications in a row that said the kernel copied.
+    zc_copied_run: u32,
     /// The armed timer: generation and deadline.
     timer: Option<(u64, Instant)>,
     timer_gen: u64,
@@ -190,6 +196,7 @@ impl UringDriver {
             gso,
             zc,
             zc_threshold: u.zero_copy_threshold,
+            zc_copied_run: 0,
             timer: None,
             timer_gen: 0,
             stats: DriverStats::default(),
@@ -448,8 +455,22 @@ impl UringDriver {
                     tracing::debug!(error = %std::io::Error::from_raw_os_error(err), "send failed");
                 }
             }
-            Some(SendCqe::Notif { copied: true }) => self.stats.zero_copy_copied += 1,
-            Some(SendCqe::Notif { copied: false }) | None => {}
+            Some(SendCqe::Notif { copied: true }) => {
+                self.stats.zero_copy_copied += 1;
+                self.zc_copied_run += 1;
+                if self.zc && self.zc_copied_run >= ZC_COPIED_LIMIT {
+                    // Pinning pages only to have them copied costs more
+                    // than copying once (loopback, veth, a NIC without
+                    // scatter-gather): plain sends from now on.
+                    self.zc = false;
+                    tracing::info!(
+                        copied = self.zc_copied_run,
+                        "zero-copy sends turned off: the kernel copied every one of them (loopback, veth or a device without zero-copy support)"
+                    );
+                }
+            }
+            Some(SendCqe::Notif { copied: false }) => self.zc_copied_run = 0,
+            None => {}
         }
         if i < self.ring.slots() && self.ring.slot_mut(i).is_free() && !self.free.contains(&i) {
             self.free.push(i);
