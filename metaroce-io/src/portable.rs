@@ -147,14 +147,7 @@ impl PortableDriver {
     /// A handle that cuts this driver's wait short from another thread
     /// (created on the first call; see [`Waker`]).
     pub fn waker(&mut self) -> Result<Waker, DriverError> {
-        if self.wake.is_none() {
-            self.wake = Some(WakeReceiver::new()?);
-        }
-        Ok(self
-            .wake
-            .as_ref()
-            .map(WakeReceiver::waker)
-            .expect("just set"))
+        Ok(WakeReceiver::waker_in(&mut self.wake)?)
     }
 
     /// Replaces the fault injection (see [`IoDriver::set_faults`](crate::IoDriver::set_faults)).

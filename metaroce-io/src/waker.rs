@@ -53,6 +53,16 @@ pub(crate) struct WakeReceiver {
 }
 
 impl WakeReceiver {
+    /// The waker of the receiver in `slot`, creating the receiver on the
+    /// first call (a driver that nobody wakes never opens the socket pair).
+    pub(crate) fn waker_in(slot: &mut Option<WakeReceiver>) -> io::Result<Waker> {
+        let r = match slot {
+            Some(r) => r,
+            None => slot.insert(WakeReceiver::new()?),
+        };
+        Ok(r.waker())
+    }
+
     /// A connected pair, both ends non-blocking.
     pub(crate) fn new() -> io::Result<Self> {
         let (tx, rx) = UnixDatagram::pair()?;

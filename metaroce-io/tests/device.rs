@@ -11,6 +11,9 @@ use metaroce_io::{
     ProtectionDomain, QueuePair, RecvWr, SendOp, SendWr, WcOpcode, WcStatus,
 };
 use metaroce_proto::verbs::{QpState, VerbsError};
+mod common;
+
+use common::pattern;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -19,18 +22,6 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 /// Every test ends within this (a hang is a failure).
 const LIMIT: Duration = Duration::from_secs(20);
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 fn config(backend: Backend, faults: FaultConfig) -> DriverConfig {
     let mut c = DriverConfig::new("127.0.0.1:0".parse().unwrap());

@@ -283,43 +283,19 @@ impl Worker {
                 let _ = ep.destroy_qp(q);
             }
             Command::PostSend(qpn, mut wr, notify) => {
-                let id = self.next_wr;
-                self.next_wr += 1;
-                let user = wr.wr_id;
-                wr.wr_id = id;
-                // Every request completes, so that every entry here is
-                // removed by its completion.
+                // Every request completes, so that every entry in `pending`
+                // is removed by its completion.
                 wr.signaled = true;
-                match ep.post_send(now, qpn, wr) {
-                    Ok(()) => {
-                        self.pending.insert(
-                            id,
-                            Pending {
-                                user_wr_id: user,
-                                waiter: notify.accepted(),
-                            },
-                        );
-                    }
-                    Err(e) => refuse(notify, e),
-                }
-            }
-            Command::PostRecv(qpn, mut wr, notify) => {
-                let id = self.next_wr;
-                self.next_wr += 1;
                 let user = wr.wr_id;
-                wr.wr_id = id;
-                match ep.post_recv(qpn, wr) {
-                    Ok(()) => {
-                        self.pending.insert(
-                            id,
-                            Pending {
-                                user_wr_id: user,
-                                waiter: notify.accepted(),
-                            },
-                        );
-                    }
-                    Err(e) => refuse(notify, e),
-                }
+                track(&mut self.pending, &mut self.next_wr, user, notify, |id| {
+                    ep.post_send(now, qpn, SendWr { wr_id: id, ..wr })
+                });
+            }
+            Command::PostRecv(qpn, wr, notify) => {
+                let user = wr.wr_id;
+                track(&mut self.pending, &mut self.next_wr, user, notify, |id| {
+                    ep.post_recv(qpn, RecvWr { wr_id: id, ..wr })
+                });
             }
             Command::Connect(peer, r) => match ep.connect(now, peer) {
                 Ok(c) => {
@@ -413,6 +389,26 @@ impl Worker {
         self.zombies_mr
             .retain(|&k| matches!(ep.dereg_mr(k), Err(VerbsError::MrInUse(_))));
         self.zombies_pd.retain(|&pd| ep.dealloc_pd(pd).is_err());
+    }
+}
+
+/// Posts a request under a fresh internal wr_id and, if the core took it,
+/// remembers where its completion goes; if not, tells the caller why.
+fn track(
+    pending: &mut HashMap<u64, Pending>,
+    next_wr: &mut u64,
+    user_wr_id: u64,
+    notify: Notify,
+    post: impl FnOnce(u64) -> Result<(), VerbsError>,
+) {
+    let id = *next_wr;
+    *next_wr += 1;
+    match post(id) {
+        Ok(()) => {
+            let waiter = notify.accepted();
+            pending.insert(id, Pending { user_wr_id, waiter });
+        }
+        Err(e) => refuse(notify, e),
     }
 }
 

@@ -228,7 +228,8 @@ impl UringDriver {
     }
 
     /// Whether transmits of at least the configured threshold go out with
-    /// zero copy (false once the kernel refused it).
+    /// zero copy (false once the kernel refused it, or copied
+    /// [`ZC_COPIED_LIMIT`] of them in a row).
     pub fn zero_copy(&self) -> bool {
         self.zc
     }
@@ -236,14 +237,7 @@ impl UringDriver {
     /// A handle that cuts this driver's wait short from another thread
     /// (created on the first call, polled on the ring; see [`Waker`]).
     pub fn waker(&mut self) -> Result<Waker, DriverError> {
-        if self.wake.is_none() {
-            self.wake = Some(WakeReceiver::new()?);
-        }
-        Ok(self
-            .wake
-            .as_ref()
-            .map(WakeReceiver::waker)
-            .expect("just set"))
+        Ok(WakeReceiver::waker_in(&mut self.wake)?)
     }
 
     /// Keeps the waker's poll armed, by the thread that polls (like the
