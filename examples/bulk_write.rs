@@ -8,9 +8,8 @@
 //! out-of-band exchange an application does, as with rdma_cm private data);
 //! a client WRITEs into it and the server checks every byte.
 
-use metaroce_io::{Driver, DriverConfig};
+use metaroce_io::{connect_pair, Driver, DriverConfig};
 use metaroce_proto::verbs::*;
-use metaroce_proto::Event;
 use std::time::{Duration, Instant};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -21,22 +20,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("backend: {}", client.backend());
 
     // Connect and wait for both sides to know the connection.
-    let now = client.now();
-    let conn_c = client.endpoint().connect(now, server.local_addr())?;
-    let mut conn_s = None;
-    let mut connected = false;
-    while conn_s.is_none() || !connected {
-        client.poll(Duration::from_millis(1))?;
-        server.poll(Duration::from_millis(1))?;
-        while let Some(e) = server.endpoint().poll_event() {
-            if let Event::Incoming { conn, .. } = e {
-                conn_s = Some(conn);
-            }
-        }
-        while let Some(e) = client.endpoint().poll_event() {
-            connected |= e == Event::Connected(conn_c);
-        }
-    }
+    let (conn_c, conn_s) = connect_pair(&mut client, &mut server, Duration::from_secs(10))?;
 
     // Verbs objects on both sides; QP numbers and the region's key and
     // address cross "out of band" (here: local variables).
@@ -54,7 +38,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let qc = c.create_qp(QpInit::new(pdc, cqc, cqc))?;
     let qs = s.create_qp(QpInit::new(pds, cqs, cqs))?;
     c.connect_qp(qc, conn_c, qs)?;
-    s.connect_qp(qs, conn_s.unwrap(), qc)?;
+    s.connect_qp(qs, conn_s, qc)?;
 
     // WRITE in 1 MiB pieces, 16 outstanding.
     let piece = 1 << 20;

@@ -10,9 +10,8 @@
 //! Prints each figure and metaroce's ratio to it. The machine is shared and
 //! noisy: compare ratios, not absolute numbers.
 
-use metaroce_io::{Driver, DriverConfig};
+use metaroce_io::{connect_pair, Driver, DriverConfig};
 use metaroce_proto::verbs::*;
-use metaroce_proto::Event;
 use quinn_udp::{RecvMeta, Transmit, UdpSockRef, UdpSocketState};
 use std::io::{IoSliceMut, Read, Write};
 use std::net::{TcpListener, TcpStream, UdpSocket};
@@ -133,28 +132,13 @@ struct Pair {
 fn pair() -> Pair {
     let mut a = Driver::bind(DriverConfig::new("127.0.0.1:0".parse().unwrap())).unwrap();
     let mut b = Driver::bind(DriverConfig::new("127.0.0.1:0".parse().unwrap())).unwrap();
-    let now = a.now();
-    let ca = a.endpoint().connect(now, b.local_addr()).unwrap();
-    let mut cb = None;
-    let mut up = false;
-    while cb.is_none() || !up {
-        a.poll(Duration::from_millis(1)).unwrap();
-        b.poll(Duration::from_millis(1)).unwrap();
-        while let Some(e) = b.endpoint().poll_event() {
-            if let Event::Incoming { conn, .. } = e {
-                cb = Some(conn);
-            }
-        }
-        while let Some(e) = a.endpoint().poll_event() {
-            up |= e == Event::Connected(ca);
-        }
-    }
+    let (ca, cb) = connect_pair(&mut a, &mut b, Duration::from_secs(10)).unwrap();
     let (pda, pdb) = (a.endpoint().alloc_pd(), b.endpoint().alloc_pd());
     let (cqa, cqb) = (a.endpoint().create_cq(1024), b.endpoint().create_cq(1024));
     let qa = a.endpoint().create_qp(QpInit::new(pda, cqa, cqa)).unwrap();
     let qb = b.endpoint().create_qp(QpInit::new(pdb, cqb, cqb)).unwrap();
     a.endpoint().connect_qp(qa, ca, qb).unwrap();
-    b.endpoint().connect_qp(qb, cb.unwrap(), qa).unwrap();
+    b.endpoint().connect_qp(qb, cb, qa).unwrap();
     Pair {
         a,
         b,

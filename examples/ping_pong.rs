@@ -5,9 +5,8 @@
 //! cargo run --release --example ping_pong -- [ROUNDS] [BYTES]
 //! ```
 
-use metaroce_io::{Driver, DriverConfig};
+use metaroce_io::{connect_pair, Driver, DriverConfig};
 use metaroce_proto::verbs::*;
-use metaroce_proto::Event;
 use std::time::{Duration, Instant};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -15,22 +14,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let size: u32 = std::env::args().nth(2).map_or(Ok(8), |a| a.parse())?;
     let mut a = Driver::bind(DriverConfig::new("127.0.0.1:0".parse()?))?;
     let mut b = Driver::bind(DriverConfig::new("127.0.0.1:0".parse()?))?;
-    let now = a.now();
-    let conn_a = a.endpoint().connect(now, b.local_addr())?;
-    let mut conn_b = None;
-    let mut up = false;
-    while conn_b.is_none() || !up {
-        a.poll(Duration::from_millis(1))?;
-        b.poll(Duration::from_millis(1))?;
-        while let Some(e) = b.endpoint().poll_event() {
-            if let Event::Incoming { conn, .. } = e {
-                conn_b = Some(conn);
-            }
-        }
-        while let Some(e) = a.endpoint().poll_event() {
-            up |= e == Event::Connected(conn_a);
-        }
-    }
+    let (conn_a, conn_b) = connect_pair(&mut a, &mut b, Duration::from_secs(10))?;
     // Each side: a buffer to send from and one to receive into.
     let side = |d: &mut Driver| -> Result<(Qpn, CqHandle, MrInfo), Box<dyn std::error::Error>> {
         let e = d.endpoint();
@@ -48,7 +32,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (qa, cqa, mra) = side(&mut a)?;
     let (qb, cqb, mrb) = side(&mut b)?;
     a.endpoint().connect_qp(qa, conn_a, qb)?;
-    b.endpoint().connect_qp(qb, conn_b.unwrap(), qa)?;
+    b.endpoint().connect_qp(qb, conn_b, qa)?;
     let recv = |mr: &MrInfo| RecvWr {
         wr_id: 0,
         sge: Sge {

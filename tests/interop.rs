@@ -3,9 +3,8 @@
 //! portable driver, both ways round), moving RDMA WRITE, SEND and READ data
 //! through the full protocol and checking every byte.
 
-use metaroce_io::{uring_probe, Backend, Driver, DriverConfig};
+use metaroce_io::{connect_pair, uring_probe, Backend, Driver, DriverConfig};
 use metaroce_proto::verbs::*;
-use metaroce_proto::Event;
 use std::time::{Duration, Instant};
 
 fn bind(backend: Backend, seed: u64) -> Driver {
@@ -46,26 +45,8 @@ fn interop(client_backend: Backend, server_backend: Backend) {
     let mut b = bind(server_backend, 2);
     assert_eq!(a.backend(), client_backend);
     assert_eq!(b.backend(), server_backend);
-    let now = a.now();
-    let conn_a = a.endpoint().connect(now, b.local_addr()).unwrap();
-    let mut conn_b = None;
-    let up = run(&mut a, &mut b, Duration::from_secs(10), |a, b| {
-        while let Some(e) = b.endpoint().poll_event() {
-            if let Event::Incoming { conn, .. } = e {
-                conn_b = Some(conn);
-            }
-        }
-        let mut connected = false;
-        while let Some(e) = a.endpoint().poll_event() {
-            connected |= e == Event::Connected(conn_a);
-        }
-        connected
-            || conn_b.is_some()
-                && a.endpoint().connection_state(conn_a)
-                    == Some(metaroce_proto::ConnectionState::Established)
-    });
-    assert!(up, "handshake over loopback");
-    let conn_b = conn_b.expect("server saw the connection");
+    let (conn_a, conn_b) =
+        connect_pair(&mut a, &mut b, Duration::from_secs(10)).expect("handshake over loopback");
 
     let len = 4 << 20;
     let data = pattern(len, 7);

@@ -51,6 +51,7 @@ mod error;
 mod fault;
 mod metrics;
 mod mtu;
+mod pair;
 mod portable;
 #[cfg(target_os = "linux")]
 mod uring;
@@ -66,6 +67,7 @@ pub use error::DriverError;
 pub use fault::FaultConfig;
 pub use metrics::{Metrics, MetricsServer};
 pub use mtu::max_udp_payload;
+pub use pair::{connect_pair, PairError};
 pub use portable::PortableDriver;
 #[cfg(target_os = "linux")]
 pub use uring::{uring_probe, UringCaps, UringDriver, ZC_COPIED_LIMIT};

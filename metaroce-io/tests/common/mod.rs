@@ -4,7 +4,6 @@
 
 use metaroce_io::{DriverConfig, IoDriver};
 use metaroce_proto::verbs::*;
-use metaroce_proto::Event;
 use std::time::{Duration, Instant};
 
 /// Deterministic payload bytes.
@@ -54,32 +53,15 @@ impl<D: IoDriver> Pair<D> {
         let start = Instant::now();
         let mut a = D::bind(cfg.clone()).expect("bind a");
         let mut b = D::bind(cfg).expect("bind b");
-        let now = a.now();
-        let conn_a = a.endpoint().connect(now, b.local_addr()).unwrap();
-        let (mut up, mut conn_b) = (false, None);
-        let deadline = start + limit.min(Duration::from_secs(10));
-        while !(up && conn_b.is_some()) {
-            assert!(Instant::now() < deadline, "handshake did not finish");
-            a.poll(Duration::ZERO).unwrap();
-            b.poll(Duration::ZERO).unwrap();
-            while let Some(e) = a.endpoint().poll_event() {
-                match e {
-                    Event::Connected(c) if c == conn_a => up = true,
-                    other => panic!("a: unexpected {other:?}"),
-                }
-            }
-            while let Some(e) = b.endpoint().poll_event() {
-                if let Event::Incoming { conn, .. } = e {
-                    conn_b = Some(conn);
-                }
-            }
-        }
+        let (conn_a, conn_b) =
+            metaroce_io::connect_pair(&mut a, &mut b, limit.min(Duration::from_secs(10)))
+                .expect("handshake");
         let (pda, pdb) = (a.endpoint().alloc_pd(), b.endpoint().alloc_pd());
         let (cqa, cqb) = (a.endpoint().create_cq(4096), b.endpoint().create_cq(4096));
         let qa = a.endpoint().create_qp(QpInit::new(pda, cqa, cqa)).unwrap();
         let qb = b.endpoint().create_qp(QpInit::new(pdb, cqb, cqb)).unwrap();
         a.endpoint().connect_qp(qa, conn_a, qb).unwrap();
-        b.endpoint().connect_qp(qb, conn_b.unwrap(), qa).unwrap();
+        b.endpoint().connect_qp(qb, conn_b, qa).unwrap();
         Pair {
             a,
             b,
