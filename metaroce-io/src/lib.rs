@@ -46,7 +46,7 @@
 
 mod clock;
 mod config;
-mod device;
+pub mod device;
 mod error;
 mod fault;
 mod metrics;

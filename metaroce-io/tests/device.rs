@@ -191,6 +191,23 @@ async fn every_operation(backend: Backend) {
     assert_eq!(r2.await.unwrap().byte_len, 100);
     assert_eq!(abuf.read(0, 100).await.unwrap(), msg[..100]);
 
+    // Data-path calls are issued when called, in order: a write into the
+    // send buffer followed at once by a SEND from it sends the new bytes.
+    let fresh = pattern(6, 10_000);
+    let r3 = b.qp.recv(rbuf.sge(0, 16_384).unwrap());
+    let (w, s3) = tokio::join!(
+        sbuf.write(0, fresh.clone()),
+        a.qp.send(sbuf.sge(0, 10_000).unwrap())
+    );
+    w.unwrap();
+    s3.unwrap();
+    assert_eq!(r3.await.unwrap().byte_len, 10_000);
+    assert_eq!(
+        rbuf.read(0, 10_000).await.unwrap(),
+        fresh,
+        "the SEND carried the bytes written before it"
+    );
+
     // The buffer comes back at deregistration.
     let buf = back.dereg().await.unwrap();
     assert!(buf[..] == dst.read(0, len).await.unwrap()[..]);

@@ -10,6 +10,17 @@
 //! [`WorkRequest`] future of their completion, or go to a completion
 //! queue when posted with [`QueuePair::post_send`]/[`QueuePair::post_recv`].
 //!
+//! # Order
+//!
+//! The data-path calls — the work requests, [`QueuePair::post_send`],
+//! [`QueuePair::post_recv`], [`MemoryRegion::read`] and
+//! [`MemoryRegion::write`] — are issued when they are *called*, and the
+//! endpoint thread carries them out in call order; their futures only wait
+//! for the answer. So `tokio::join!(mr.write(0, req), qp.post_send(wr))`
+//! fills the buffer and then sends it, in one round trip to the endpoint
+//! thread. (The set-up calls, `async fn`s such as [`Device::alloc_pd`] or
+//! [`QueuePair::connect`], start when first polled, as usual.)
+//!
 //! # Setting up a connection (the out-of-band exchange)
 //!
 //! As with rdma_cm, an RC connection needs two things from the peer that
@@ -232,9 +243,17 @@ impl Device {
         &self,
         f: impl FnOnce(oneshot::Sender<Result<T, ApiError>>) -> Command,
     ) -> Result<T, ApiError> {
+        self.issue(f).await
+    }
+
+    /// Sends the command now; the future waits for its answer.
+    fn issue<T>(
+        &self,
+        f: impl FnOnce(oneshot::Sender<Result<T, ApiError>>) -> Command,
+    ) -> impl Future<Output = Result<T, ApiError>> {
         let (tx, rx) = oneshot::channel();
         self.send(f(tx));
-        answer(rx).await
+        answer(rx)
     }
 
     /// Opens a connection to the endpoint listening at `peer` and waits
@@ -467,30 +486,37 @@ impl MemoryRegion {
     }
 
     /// A copy of `len` bytes at `offset` (see the module documentation for
-    /// when they are final).
-    pub async fn read(&self, offset: usize, len: usize) -> Result<Vec<u8>, ApiError> {
+    /// when they are final). Issued when called, in order with the other
+    /// data-path calls; the future waits for the bytes.
+    pub fn read(
+        &self,
+        offset: usize,
+        len: usize,
+    ) -> impl Future<Output = Result<Vec<u8>, ApiError>> + Send + 'static {
         let lkey = self.info.lkey;
-        self.dev
-            .call(|reply| Command::ReadMr {
-                lkey,
-                offset,
-                len,
-                reply,
-            })
-            .await
+        self.dev.issue(move |reply| Command::ReadMr {
+            lkey,
+            offset,
+            len,
+            reply,
+        })
     }
 
-    /// Copies `data` into the region at `offset`.
-    pub async fn write(&self, offset: usize, data: impl Into<Vec<u8>>) -> Result<(), ApiError> {
+    /// Copies `data` into the region at `offset`. Issued when called, in
+    /// order with the other data-path calls: a SEND or WRITE posted after
+    /// it, even before this future is awaited, carries the new bytes.
+    pub fn write(
+        &self,
+        offset: usize,
+        data: impl Into<Vec<u8>>,
+    ) -> impl Future<Output = Result<(), ApiError>> + Send + 'static {
         let (lkey, data) = (self.info.lkey, data.into());
-        self.dev
-            .call(|reply| Command::WriteMr {
-                lkey,
-                offset,
-                data,
-                reply,
-            })
-            .await
+        self.dev.issue(move |reply| Command::WriteMr {
+            lkey,
+            offset,
+            data,
+            reply,
+        })
     }
 
     /// Deregisters the region and gives its buffer back; fails (and keeps
