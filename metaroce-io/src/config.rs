@@ -106,8 +106,17 @@ pub struct DriverConfig {
     /// `max_gso_segments` are replaced by what the driver actually bound and
     /// what the kernel supports.
     pub endpoint: EndpointConfig,
-    /// Send sockets, one per source port (path entropy). Default: twice the
-    /// paths, so that a failed path can move to a port no other path uses.
+    /// More local addresses, one per further plane (multiplane: one NIC
+    /// port and address per independent fabric plane; `listen` is plane 0).
+    /// The driver binds the listen port and every source port on each, and
+    /// the endpoint spreads each connection's paths over the planes both
+    /// sides have (see
+    /// [`EndpointConfig::plane_ips`](metaroce_proto::EndpointConfig::plane_ips),
+    /// which the driver fills in). Empty: one plane.
+    pub planes: Vec<std::net::IpAddr>,
+    /// Send sockets per plane, one per source port (path entropy). Default:
+    /// twice the paths, so that a failed path can move to a port no other
+    /// path uses.
     pub send_sockets: usize,
     /// Seed of the endpoint.
     pub seed: u64,
@@ -129,6 +138,7 @@ impl DriverConfig {
         let endpoint = EndpointConfig::default();
         DriverConfig {
             listen,
+            planes: Vec::new(),
             // Twice the paths: a failed path moves to a port no path uses.
             send_sockets: 2 * usize::from(endpoint.paths),
             endpoint,
@@ -165,6 +175,9 @@ pub struct DriverStats {
     pub recv_arms: u64,
     /// Received datagrams dropped by the driver (truncated, or bad metadata).
     pub recv_dropped: u64,
+    /// Datagrams received on each plane's address (plane 0 first; planes
+    /// past the configured ones stay 0).
+    pub received_per_plane: [u64; metaroce_proto::consts::MAX_PLANES],
     /// `io_uring_enter` calls (io_uring only).
     pub submits: u64,
     /// Received datagrams the fault injector dropped.

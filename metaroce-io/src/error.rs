@@ -20,6 +20,9 @@ pub enum DriverError {
     /// The io_uring backend was asked for and the kernel cannot run it.
     #[error("io_uring unavailable: {0}")]
     UringUnavailable(String),
+    /// The driver configuration was refused.
+    #[error("invalid driver configuration: {0}")]
+    Config(String),
     /// The endpoint configuration was refused.
     #[error(transparent)]
     Endpoint(#[from] metaroce_proto::EndpointError),

@@ -53,6 +53,7 @@ mod metrics;
 mod mtu;
 mod pair;
 mod portable;
+mod sockets;
 #[cfg(target_os = "linux")]
 mod uring;
 mod waker;

@@ -2,20 +2,28 @@
 //! `ppoll` wait bounded by the core's next timer.
 
 use crate::fault::{self, Faults};
+use crate::sockets::Sockets;
 use crate::waker::{WakeReceiver, Waker};
 use crate::{Clock, DriverConfig, DriverError, DriverStats, FaultConfig};
 use metaroce_proto::{Ecn, Endpoint, Instant};
 use quinn_udp::{EcnCodepoint, RecvMeta, Transmit as QTransmit, UdpSockRef, UdpSocketState};
-use socket2::{Domain, Protocol, Socket, Type};
-use std::collections::HashMap;
 use std::io::IoSliceMut;
 use std::net::{SocketAddr, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
-struct SendSocket {
+/// A socket and what quinn-udp knows of it.
+struct Sock {
     sock: UdpSocket,
     state: UdpSocketState,
+}
+
+impl Sock {
+    fn new(sock: UdpSocket) -> Result<Sock, DriverError> {
+        sock.set_nonblocking(true)?;
+        let state = UdpSocketState::new(UdpSockRef::from(&sock))?;
+        Ok(Sock { sock, state })
+    }
 }
 
 /// Runs one [`Endpoint`] on UDP sockets. Single-threaded: call
@@ -24,10 +32,10 @@ struct SendSocket {
 pub struct PortableDriver {
     ep: Endpoint,
     clock: Clock,
-    recv_sock: UdpSocket,
-    recv_state: UdpSocketState,
-    send: Vec<SendSocket>,
-    by_port: HashMap<u16, usize>,
+    /// Receive sockets, one per plane.
+    recv: Vec<Sock>,
+    send: Vec<Sock>,
+    sockets: Sockets,
     local: SocketAddr,
     rx_buf: Vec<u8>,
     tx_buf: Vec<u8>,
@@ -46,21 +54,6 @@ impl std::fmt::Debug for PortableDriver {
     }
 }
 
-/// A UDP socket bound to `addr` with kernel buffers of `buffer` bytes (blocking).
-pub(crate) fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<UdpSocket, DriverError> {
-    let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
-    // Larger kernel buffers absorb bursts; the kernel may clamp them.
-    let _ = s.set_recv_buffer_size(buffer);
-    let _ = s.set_send_buffer_size(buffer);
-    // Never fragment: a fragment carries no UDP port, so ECMP could not
-    // spray it, and one lost fragment loses the datagram. Too large a
-    // datagram fails loudly instead (see `max_udp_payload`).
-    crate::mtu::set_dont_fragment(&s, addr.is_ipv6());
-    s.bind(&addr.into())
-        .map_err(|source| DriverError::Bind { addr, source })?;
-    Ok(s.into())
-}
-
 fn to_quinn_ecn(e: Ecn) -> Option<EcnCodepoint> {
     match e {
         Ecn::NotEct => None,
@@ -73,24 +66,17 @@ fn to_quinn_ecn(e: Ecn) -> Option<EcnCodepoint> {
 impl PortableDriver {
     /// Binds the receive socket and the send sockets, and creates the endpoint.
     pub fn bind(cfg: DriverConfig) -> Result<Self, DriverError> {
-        let recv_sock = udp_socket(cfg.listen, cfg.socket_buffer)?;
-        recv_sock.set_nonblocking(true)?;
-        let recv_state = UdpSocketState::new(UdpSockRef::from(&recv_sock))?;
-        let local = recv_sock.local_addr()?;
-        let mut send = Vec::new();
-        let mut by_port = HashMap::new();
-        let mut ports = Vec::new();
-        for _ in 0..cfg.send_sockets.max(1) {
-            let sock = udp_socket(SocketAddr::new(local.ip(), 0), cfg.socket_buffer)?;
-            let state = UdpSocketState::new(UdpSockRef::from(&sock))?;
-            let port = sock.local_addr()?.port();
-            by_port.insert(port, send.len());
-            ports.push(port);
-            send.push(SendSocket { sock, state });
-        }
-        let mut ecfg = cfg.endpoint;
-        ecfg.listen_port = local.port();
-        ecfg.source_ports = ports;
+        let mut sockets = Sockets::bind(&cfg)?;
+        let local = sockets.local;
+        let recv = std::mem::take(&mut sockets.recv)
+            .into_iter()
+            .map(Sock::new)
+            .collect::<Result<Vec<_>, _>>()?;
+        let send = std::mem::take(&mut sockets.send)
+            .into_iter()
+            .map(Sock::new)
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut ecfg = sockets.endpoint_config(cfg.endpoint);
         // UDP GSO: let the core batch datagrams of one path into one send.
         let gso = send
             .iter()
@@ -100,9 +86,15 @@ impl PortableDriver {
         ecfg.max_gso_segments = gso.clamp(1, cfg.max_gso_segments.max(1));
         let ep = Endpoint::new(ecfg, cfg.seed)?;
         let faults = Faults::new(&cfg.faults);
-        let gro = recv_state.gro_segments().max(1);
+        let gro = recv
+            .iter()
+            .map(|s| s.state.gro_segments())
+            .max()
+            .unwrap_or(1)
+            .max(1);
         tracing::debug!(
             %local,
+            planes = recv.len(),
             send_sockets = send.len(),
             gro_segments = gro,
             gso_segments = ep.config().max_gso_segments,
@@ -111,10 +103,9 @@ impl PortableDriver {
         Ok(PortableDriver {
             ep,
             clock: Clock::new(),
-            recv_sock,
-            recv_state,
+            recv,
             send,
-            by_port,
+            sockets,
             local,
             rx_buf: vec![0u8; 65_536 * gro.min(64)],
             tx_buf: vec![0u8; 65_536],
@@ -198,16 +189,14 @@ impl PortableDriver {
                 ecn: to_quinn_ecn(t.ecn),
                 contents: &self.tx_buf[..t.size],
                 segment_size: t.segment_size,
+                // The socket is bound to the plane's address already.
                 src_ip: None,
             };
-            let res = match self.by_port.get(&t.src_port) {
-                Some(&i) => self.send[i]
-                    .state
-                    .try_send(UdpSockRef::from(&self.send[i].sock), &q),
-                None => self
-                    .recv_state
-                    .try_send(UdpSockRef::from(&self.recv_sock), &q),
+            let s = match self.sockets.send_index(t.src_ip, t.src_port) {
+                Some(i) => &self.send[i],
+                None => &self.recv[self.sockets.recv_index(t.src_ip)],
             };
+            let res = s.state.try_send(UdpSockRef::from(&s.sock), &q);
             match res {
                 Ok(()) => {
                     let n = t.segment_size.map_or(1, |s| t.size.div_ceil(s)) as u64;
@@ -231,13 +220,23 @@ impl PortableDriver {
     /// must not lose the race against a retransmission timeout.
     fn receive(&mut self) -> Result<bool, DriverError> {
         let mut any = false;
+        for k in 0..self.recv.len() {
+            any |= self.receive_on(k)?;
+        }
+        Ok(any)
+    }
+
+    /// Reads what plane `k`'s receive socket has (bounded per turn).
+    fn receive_on(&mut self, k: usize) -> Result<bool, DriverError> {
+        let mut any = false;
         for _ in 0..4096 {
             let mut meta = [RecvMeta::default()];
             let n = {
                 let mut bufs = [IoSliceMut::new(&mut self.rx_buf)];
-                match self
-                    .recv_state
-                    .recv(UdpSockRef::from(&self.recv_sock), &mut bufs, &mut meta)
+                let r = &self.recv[k];
+                match r
+                    .state
+                    .recv(UdpSockRef::from(&r.sock), &mut bufs, &mut meta)
                 {
                     Ok(n) => n,
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
@@ -255,6 +254,9 @@ impl PortableDriver {
                 }
                 for dg in self.rx_buf[..m.len].chunks(stride.max(1)) {
                     self.stats.datagrams_received += 1;
+                    if let Some(n) = self.stats.received_per_plane.get_mut(k) {
+                        *n += 1;
+                    }
                     fault::deliver(
                         &mut self.faults,
                         now,
@@ -278,7 +280,7 @@ impl PortableDriver {
         }
     }
 
-    /// Blocks until the receive socket is readable, the waker fires or
+    /// Blocks until a receive socket is readable, the waker fires or
     /// `timeout` passes.
     fn wait_readable(&self, timeout: Duration) -> Result<(), DriverError> {
         let pollfd = |fd| libc::pollfd {
@@ -286,12 +288,16 @@ impl PortableDriver {
             events: libc::POLLIN,
             revents: 0,
         };
-        let mut pfd = [pollfd(self.recv_sock.as_raw_fd()), pollfd(-1)];
-        let mut n = 1;
+        let mut pfd: Vec<libc::pollfd> = self
+            .recv
+            .iter()
+            .map(|r| pollfd(r.sock.as_raw_fd()))
+            .collect();
+        let wake_at = pfd.len();
         if let Some(w) = &self.wake {
-            pfd[1] = pollfd(w.fd());
-            n = 2;
+            pfd.push(pollfd(w.fd()));
         }
+        let n = pfd.len() as libc::nfds_t;
         let ts = libc::timespec {
             tv_sec: timeout.as_secs() as libc::time_t,
             tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
@@ -307,7 +313,7 @@ impl PortableDriver {
             }
         }
         if let Some(w) = &self.wake {
-            if pfd[1].revents != 0 {
+            if pfd[wake_at].revents != 0 {
                 w.drain();
             }
         }

@@ -14,13 +14,12 @@ mod cmsg;
 mod sys;
 
 use crate::fault::{self, Faults};
-use crate::portable::udp_socket;
+use crate::sockets::Sockets;
 use crate::waker::{WakeReceiver, Waker};
 use crate::{Backend, Clock, DriverConfig, DriverError, DriverStats, FaultConfig, IoDriver};
 use io_uring::cqueue;
 use io_uring::types::RecvMsgOut;
 use metaroce_proto::{Endpoint, Instant, Transmit};
-use std::collections::HashMap;
 use std::net::{SocketAddr, UdpSocket};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::OnceLock;
@@ -79,9 +78,10 @@ pub const ZC_COPIED_LIMIT: u32 = 64;
 pub struct UringDriver {
     ep: Endpoint,
     clock: Clock,
-    recv_sock: UdpSocket,
+    /// Receive sockets, one per plane.
+    recv: Vec<UdpSocket>,
     send: Vec<UdpSocket>,
-    by_port: HashMap<u16, usize>,
+    sockets: Sockets,
     local: SocketAddr,
     v6: bool,
     ring: sys::Ring,
@@ -109,6 +109,7 @@ impl std::fmt::Debug for UringDriver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UringDriver")
             .field("local", &self.local)
+            .field("planes", &self.recv.len())
             .field("send_sockets", &self.send.len())
             .field("gso", &self.gso)
             .field("zero_copy", &self.zc)
@@ -125,37 +126,31 @@ impl UringDriver {
     /// [`DriverError::UringUnavailable`] on a kernel without what it needs.
     pub fn bind(cfg: DriverConfig) -> Result<Self, DriverError> {
         let caps = uring_probe().map_err(DriverError::UringUnavailable)?;
-        let recv_sock = udp_socket(cfg.listen, cfg.socket_buffer)?;
-        let local = recv_sock.local_addr()?;
+        let mut sockets = Sockets::bind(&cfg)?;
+        let local = sockets.local;
         let v6 = local.is_ipv6();
-        let rfd = recv_sock.as_raw_fd();
-        let tos = if v6 {
-            sys::setsockopt_int(rfd, libc::IPPROTO_IPV6, libc::IPV6_RECVTCLASS, 1)
-        } else {
-            sys::setsockopt_int(rfd, libc::IPPROTO_IP, libc::IP_RECVTOS, 1)
-        };
-        if let Err(e) = tos {
-            tracing::debug!(error = %e, "no ECN on receive");
+        let recv = std::mem::take(&mut sockets.recv);
+        let mut gro = true;
+        for r in &recv {
+            let rfd = r.as_raw_fd();
+            let tos = if v6 {
+                sys::setsockopt_int(rfd, libc::IPPROTO_IPV6, libc::IPV6_RECVTCLASS, 1)
+            } else {
+                sys::setsockopt_int(rfd, libc::IPPROTO_IP, libc::IP_RECVTOS, 1)
+            };
+            if let Err(e) = tos {
+                tracing::debug!(error = %e, "no ECN on receive");
+            }
+            gro &= sys::setsockopt_int(rfd, libc::SOL_UDP, cmsg::UDP_GRO, 1).is_ok();
         }
-        let gro = sys::setsockopt_int(rfd, libc::SOL_UDP, cmsg::UDP_GRO, 1).is_ok();
-        let mut send = Vec::new();
-        let mut by_port = HashMap::new();
-        let mut ports = Vec::new();
-        let mut gso = cfg.max_gso_segments > 1;
-        for _ in 0..cfg.send_sockets.max(1) {
-            let sock = udp_socket(SocketAddr::new(local.ip(), 0), cfg.socket_buffer)?;
-            // Setting a default segment size of 0 (none) tells whether the
-            // kernel knows UDP_SEGMENT at all.
-            gso &=
-                sys::setsockopt_int(sock.as_raw_fd(), libc::SOL_UDP, cmsg::UDP_SEGMENT, 0).is_ok();
-            let port = sock.local_addr()?.port();
-            by_port.insert(port, send.len());
-            ports.push(port);
-            send.push(sock);
-        }
-        let mut ecfg = cfg.endpoint;
-        ecfg.listen_port = local.port();
-        ecfg.source_ports = ports;
+        let send = std::mem::take(&mut sockets.send);
+        // Setting a default segment size of 0 (none) tells whether the
+        // kernel knows UDP_SEGMENT at all.
+        let gso = cfg.max_gso_segments > 1
+            && send.iter().all(|s| {
+                sys::setsockopt_int(s.as_raw_fd(), libc::SOL_UDP, cmsg::UDP_SEGMENT, 0).is_ok()
+            });
+        let mut ecfg = sockets.endpoint_config(cfg.endpoint);
         ecfg.max_gso_segments = if gso {
             KERNEL_GSO_SEGMENTS.clamp(1, cfg.max_gso_segments.max(1))
         } else {
@@ -185,9 +180,9 @@ impl UringDriver {
         Ok(UringDriver {
             ep,
             clock: Clock::new(),
-            recv_sock,
+            recv,
             send,
-            by_port,
+            sockets,
             local,
             v6,
             ring,
@@ -312,8 +307,10 @@ impl UringDriver {
             progress = true;
         }
         progress |= self.flush()?;
-        if self.ring.arm_recv(self.recv_sock.as_raw_fd())? {
-            self.stats.recv_arms += 1;
+        for (k, r) in self.recv.iter().enumerate() {
+            if self.ring.arm_recv(k, r.as_raw_fd())? {
+                self.stats.recv_arms += 1;
+            }
         }
         self.arm_wake()?;
         Ok(progress)
@@ -344,7 +341,7 @@ impl UringDriver {
             let tag = c.user_data() & TAG_MASK;
             let low = c.user_data() & !TAG_MASK;
             match tag {
-                TAG_RECV => progress |= self.on_recv(now, c),
+                TAG_RECV => progress |= self.on_recv(now, sys::recv_socket(c.user_data()), c),
                 TAG_SEND => {
                     self.on_send(low as usize, c);
                     progress = true;
@@ -373,7 +370,7 @@ impl UringDriver {
 
     /// One completion of the multishot receive: a buffer with one datagram
     /// or a GRO batch of them.
-    fn on_recv(&mut self, now: Instant, c: &cqueue::Entry) -> bool {
+    fn on_recv(&mut self, now: Instant, plane: usize, c: &cqueue::Entry) -> bool {
         let r = c.result();
         if r < 0 {
             // ENOBUFS: every buffer was in use; the receive ended and is
@@ -400,6 +397,9 @@ impl UringDriver {
                         }
                         for dg in p.chunks(stride) {
                             self.stats.datagrams_received += 1;
+                            if let Some(n) = self.stats.received_per_plane.get_mut(plane) {
+                                *n += 1;
+                            }
                             fault::deliver(
                                 &mut self.faults,
                                 now,
@@ -499,9 +499,9 @@ impl UringDriver {
 
     /// Queues slot `i`, filled with `t`.
     fn queue(&mut self, i: usize, t: &Transmit) -> std::io::Result<()> {
-        let fd: RawFd = match self.by_port.get(&t.src_port) {
-            Some(&s) => self.send[s].as_raw_fd(),
-            None => self.recv_sock.as_raw_fd(),
+        let fd: RawFd = match self.sockets.send_index(t.src_ip, t.src_port) {
+            Some(s) => self.send[s].as_raw_fd(),
+            None => self.recv[self.sockets.recv_index(t.src_ip)].as_raw_fd(),
         };
         // One segment is a plain datagram.
         let seg = t.segment_size.filter(|&s| s > 0 && s < t.size);

@@ -52,6 +52,19 @@ pub(super) const TAG_WAKE: u64 = 5 << 56;
 /// Mask of the tag.
 pub(super) const TAG_MASK: u64 = 0xff << 56;
 
+/// Bits of a receive's `user_data` below the socket index: its generation.
+const RECV_GEN_BITS: u32 = 40;
+
+/// The `user_data` of receive generation `gen` on socket `k`.
+fn recv_user_data(k: usize, gen: u64) -> u64 {
+    TAG_RECV | ((k as u64) << RECV_GEN_BITS) | (gen & ((1 << RECV_GEN_BITS) - 1))
+}
+
+/// The socket index of a receive completion's `user_data`.
+pub(super) fn recv_socket(user_data: u64) -> usize {
+    ((user_data & !TAG_MASK) >> RECV_GEN_BITS) as usize
+}
+
 /// Sets an `int` socket option (socket2 has no setter for `UDP_GRO`,
 /// `UDP_SEGMENT`, `IP_RECVTOS` on every version).
 pub(super) fn setsockopt_int(
@@ -369,9 +382,10 @@ pub(super) enum SendCqe {
 pub(super) struct Ring {
     ring: IoUring,
     recv_hdr: Box<libc::msghdr>,
-    /// The current multishot receive: its generation and the thread that
-    /// armed it (its completions run as task work of that thread).
-    recv: Option<(u64, std::thread::ThreadId)>,
+    /// The current multishot receive of each receive socket (by the
+    /// driver's index): its generation and the thread that armed it (its
+    /// completions run as task work of that thread).
+    recv: Vec<Option<(u64, std::thread::ThreadId)>>,
     /// Generation of the last receive armed.
     recv_gen: u64,
     /// Multishot receives still in flight (a replaced one until it ends).
@@ -443,7 +457,7 @@ impl Ring {
         Ok(Ring {
             ring,
             recv_hdr,
-            recv: None,
+            recv: Vec::new(),
             recv_gen: 0,
             recv_live: 0,
             bufs,
@@ -479,13 +493,18 @@ impl Ring {
     /// Arms the multishot receive on `fd` unless one armed by this thread
     /// is in flight. One armed by another thread (the driver moved) is
     /// cancelled and replaced, so that receive completions are posted by the
-    /// thread that polls. Returns whether it armed one.
-    pub(super) fn arm_recv(&mut self, fd: RawFd) -> io::Result<bool> {
+    /// thread that polls. Returns whether it armed one. `k` names the
+    /// socket (one receive per socket); generations are unique across
+    /// sockets.
+    pub(super) fn arm_recv(&mut self, k: usize, fd: RawFd) -> io::Result<bool> {
         let me = std::thread::current().id();
-        match self.recv {
+        if self.recv.len() <= k {
+            self.recv.resize(k + 1, None);
+        }
+        match self.recv[k] {
             Some((_, owner)) if owner == me => return Ok(false),
             Some((gen, _)) => {
-                let e = opcode::AsyncCancel::new(TAG_RECV | gen)
+                let e = opcode::AsyncCancel::new(recv_user_data(k, gen))
                     .build()
                     .user_data(TAG_CTRL);
                 // SAFETY: a cancellation refers to no memory.
@@ -496,13 +515,13 @@ impl Ring {
         self.recv_gen += 1;
         let e = opcode::RecvMsgMulti::new(Fd(fd), &*self.recv_hdr, self.bufs.bgid)
             .build()
-            .user_data(TAG_RECV | self.recv_gen);
+            .user_data(recv_user_data(k, self.recv_gen));
         // SAFETY: `recv_hdr` is boxed in `self` and stays until `Drop` has
         // seen every receive end (`recv_live`); the buffers it fills belong
         // to the registered buffer ring, handed over and back under
         // `BufRing`'s rules.
         unsafe { self.push(&e)? };
-        self.recv = Some((self.recv_gen, me));
+        self.recv[k] = Some((self.recv_gen, me));
         self.recv_live += 1;
         Ok(true)
     }
@@ -639,9 +658,11 @@ impl Ring {
         for c in &out {
             if c.user_data() & TAG_MASK == TAG_RECV && !cqueue::more(c.flags()) {
                 self.recv_live = self.recv_live.saturating_sub(1);
-                let gen = c.user_data() & !TAG_MASK;
-                if self.recv.is_some_and(|(g, _)| g == gen) {
-                    self.recv = None;
+                let ud = c.user_data();
+                if let Some(r) = self.recv.get_mut(recv_socket(ud)) {
+                    if r.is_some_and(|(g, _)| recv_user_data(recv_socket(ud), g) == ud) {
+                        *r = None;
+                    }
                 }
             }
         }

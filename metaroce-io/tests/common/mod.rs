@@ -50,9 +50,14 @@ impl<D: IoDriver> Pair<D> {
     /// Binds both ends with `cfg` and connects them (handshake within
     /// `limit`, at most 10 s).
     pub fn connect(cfg: DriverConfig, limit: Duration) -> Self {
+        Self::connect_with(cfg.clone(), cfg, limit)
+    }
+
+    /// Like [`connect`](Self::connect), with each end's own configuration.
+    pub fn connect_with(cfg_a: DriverConfig, cfg_b: DriverConfig, limit: Duration) -> Self {
         let start = Instant::now();
-        let mut a = D::bind(cfg.clone()).expect("bind a");
-        let mut b = D::bind(cfg).expect("bind b");
+        let mut a = D::bind(cfg_a).expect("bind a");
+        let mut b = D::bind(cfg_b).expect("bind b");
         let (conn_a, conn_b) =
             metaroce_io::connect_pair(&mut a, &mut b, limit.min(Duration::from_secs(10)))
                 .expect("handshake");

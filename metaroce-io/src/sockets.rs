@@ -1,0 +1,160 @@
+//! The UDP sockets of one driver, for both backends: per plane a receive
+//! socket on the listen port and one send socket per source port (the same
+//! port numbers on every plane, so that a path keeps its entropy whichever
+//! plane it is on).
+
+use crate::{DriverConfig, DriverError};
+use metaroce_proto::EndpointConfig;
+use socket2::{Domain, Protocol, Socket, Type};
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr, UdpSocket};
+
+/// How often a port is chosen anew when it is free on plane 0 but taken on
+/// another plane's address.
+const PORT_ATTEMPTS: usize = 32;
+
+/// A UDP socket bound to `addr` with kernel buffers of `buffer` bytes (blocking).
+pub(crate) fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<UdpSocket, DriverError> {
+    let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+    // Larger kernel buffers absorb bursts; the kernel may clamp them.
+    let _ = s.set_recv_buffer_size(buffer);
+    let _ = s.set_send_buffer_size(buffer);
+    // Never fragment: a fragment carries no UDP port, so ECMP could not
+    // spray it, and one lost fragment loses the datagram. Too large a
+    // datagram fails loudly instead (see `max_udp_payload`).
+    crate::mtu::set_dont_fragment(&s, addr.is_ipv6());
+    s.bind(&addr.into())
+        .map_err(|source| DriverError::Bind { addr, source })?;
+    Ok(s.into())
+}
+
+/// Binds `port` (0: a free one) on every address of `ips`: one socket per
+/// address, all with the same port number.
+fn bind_on_all(ips: &[IpAddr], port: u16, buffer: usize) -> Result<Vec<UdpSocket>, DriverError> {
+    let mut last = None;
+    for _ in 0..PORT_ATTEMPTS {
+        let first = udp_socket(SocketAddr::new(ips[0], port), buffer)?;
+        let chosen = first.local_addr()?.port();
+        let mut all = vec![first];
+        for &ip in &ips[1..] {
+            match udp_socket(SocketAddr::new(ip, chosen), buffer) {
+                Ok(s) => all.push(s),
+                // Taken there: with a port of our choosing, try another.
+                Err(DriverError::Bind { addr, source })
+                    if port == 0 && source.kind() == std::io::ErrorKind::AddrInUse =>
+                {
+                    last = Some(DriverError::Bind { addr, source });
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if all.len() == ips.len() {
+            return Ok(all);
+        }
+    }
+    Err(last.expect("only a port taken on another plane retries"))
+}
+
+/// The bound sockets.
+pub(crate) struct Sockets {
+    /// Receive sockets, plane 0 first.
+    pub recv: Vec<UdpSocket>,
+    /// Send sockets, plane-major: plane `k`'s socket for `ports[j]` is
+    /// `send[k * ports.len() + j]`.
+    pub send: Vec<UdpSocket>,
+    /// The source ports, the same on every plane.
+    pub ports: Vec<u16>,
+    /// The local address of each plane.
+    pub ips: Vec<IpAddr>,
+    /// The address peers reach plane 0 at.
+    pub local: SocketAddr,
+    by_src: HashMap<(IpAddr, u16), usize>,
+}
+
+impl Sockets {
+    /// Binds what `cfg` asks for: `cfg.listen` and `cfg.planes`, each with
+    /// the listen port and `cfg.send_sockets` source ports.
+    pub fn bind(cfg: &DriverConfig) -> Result<Sockets, DriverError> {
+        let mut ips = vec![cfg.listen.ip()];
+        for &ip in &cfg.planes {
+            if ip.is_unspecified() || cfg.listen.ip().is_unspecified() {
+                return Err(DriverError::Config(
+                    "every plane needs a specific local address (not 0.0.0.0 or ::)".into(),
+                ));
+            }
+            if ip.is_ipv4() != cfg.listen.is_ipv4() || ips.contains(&ip) {
+                return Err(DriverError::Config(format!(
+                    "plane address {ip}: planes need distinct addresses of one family"
+                )));
+            }
+            ips.push(ip);
+        }
+        if ips.len() > metaroce_proto::consts::MAX_PLANES {
+            return Err(DriverError::Config(format!(
+                "at most {} planes",
+                metaroce_proto::consts::MAX_PLANES
+            )));
+        }
+        let recv = bind_on_all(&ips, cfg.listen.port(), cfg.socket_buffer)?;
+        let n = cfg.send_sockets.max(1);
+        let mut per_port = Vec::with_capacity(n);
+        for _ in 0..n {
+            per_port.push(bind_on_all(&ips, 0, cfg.socket_buffer)?);
+        }
+        let ports: Vec<u16> = per_port
+            .iter()
+            .map(|s| s[0].local_addr().map(|a| a.port()))
+            .collect::<Result<_, _>>()?;
+        // Port-major as bound, plane-major as kept: each port's sockets
+        // come out in plane order.
+        let mut columns: Vec<_> = per_port.into_iter().map(Vec::into_iter).collect();
+        let mut send = Vec::with_capacity(n * ips.len());
+        let mut by_src = HashMap::new();
+        for &ip in &ips {
+            for (j, column) in columns.iter_mut().enumerate() {
+                let sock = column.next().expect("one socket per plane");
+                by_src.insert((ip, ports[j]), send.len());
+                send.push(sock);
+            }
+        }
+        let local = recv[0].local_addr()?;
+        Ok(Sockets {
+            local,
+            recv,
+            send,
+            ports,
+            ips,
+            by_src,
+        })
+    }
+
+    /// The send socket for a transmit from `src_ip` (`None`: plane 0) and
+    /// `port`, if there is one.
+    pub fn send_index(&self, src_ip: Option<IpAddr>, port: u16) -> Option<usize> {
+        self.by_src
+            .get(&(src_ip.unwrap_or(self.ips[0]), port))
+            .copied()
+    }
+
+    /// The receive socket of the plane of `src_ip` (plane 0 if none): what
+    /// sends a transmit whose port has no send socket of its own.
+    pub fn recv_index(&self, src_ip: Option<IpAddr>) -> usize {
+        src_ip
+            .and_then(|ip| self.ips.iter().position(|&p| p == ip))
+            .unwrap_or(0)
+    }
+
+    /// `endpoint` with what was bound: listen port, source ports and, with
+    /// several planes, their addresses.
+    pub fn endpoint_config(&self, mut endpoint: EndpointConfig) -> EndpointConfig {
+        endpoint.listen_port = self.local.port();
+        endpoint.source_ports = self.ports.clone();
+        endpoint.plane_ips = if self.ips.len() > 1 {
+            self.ips.clone()
+        } else {
+            Vec::new()
+        };
+        endpoint
+    }
+}
