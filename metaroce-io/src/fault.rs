@@ -8,7 +8,7 @@
 use crate::DriverStats;
 use metaroce_proto::{Ecn, Endpoint, Instant};
 use std::collections::VecDeque;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 /// What to do to received datagrams before the core sees them.
@@ -33,6 +33,7 @@ use std::time::Duration;
 ///     reorder: 0.01,
 ///     reorder_delay: Duration::from_micros(200),
 ///     per_path: None,
+///     per_source: None,
 /// };
 /// assert!(cfg.faults.is_active());
 /// assert!(!FaultConfig::default().is_active());
@@ -52,6 +53,10 @@ pub struct FaultConfig {
     /// Only datagrams from these UDP source ports (the peer's paths) are
     /// touched; `None`: all.
     pub per_path: Option<Vec<u16>>,
+    /// Only datagrams from these peer addresses (for instance the address
+    /// of one of the peer's planes) are touched; `None`: all. With
+    /// `per_path` too, a datagram must match both.
+    pub per_source: Option<Vec<IpAddr>>,
 }
 
 impl FaultConfig {
@@ -71,6 +76,21 @@ impl FaultConfig {
         FaultConfig {
             drop: 1.0,
             per_path: Some(ports),
+            ..FaultConfig::default()
+        }
+    }
+
+    /// Drops every datagram from the peer addresses `ips`: a plane that
+    /// failed.
+    ///
+    /// ```
+    /// let f = metaroce_io::FaultConfig::blackhole_sources(vec!["10.0.1.2".parse().unwrap()]);
+    /// assert!(f.is_active() && f.per_path.is_none());
+    /// ```
+    pub fn blackhole_sources(ips: Vec<IpAddr>) -> Self {
+        FaultConfig {
+            drop: 1.0,
+            per_source: Some(ips),
             ..FaultConfig::default()
         }
     }
@@ -138,11 +158,19 @@ impl Faults {
         ep: &mut Endpoint,
         stats: &mut DriverStats,
     ) {
-        if let Some(ports) = &self.cfg.per_path {
-            if !ports.contains(&from.port()) {
-                ep.handle_datagram(now, from, ecn, dg);
-                return;
-            }
+        let untouched = self
+            .cfg
+            .per_path
+            .as_ref()
+            .is_some_and(|ports| !ports.contains(&from.port()))
+            || self
+                .cfg
+                .per_source
+                .as_ref()
+                .is_some_and(|ips| !ips.contains(&from.ip()));
+        if untouched {
+            ep.handle_datagram(now, from, ecn, dg);
+            return;
         }
         if self.chance(self.cfg.drop) {
             stats.faults_dropped += 1;

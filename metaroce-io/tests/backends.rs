@@ -10,7 +10,9 @@
 mod common;
 
 use common::{pattern, runnable, Pair};
-use metaroce_io::{Backend, Driver, DriverConfig, IoDriver, PortableDriver, UringDriver};
+use metaroce_io::{
+    Backend, Driver, DriverConfig, FaultConfig, IoDriver, PortableDriver, UringDriver,
+};
 use metaroce_proto::verbs::*;
 use metaroce_proto::{EndpointConfig, Event};
 use std::time::{Duration, Instant};
@@ -393,21 +395,26 @@ fn the_enum_driver_runs_the_suite_too() {
     assert_ne!(p.a.backend(), Backend::Auto);
 }
 
-/// Two planes per end on loopback addresses (127.0.0.1 + .2 against .3 +
-/// .4): a WRITE checked byte for byte, with the paths spread over both
-/// planes and both planes carrying data.
-fn two_planes<D: IoDriver>(name: &str) {
+/// Two ends with two planes each on loopback addresses: 127.0.0.1 + .2
+/// against .3 + .4.
+fn two_plane_pair<D: IoDriver>() -> Pair<D> {
     let plane = |listen: &str, extra: &str| {
         let mut c = config(16);
         c.listen = listen.parse().unwrap();
         c.planes = vec![extra.parse().unwrap()];
         c
     };
-    let mut p = Pair::<D>::connect_with(
+    Pair::<D>::connect_with(
         plane("127.0.0.1:0", "127.0.0.2"),
         plane("127.0.0.3:0", "127.0.0.4"),
         LIMIT,
-    );
+    )
+}
+
+/// A WRITE over two planes checked byte for byte, with the paths spread
+/// over both planes and both planes carrying data.
+fn two_planes<D: IoDriver>(name: &str) {
+    let mut p = two_plane_pair::<D>();
     assert_eq!(p.a.endpoint().config().plane_ips.len(), 2, "{name}");
     p.write_checked(name, 8 << 20, 4);
     let stats = p.a.endpoint().connection_stats(p.conn_a).unwrap();
@@ -432,6 +439,46 @@ fn two_planes<D: IoDriver>(name: &str) {
         "{rb:?}"
     );
     assert!(ra[0] > 0 && ra[1] > 0, "{ra:?}");
+}
+
+/// Plane 1 dies in both directions before the transfer (everything from
+/// the peer's plane-1 address is dropped, at both ends): its paths fail and
+/// the WRITE completes on plane 0, every byte intact.
+fn a_dead_plane<D: IoDriver>(name: &str) {
+    let mut p = two_plane_pair::<D>();
+    p.b.set_faults(FaultConfig::blackhole_sources(vec!["127.0.0.2"
+        .parse()
+        .unwrap()]));
+    p.a.set_faults(FaultConfig::blackhole_sources(vec!["127.0.0.4"
+        .parse()
+        .unwrap()]));
+    p.write_checked(name, 4 << 20, 4);
+    let stats = p.a.endpoint().connection_stats(p.conn_a).unwrap();
+    let failed: u64 = stats
+        .paths
+        .iter()
+        .filter(|x| x.plane == 1)
+        .map(|x| x.failures)
+        .sum();
+    let dropped = p.b.stats().faults_dropped;
+    println!("{name}: plane-1 path failures {failed}, dropped at b {dropped}");
+    assert!(
+        dropped > 0,
+        "{name}: plane 1 was used and its datagrams dropped"
+    );
+    assert!(failed > 0, "{name}: plane 1's paths were declared failed");
+}
+
+#[test]
+fn a_dead_plane_portable() {
+    a_dead_plane::<PortableDriver>("portable");
+}
+
+#[test]
+fn a_dead_plane_io_uring() {
+    if runnable("io_uring") {
+        a_dead_plane::<UringDriver>("io_uring");
+    }
 }
 
 #[test]

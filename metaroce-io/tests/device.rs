@@ -353,6 +353,7 @@ async fn write_through_loss(backend: Backend, loss: f64) {
         reorder: 0.02,
         reorder_delay: Duration::from_micros(300),
         per_path: None,
+        per_source: None,
     };
     let (a, b) = pair(backend, faults).await;
     let len = 4 << 20;

@@ -43,6 +43,7 @@ fn lossy(seed: u64, p: f64) -> FaultConfig {
         reorder: 0.02,
         reorder_delay: Duration::from_micros(300),
         per_path: None,
+        per_source: None,
     }
 }
 
