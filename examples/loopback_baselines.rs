@@ -4,11 +4,13 @@
 //! small-message latency.
 //!
 //! ```sh
-//! cargo run --release --example loopback_baselines -- [SECONDS]
+//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS]]
 //! ```
 //!
-//! Prints each figure and metaroce's ratio to it. The machine is shared and
-//! noisy: compare ratios, not absolute numbers.
+//! Prints each figure, metaroce's ratio to it and the CPU cycles each spent
+//! per byte (process CPU time × the nominal clock, both ends), round by
+//! round, then the median ratios. The machine is shared and noisy: compare
+//! ratios, not absolute numbers.
 
 use metaroce_io::{connect_pair, Driver, DriverConfig};
 use metaroce_proto::verbs::*;
@@ -311,21 +313,91 @@ fn metaroce_ping_pong_us(rounds: usize) -> (f64, f64) {
     (q(0.5), q(0.99))
 }
 
+/// CPU time this process has used so far (all threads, user + system),
+/// from `/proc/self/stat` (in clock ticks of 10 ms).
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name (which is in parentheses).
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    // utime and stime are fields 14 and 15, the 12th and 13th after ')'.
+    (f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)) as f64 / 100.0
+}
+
+/// The CPU clock in Hz, from `/proc/cpuinfo` (0 if unknown).
+fn cpu_hz() -> f64 {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("cpu MHz")?
+                .split(':')
+                .nth(1)?
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+        .map_or(0.0, |mhz| mhz * 1e6)
+}
+
+/// Runs a throughput measurement: its Gbit/s and the CPU cycles it spent
+/// per byte moved (both ends, user + kernel).
+fn measured(f: impl FnOnce() -> f64) -> (f64, f64) {
+    let (c0, t0) = (cpu_seconds(), Instant::now());
+    let gbps = f();
+    let (cpu, wall) = (cpu_seconds() - c0, t0.elapsed().as_secs_f64());
+    let bytes = gbps * 1e9 / 8.0 * wall;
+    (gbps, cpu * cpu_hz() / bytes)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 fn main() {
     let secs: f64 = std::env::args()
         .nth(1)
         .map_or(2.0, |a| a.parse().expect("seconds"));
-    let tcp = tcp_gbps(secs);
-    let udp = udp_gso_gbps(secs);
-    let mr = metaroce_write_gbps(secs);
-    println!("throughput (Gbit/s): metaroce WRITE 64 KiB {mr:.2} | raw UDP GSO/GRO {udp:.2} | TCP {tcp:.2}");
+    let rounds: usize = std::env::args()
+        .nth(2)
+        .map_or(3, |a| a.parse().expect("rounds"));
+    // Alternating rounds, so that a noisy shared machine disturbs all
+    // alike; the ratios are medians over the rounds' own ratios.
+    let (mut r_udp, mut r_tcp, mut r_cyc, mut r_lat) = (vec![], vec![], vec![], vec![]);
+    for round in 1..=rounds {
+        let (tcp, tcp_c) = measured(|| tcp_gbps(secs));
+        let (udp, udp_c) = measured(|| udp_gso_gbps(secs));
+        let (mr, mr_c) = measured(|| metaroce_write_gbps(secs));
+        println!("round {round}");
+        println!("  throughput (Gbit/s): metaroce WRITE 64 KiB {mr:.2} | raw UDP GSO/GRO {udp:.2} | TCP {tcp:.2}");
+        println!(
+            "  metaroce / raw UDP = {:.2}   metaroce / TCP = {:.2}",
+            mr / udp,
+            mr / tcp
+        );
+        println!("  CPU cycles per byte (both ends): metaroce {mr_c:.2} | raw UDP {udp_c:.2} | TCP {tcp_c:.2}");
+        let (up50, up99) = udp_ping_pong_us(20_000);
+        let (mp50, mp99) = metaroce_ping_pong_us(20_000);
+        println!("  8 B round trip (us): metaroce SEND p50 {mp50:.1} p99 {mp99:.1} | raw UDP p50 {up50:.1} p99 {up99:.1}");
+        println!(
+            "  metaroce / raw UDP: p50 {:.2}, p99 {:.2}",
+            mp50 / up50,
+            mp99 / up99
+        );
+        r_udp.push(mr / udp);
+        r_tcp.push(mr / tcp);
+        r_cyc.push(mr_c / udp_c);
+        r_lat.push(mp50 / up50);
+    }
     println!(
-        "  metaroce / raw UDP = {:.2}   metaroce / TCP = {:.2}",
-        mr / udp,
-        mr / tcp
+        "medians over {rounds} rounds: metaroce/raw UDP {:.2}, metaroce/TCP {:.2}, cycles per byte metaroce/raw UDP {:.2}, 8 B RTT p50 metaroce/raw UDP {:.2}",
+        median(r_udp),
+        median(r_tcp),
+        median(r_cyc),
+        median(r_lat)
     );
-    let (up50, up99) = udp_ping_pong_us(20_000);
-    let (mp50, mp99) = metaroce_ping_pong_us(20_000);
-    println!("8 B round trip (us): metaroce SEND p50 {mp50:.1} p99 {mp99:.1} | raw UDP p50 {up50:.1} p99 {up99:.1}");
-    println!("  metaroce / raw UDP p50 = {:.2}", mp50 / up50);
 }
