@@ -87,16 +87,12 @@ fn tokio_lookup(s: &str) -> Result<SocketAddr> {
         .ok_or(format!("{s}: no IPv4 address"))?)
 }
 
-/// The request with number `n`: `len` bytes anyone can recompute.
+/// The request with number `n`: `len` bytes anyone can recompute, and
+/// different for every request and offset.
 fn request(n: u32, len: usize) -> Vec<u8> {
-    let mut x = u64::from(n).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let n = n as usize;
     (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
+        .map(|i| (n.wrapping_mul(131) ^ i.wrapping_mul(7) ^ (i >> 8)) as u8)
         .collect()
 }
 
