@@ -56,8 +56,8 @@ const NS: f64 = 1e-9;
 /// |---|---|
 /// | endpoint | `metaroce_datagrams_{sent,received}_total`, `metaroce_bytes_{sent,received}_total`, `metaroce_connections_opened_total`, `metaroce_cookies_sent_total`, `metaroce_rejects_total{reason}`, `metaroce_connections` |
 /// | connection | `metaroce_connection_{data_packets_sent,data_packets_received,payload_bytes_sent,payload_bytes_received,retransmits,fast_retransmits,rto_fires,packets_lost,duplicates_received,acks_sent,acks_received,naks_sent,naks_received,probes_sent,path_failures}_total`; `metaroce_connection_{cwnd_bytes,in_flight_bytes,srtt_seconds,rto_seconds,rate_hint_bits_per_second}` |
-/// | path | `metaroce_path_{packets_sent,bytes_sent,packets_acked,packets_lost,retransmits,ecn_ce_marks,failures}_total`; `metaroce_path_{srtt_seconds,cwnd_bytes,in_flight_bytes,source_port,state}` (state: 0 active, 1 probing) |
-/// | driver | `metaroce_driver_{datagrams_sent,datagrams_received,gso_sends,gro_batches,send_errors,recv_dropped,faults_dropped,faults_duplicated,faults_delayed}_total` (from [`update_driver`](Self::update_driver)) |
+/// | path | `metaroce_path_{packets_sent,bytes_sent,packets_acked,packets_lost,retransmits,ecn_ce_marks,failures}_total`; `metaroce_path_{srtt_seconds,cwnd_bytes,in_flight_bytes,source_port,plane,state}` (state: 0 active, 1 probing) |
+/// | driver | `metaroce_driver_{datagrams_sent,datagrams_received,gso_sends,gro_batches,send_errors,recv_dropped,faults_dropped,faults_duplicated,faults_delayed}_total`, `metaroce_driver_plane_datagrams_received_total{plane}` (from [`update_driver`](Self::update_driver)) |
 ///
 /// `fast_retransmits` are the retransmissions a SACK gap caused; `rto_fires`
 /// the retransmission timeouts. Series of connections that closed are
@@ -83,6 +83,7 @@ pub struct Metrics {
     path_counters: Vec<Counter<PathStats>>,
     path_gauges: Vec<Gauge<PathStats>>,
     driver: Vec<Counter<DriverStats>>,
+    plane_received: IntCounterVec,
     /// Label values of the connections and paths seen on the last update.
     seen_conns: HashSet<String>,
     seen_paths: HashSet<(String, String)>,
@@ -239,6 +240,14 @@ impl Metrics {
                 |s| f64::from(s.src_port),
             ),
             (
+                gauge(
+                    "metaroce_path_plane",
+                    "Plane the path runs on (0 first).",
+                    p,
+                )?,
+                |s| f64::from(s.plane),
+            ),
+            (
                 gauge("metaroce_path_state", "Path state: 0 active, 1 probing.", p)?,
                 |s| match s.state {
                     Some(PathState::Probing) => 1.0,
@@ -257,7 +266,13 @@ impl Metrics {
             faults_duplicated: "Received datagrams the fault injector duplicated.",
             faults_delayed: "Received datagrams the fault injector held back.",
         );
+        let plane_received = counter(
+            "metaroce_driver_plane_datagrams_received_total",
+            "Datagrams read from the kernel on each plane's address.",
+            &["plane"],
+        )?;
         Ok(Metrics {
+            plane_received,
             registry,
             name: name.to_string(),
             endpoint,
@@ -345,6 +360,11 @@ impl Metrics {
     pub fn update_driver(&mut self, s: &DriverStats) {
         for (c, f) in &self.driver {
             set_counter(&c.with_label_values::<&str>(&[]), f(s));
+        }
+        for (k, &n) in s.received_per_plane.iter().enumerate() {
+            if n > 0 {
+                set_counter(&self.plane_received.with_label_values(&[&k.to_string()]), n);
+            }
         }
     }
 

@@ -439,6 +439,17 @@ fn two_planes<D: IoDriver>(name: &str) {
         "{rb:?}"
     );
     assert!(ra[0] > 0 && ra[1] > 0, "{ra:?}");
+    // The metrics say the same, per plane and per path.
+    let mut m = metaroce_io::Metrics::new("b").unwrap();
+    m.update_driver(&p.b.stats());
+    m.update(p.b.endpoint());
+    let text = m.encode();
+    let line = format!(
+        "metaroce_driver_plane_datagrams_received_total{{endpoint=\"b\",plane=\"1\"}} {}",
+        rb[1]
+    );
+    assert!(text.contains(&line), "{name}: no `{line}` in\n{text}");
+    assert!(text.contains("metaroce_path_plane{"), "{name}");
 }
 
 /// Plane 1 dies in both directions before the transfer (everything from
