@@ -89,7 +89,7 @@ pub use oob::{OobDecodeError, QpEndpoint, RemoteMr};
 
 use crate::{Backend, DriverConfig, DriverError, Metrics, Waker};
 use metaroce_proto::verbs::*;
-use metaroce_proto::{ConnectionError, ConnectionState, EndpointStats};
+use metaroce_proto::{ConnectionError, ConnectionState, ConnectionStats, EndpointStats};
 use std::collections::VecDeque;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -333,6 +333,13 @@ impl Connection {
     pub async fn state(&self) -> Result<Option<ConnectionState>, ApiError> {
         let c = self.conn;
         self.dev.call(|r| Command::ConnState(c, r)).await
+    }
+
+    /// The connection's counters and per-path telemetry (RTT, window,
+    /// losses, ECN marks, state, plane); `None` once released.
+    pub async fn stats(&self) -> Result<Option<ConnectionStats>, ApiError> {
+        let c = self.conn;
+        self.dev.call(|r| Command::ConnStats(c, r)).await
     }
 
     /// Closes the connection: the peer is told, every QP bound to it moves

@@ -6,7 +6,7 @@
 use super::{ApiError, CqSink, Incoming};
 use crate::{Driver, DriverConfig, DriverError, Metrics, Waker};
 use metaroce_proto::verbs::*;
-use metaroce_proto::{ConnectionError, ConnectionState, EndpointStats, Event};
+use metaroce_proto::{ConnectionError, ConnectionState, ConnectionStats, EndpointStats, Event};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::mpsc::{self, TryRecvError};
@@ -85,6 +85,7 @@ pub(super) enum Command {
     Connect(SocketAddr, Reply<ConnectionHandle>),
     Close(ConnectionHandle, Reply<()>),
     ConnState(ConnectionHandle, Reply<Option<ConnectionState>>),
+    ConnStats(ConnectionHandle, Reply<Option<ConnectionStats>>),
     Stats(Reply<EndpointStats>),
 }
 
@@ -310,6 +311,9 @@ impl Worker {
             }
             Command::ConnState(c, r) => {
                 let _ = r.send(Ok(ep.connection_state(c)));
+            }
+            Command::ConnStats(c, r) => {
+                let _ = r.send(Ok(ep.connection_stats(c)));
             }
             Command::Stats(r) => {
                 let _ = r.send(Ok(ep.stats()));
