@@ -242,6 +242,8 @@ struct PathReport {
     packets: u64,
     retransmits: u64,
     lost: u64,
+    /// Packets declared lost that arrived after all.
+    spurious: u64,
     ecn_marks: u64,
     rtt_us: f64,
 }
@@ -1360,6 +1362,7 @@ fn client_run(
                 packets: p.packets_sent,
                 retransmits: p.retransmits,
                 lost: p.packets_lost,
+                spurious: p.spurious_losses,
                 ecn_marks: p.ce_marks,
                 rtt_us: p.srtt_ns as f64 / 1000.0,
             })

@@ -49,6 +49,9 @@ pub struct PathStats {
     pub packets_lost: u64,
     /// Retransmissions sent on this path.
     pub retransmits: u64,
+    /// Packets declared lost (by time or timeout) that were acknowledged
+    /// afterwards: the declaration was premature.
+    pub spurious_losses: u64,
     /// CE marks the peer echoed for this path.
     pub ce_marks: u64,
     /// Smoothed RTT in ns (0 before a sample).
@@ -91,6 +94,17 @@ pub(crate) struct PathTx {
     pub(crate) consecutive_lost: u32,
     /// Window to restart from when a probe succeeds.
     restart_window: u64,
+    /// Least time a packet waits before it is declared lost, by time or by
+    /// timeout: a little more than the longest a packet this path declared
+    /// lost turned out to take (it was acknowledged after all). Zero until
+    /// that happens; decays with every ACK that delivers on the path. A
+    /// queue deeper than the RTT estimate allows (a slow link's buffer)
+    /// would otherwise turn into retransmissions of packets still in it, and
+    /// each one would free window for more packets into the same queue.
+    late_floor: Duration,
+    /// Ring slots whose packet was declared lost and has not been
+    /// acknowledged since (bit `slot`): an ACK may still show it arrived.
+    lost_slots: [u64; SACK_BITS as usize / 64],
     /// Time of the previous ACK that carried this path (for the CC's clock).
     pub(crate) last_ack_at: Instant,
     last_rx_echo: u32,
@@ -127,6 +141,8 @@ impl PathTx {
             newest_delivered: Instant::ZERO,
             consecutive_lost: 0,
             restart_window: restart,
+            late_floor: Duration::ZERO,
+            lost_slots: [0; SACK_BITS as usize / 64],
             last_ack_at: Instant::ZERO,
             last_rx_echo: 0,
             last_ce_echo: 0,
@@ -154,7 +170,17 @@ impl PathTx {
     /// The path's retransmission timeout, backoff included.
     pub(crate) fn rto(&self) -> Duration {
         let shift = self.backoff.min(16);
-        (self.rtt.rto() * (1u32 << shift)).min(self.rtt.max_rto())
+        (self.rtt.rto() * (1u32 << shift))
+            .max(self.late_floor())
+            .min(self.rtt.max_rto())
+    }
+
+    /// The floor in force (see `late_floor`): at most four smoothed RTTs,
+    /// so that one packet held up by a stall of the host does not slow the
+    /// path's loss recovery for long.
+    pub(crate) fn late_floor(&self) -> Duration {
+        let cap = self.rtt.srtt().map_or(Duration::ZERO, |s| s * 4);
+        self.late_floor.min(cap)
     }
 
     /// When the path's oldest outstanding packet times out.
@@ -186,6 +212,7 @@ impl PathTx {
         self.src_port = new_port;
         // A new route: its probe gets a plain timeout, not the old route's backoff.
         self.backoff = 0;
+        self.late_floor = Duration::ZERO;
         self.cc.reset(min_window);
         self.stats.failures += 1;
         self.stats.state = Some(PathState::Probing);
@@ -208,7 +235,9 @@ impl PathTx {
         };
         // Never quicker than a quarter of the minimum RTO: on a host stack
         // RTTs jump with scheduling, and a spurious loss costs a resend.
-        let wait = (srtt + srtt / 4 + self.rtt.rttvar() * 2 + slack).max(self.rtt.min_rto() / 4);
+        let wait = (srtt + srtt / 4 + self.rtt.rttvar() * 2 + slack)
+            .max(self.rtt.min_rto() / 4)
+            .max(self.late_floor());
         let by_age = Instant::from_nanos(now.as_nanos().saturating_sub(crate::time::nanos(wait)));
         let cutoff = by_age.min(Instant::from_nanos(evidence.as_nanos().saturating_sub(1)));
         match self.oldest_outstanding() {
@@ -226,6 +255,76 @@ impl PathTx {
         (psn % SACK_BITS) as usize
     }
 
+    fn set_lost_slot(&mut self, slot: usize, lost: bool) {
+        let (w, m) = (slot / 64, 1u64 << (slot % 64));
+        if lost {
+            self.lost_slots[w] |= m;
+        } else {
+            self.lost_slots[w] &= !m;
+        }
+    }
+
+    /// Marks the packet in `psn`'s slot lost (it must be outstanding).
+    fn mark_lost(&mut self, psn: u32) -> u32 {
+        let slot = Self::slot(psn);
+        let p = &mut self.ring[slot];
+        p.lost = true;
+        let (bytes, csn) = (p.bytes, p.csn);
+        self.in_flight -= u64::from(bytes);
+        self.stats.packets_lost += 1;
+        self.consecutive_lost += 1;
+        self.set_lost_slot(slot, true);
+        csn
+    }
+
+    /// A packet declared lost was acknowledged: the declaration was
+    /// premature, so later ones wait at least as long as it took.
+    fn arrived_after_loss(&mut self, slot: usize, now: Instant) {
+        let p = &mut self.ring[slot];
+        p.acked = true;
+        let took = now.saturating_since(p.sent_at);
+        self.newest_delivered = self.newest_delivered.max(p.sent_at);
+        self.stats.packets_acked += 1;
+        self.stats.spurious_losses += 1;
+        self.late_floor = self.late_floor.max(took + took / 8);
+        self.set_lost_slot(slot, false);
+    }
+
+    /// Declared-lost packets behind `una` that `e` acknowledges. Only PSNs
+    /// within `SACK_BITS` of the next one count: the receiver cannot have
+    /// slid its window past them, so its cumulative point covering one
+    /// means it arrived.
+    fn late_arrivals(&mut self, e: &AckPathEntry, now: Instant, out: &mut impl FnMut(PathEvent)) {
+        if self.lost_slots.iter().all(|&w| w == 0) {
+            return;
+        }
+        let base = self.next_psn.wrapping_sub(SACK_BITS);
+        for w in 0..self.lost_slots.len() {
+            let mut word = self.lost_slots[w];
+            while word != 0 {
+                let b = word.trailing_zeros();
+                word &= word - 1;
+                let slot = w * 64 + b as usize;
+                // The PSN in the ring's span that uses this slot.
+                let off = (slot as u32).wrapping_sub(base) % SACK_BITS;
+                let psn = base.wrapping_add(off);
+                if !seq_lt(psn, self.una) {
+                    continue; // still in the live span: the main walk sees it
+                }
+                let acked = seq_lt(psn, e.ack_psn)
+                    || (seq_lt(e.ack_psn, psn) && e.sack_bit(seq_dist(e.ack_psn, psn) - 1));
+                if acked && !self.ring[slot].acked {
+                    self.arrived_after_loss(slot, now);
+                    let p = self.ring[slot];
+                    out(PathEvent::Acked {
+                        csn: p.csn,
+                        bytes: p.bytes,
+                    });
+                }
+            }
+        }
+    }
+
     /// Records a packet; returns its PSN.
     pub(crate) fn record_send(
         &mut self,
@@ -239,6 +338,7 @@ impl PathTx {
         if self.ring.is_empty() {
             self.ring = vec![SentPkt::default(); SACK_BITS as usize];
         }
+        self.set_lost_slot(Self::slot(psn), false);
         self.ring[Self::slot(psn)] = SentPkt {
             csn,
             sent_at: now,
@@ -256,18 +356,21 @@ impl PathTx {
         psn
     }
 
-    /// Applies one path entry of an ACK. Returns the ECN echo delta
-    /// `(packets, marked)`.
+    /// Applies one path entry of an ACK that arrived at `now`. Returns the
+    /// ECN echo delta `(packets, marked)`.
     pub(crate) fn on_ack(
         &mut self,
         e: &AckPathEntry,
+        now: Instant,
         mut out: impl FnMut(PathEvent),
     ) -> Result<(u64, u64), BogusAck> {
         // The peer cannot acknowledge what was never sent.
         if seq_lt(self.next_psn, e.ack_psn) {
             return Err(BogusAck);
         }
+        self.late_arrivals(e, now, &mut out);
         let mut highest: Option<u32> = None;
+        let mut delivered_any = false;
         let mut psn = self.una;
         while psn != self.next_psn {
             let acked = seq_lt(psn, e.ack_psn)
@@ -276,16 +379,17 @@ impl PathTx {
                 highest = Some(psn);
                 let p = &mut self.ring[Self::slot(psn)];
                 if !p.acked {
-                    p.acked = true;
-                    self.newest_delivered = self.newest_delivered.max(p.sent_at);
-                    self.stats.packets_acked += 1;
-                    if !p.lost {
-                        self.in_flight -= u64::from(p.bytes);
+                    let (csn, bytes) = (p.csn, p.bytes);
+                    if p.lost {
+                        self.arrived_after_loss(Self::slot(psn), now);
+                    } else {
+                        p.acked = true;
+                        self.newest_delivered = self.newest_delivered.max(p.sent_at);
+                        self.stats.packets_acked += 1;
+                        self.in_flight -= u64::from(bytes);
                     }
-                    out(PathEvent::Acked {
-                        csn: p.csn,
-                        bytes: p.bytes,
-                    });
+                    delivered_any = true;
+                    out(PathEvent::Acked { csn, bytes });
                 }
             }
             psn = psn.wrapping_add(1);
@@ -295,18 +399,20 @@ impl PathTx {
         if let Some(h) = highest {
             let mut psn = self.una;
             while psn != h {
-                let p = &mut self.ring[Self::slot(psn)];
+                let p = &self.ring[Self::slot(psn)];
                 if !p.acked && !p.lost {
-                    p.lost = true;
-                    self.in_flight -= u64::from(p.bytes);
-                    self.stats.packets_lost += 1;
-                    self.consecutive_lost += 1;
-                    out(PathEvent::Lost { csn: p.csn });
+                    let csn = self.mark_lost(psn);
+                    out(PathEvent::Lost { csn });
                 }
                 psn = psn.wrapping_add(1);
             }
         }
         self.advance_una();
+        if delivered_any {
+            // The floor fades (by 1/512 per delivering ACK) once packets stop
+            // turning up after their declared loss.
+            self.late_floor -= self.late_floor / 512;
+        }
         // ECN echo: cumulative counters, newer when rx_packets moved forward.
         let mut echo = (0, 0);
         if seq_lt(self.last_rx_echo, e.rx_packets) {
@@ -348,14 +454,11 @@ impl PathTx {
         let mut n = 0;
         let mut psn = self.una;
         while psn != self.next_psn {
-            let p = &mut self.ring[Self::slot(psn)];
+            let p = &self.ring[Self::slot(psn)];
             if !p.acked && !p.lost && p.sent_at <= cutoff {
-                p.lost = true;
-                self.in_flight -= u64::from(p.bytes);
-                self.stats.packets_lost += 1;
-                self.consecutive_lost += 1;
+                let csn = self.mark_lost(psn);
                 n += 1;
-                out(PathEvent::Lost { csn: p.csn });
+                out(PathEvent::Lost { csn });
             }
             psn = psn.wrapping_add(1);
         }
@@ -469,7 +572,9 @@ mod tests {
             r.on_packet(psn, psn == 4);
         }
         let mut ev = Vec::new();
-        let echo = t.on_ack(&r.entry(0), |e| ev.push(e)).unwrap();
+        let echo = t
+            .on_ack(&r.entry(0), Instant::ZERO, |e| ev.push(e))
+            .unwrap();
         assert_eq!(echo, (5, 1));
         let lost: Vec<_> = ev
             .iter()
@@ -492,7 +597,11 @@ mod tests {
         assert_eq!(t.una, 6);
         // The same ACK again changes nothing.
         let mut again = Vec::new();
-        assert_eq!(t.on_ack(&r.entry(0), |e| again.push(e)).unwrap(), (0, 0));
+        assert_eq!(
+            t.on_ack(&r.entry(0), Instant::ZERO, |e| again.push(e))
+                .unwrap(),
+            (0, 0)
+        );
         assert!(again.is_empty());
     }
 
@@ -502,7 +611,7 @@ mod tests {
         t.record_send(0, Instant::ZERO, 10, false);
         let mut e = PathRx::new().entry(0);
         e.ack_psn = 5;
-        assert_eq!(t.on_ack(&e, |_| {}), Err(BogusAck));
+        assert_eq!(t.on_ack(&e, Instant::ZERO, |_| {}), Err(BogusAck));
     }
 
     #[test]
@@ -526,6 +635,71 @@ mod tests {
         assert_eq!(ev, vec![PathEvent::Lost { csn: 1 }]);
         assert_eq!(t.oldest_outstanding(), Some(Instant::from_nanos(20)));
         assert_eq!(t.in_flight, 5);
+    }
+
+    #[test]
+    fn a_packet_declared_lost_that_arrives_raises_the_wait() {
+        let ms = |n: u64| Instant::from_nanos(n * 1_000_000);
+        let mut t = tx();
+        t.rtt.sample(Duration::from_millis(3));
+        assert_eq!(t.late_floor(), Duration::ZERO);
+        // Packet 0 sits in a deep queue: the time rule gives up on it at
+        // 7 ms (another path delivered something sent later) ...
+        t.record_send(10, ms(0), 100, false);
+        let mut ev = Vec::new();
+        assert_eq!(
+            t.detect_by_time(ms(7), ms(6), Duration::ZERO, |e| ev.push(e)),
+            1
+        );
+        assert_eq!(ev, vec![PathEvent::Lost { csn: 10 }]);
+        // ... but it arrives: the ACK, at 10 ms, reports it as delivered.
+        let mut r = PathRx::new();
+        r.on_packet(0, false);
+        ev.clear();
+        t.on_ack(&r.entry(0), ms(10), |e| ev.push(e)).unwrap();
+        assert_eq!(
+            ev,
+            vec![PathEvent::Acked {
+                csn: 10,
+                bytes: 100
+            }]
+        );
+        assert_eq!(t.stats.spurious_losses, 1);
+        assert_eq!(
+            t.in_flight, 0,
+            "a packet declared lost left the flight once"
+        );
+        let floor = t.late_floor();
+        assert!(floor >= Duration::from_millis(10), "{floor:?}");
+        assert!(t.rto() >= floor);
+        // The next packet is not given up on before it is that old.
+        t.record_send(11, ms(20), 100, false);
+        assert_eq!(t.detect_by_time(ms(29), ms(28), Duration::ZERO, |_| {}), 0);
+        assert_eq!(t.detect_by_time(ms(32), ms(28), Duration::ZERO, |_| {}), 1);
+        // Delivering ACKs make the floor fade; a new route starts from none.
+        let raw = t.late_floor;
+        t.record_send(12, ms(40), 100, false);
+        r.on_packet(2, false);
+        t.on_ack(&r.entry(0), ms(41), |_| {}).unwrap();
+        assert!(t.late_floor < raw);
+        assert_eq!(t.stats.spurious_losses, 1, "packet 11 never arrived");
+        t.fail(2000, 100);
+        assert_eq!(t.late_floor(), Duration::ZERO);
+    }
+
+    #[test]
+    fn the_late_floor_is_capped_at_four_rtts() {
+        let mut t = tx();
+        t.rtt.sample(Duration::from_millis(1));
+        // One packet held up 100 ms (a stalled host) ...
+        t.record_send(1, Instant::ZERO, 100, false);
+        t.expire(Instant::ZERO, |_| {});
+        let mut r = PathRx::new();
+        r.on_packet(0, false);
+        t.on_ack(&r.entry(0), Instant::from_nanos(100_000_000), |_| {})
+            .unwrap();
+        // ... holds later losses up by four smoothed RTTs at most.
+        assert_eq!(t.late_floor(), Duration::from_millis(4));
     }
 
     #[test]

@@ -725,7 +725,7 @@ impl Endpoint {
                 continue;
             };
             let mut acked_bytes = 0u64;
-            let echo = p.on_ack(&e, |ev| match ev {
+            let echo = p.on_ack(&e, now, |ev| match ev {
                 PathEvent::Acked { csn, bytes } => {
                     acked_bytes += u64::from(bytes);
                     delivered.push(csn);
