@@ -26,35 +26,28 @@ fn run_bounded(args: &[&str], limit: Duration) -> Output {
     bounded(cmd, limit)
 }
 
+/// Runs `metaroce perf client ADDR --json` with `extra` flags (bounded to
+/// 60 s), checks it succeeded and returns its JSON report.
+fn client_json(addr: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec!["perf", "client", addr, "--json"];
+    args.extend_from_slice(extra);
+    let out = run_bounded(&args, Duration::from_secs(60));
+    assert!(
+        out.status.success(),
+        "client {extra:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+/// Short runs of 16 KiB messages on two QPs, on the portable backend.
+const SHORT_PORTABLE: [&str; 8] = ["-D", "0.3", "-s", "16K", "-q", "2", "--backend", "portable"];
+
 #[test]
 fn write_read_send_between_processes() {
     for op in ["write", "read", "send"] {
         let (srv, addr) = start_server(&["--backend", "portable"]);
-        let out = run_bounded(
-            &[
-                "perf",
-                "client",
-                &addr,
-                "--op",
-                op,
-                "-D",
-                "0.3",
-                "-s",
-                "16K",
-                "-q",
-                "2",
-                "--backend",
-                "portable",
-                "--json",
-            ],
-            Duration::from_secs(60),
-        );
-        assert!(
-            out.status.success(),
-            "client ({op}) failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        let v = client_json(&addr, &[&["--op", op][..], &SHORT_PORTABLE].concat());
         assert_eq!(v["op"], op);
         assert_eq!(v["qps"], 2);
         assert_eq!(v["corrupt_bytes"], 0, "{v}");
@@ -75,16 +68,7 @@ fn write_read_send_between_processes() {
 #[test]
 fn default_backend_single_qp_write() {
     let (srv, addr) = start_server(&[]);
-    let out = run_bounded(
-        &["perf", "client", &addr, "-D", "0.3", "--json"],
-        Duration::from_secs(60),
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = client_json(&addr, &["-D", "0.3"]);
     assert_eq!(v["corrupt_bytes"], 0, "{v}");
     assert_eq!(
         v["verified_bytes"].as_u64().unwrap(),
@@ -96,30 +80,7 @@ fn default_backend_single_qp_write() {
 #[test]
 fn bidir_between_processes_checks_both_ways() {
     let (srv, addr) = start_server(&["--backend", "portable"]);
-    let out = run_bounded(
-        &[
-            "perf",
-            "client",
-            &addr,
-            "--bidir",
-            "-D",
-            "0.3",
-            "-s",
-            "16K",
-            "-q",
-            "2",
-            "--backend",
-            "portable",
-            "--json",
-        ],
-        Duration::from_secs(60),
-    );
-    assert!(
-        out.status.success(),
-        "client failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let v = client_json(&addr, &[&["--bidir"][..], &SHORT_PORTABLE].concat());
     let size = v["msg_size"].as_u64().unwrap();
     let mut total = 0;
     for which in ["tx", "rx"] {
