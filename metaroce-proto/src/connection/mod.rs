@@ -184,6 +184,8 @@ pub(crate) struct Connection {
     pub(crate) sent: VecDeque<CsnRecord>,
     pub(crate) retx: VecDeque<u32>,
     pub(crate) in_flight: u64,
+    /// Bytes one ACK releases, smoothed (1/8 gain): the ACK clock's step.
+    pub(crate) ack_batch: u64,
     pub(crate) rtt: RttEstimator,
     /// When the last timeout that counted toward `retry_cnt` happened.
     pub(crate) last_timeout: Instant,
@@ -291,6 +293,7 @@ impl Connection {
             sent: VecDeque::new(),
             retx: VecDeque::new(),
             in_flight: 0,
+            ack_batch: 0,
             rtt,
             last_timeout: now,
             consecutive_rto: 0,
@@ -432,7 +435,12 @@ impl Connection {
         // the paths' ECN and delay reactions.
         let rtt = self.rtt.srtt()?;
         let bytes_per_sec = u64::from(self.rate_hint_kbps) * 1000 / 8;
-        let cap = (bytes_per_sec as f64 * rtt.as_secs_f64() * 1.25) as u64;
+        // Plus one ACK's worth of bytes: the RTT sample leaves out the time
+        // the receiver holds a packet before acking it (delayed and
+        // coalesced ACKs), but bytes are freed only when the ACK arrives, a
+        // batch at a time. Without it a short-RTT connection (5 us: the
+        // batch is a quarter of grant x RTT) idles its link waiting for ACKs.
+        let cap = (bytes_per_sec as f64 * rtt.as_secs_f64() * 1.25) as u64 + self.ack_batch;
         // At least two packets: with one, a small grant waits a whole
         // delayed ACK per packet and falls below itself (the pacer spreads
         // the packets at the grant anyway).
