@@ -196,6 +196,8 @@ pub(crate) struct Connection {
     pub(crate) rate_hint_kbps: u32,
     /// Spreads DATA at the receiver's grant.
     pub(crate) pacer: Pacer,
+    /// What the network adds to each datagram, charged by the pacer.
+    pub(crate) datagram_overhead: u64,
     /// The peer said in the handshake that its ACKs carry grants.
     pub(crate) peer_grants: bool,
     /// Bytes in flight allowed before the first grant (when `peer_grants`).
@@ -304,6 +306,7 @@ impl Connection {
             pacer: Pacer::new(
                 (config.max_gso_segments.max(2) as u64).saturating_mul(u64::from(config.mtu)),
             ),
+            datagram_overhead: u64::from(config.datagram_overhead),
             peer_grants: false,
             first_flight: config.first_flight_bytes,
             rx_csn: RingBitmap::new(0),

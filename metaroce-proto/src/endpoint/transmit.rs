@@ -521,7 +521,7 @@ impl Endpoint {
         let src_port = p.src_port;
         let path_id = p.id;
         c.in_flight += size as u64;
-        c.pacer.sent(now, size as u64);
+        c.pacer.sent(now, size as u64 + c.datagram_overhead);
         c.stats.data_packets_sent += 1;
         if !retransmit {
             c.stats.payload_bytes_sent += payload.len() as u64;
