@@ -220,6 +220,9 @@ pub(crate) struct Connection {
     pub(crate) established_at: Instant,
     pub(crate) naks: VecDeque<NakEntry>,
     pub(crate) dirty_streams: Vec<Qpn>,
+    /// Streams whose progress was reported lately, with how many more ACKs
+    /// repeat it (a lost ACK must not hold a completion until the next one).
+    pub(crate) recent_streams: Vec<(Qpn, u8)>,
 
     // Streams.
     pub(crate) qps: Vec<Qpn>,
@@ -322,6 +325,7 @@ impl Connection {
             established_at: now,
             naks: VecDeque::new(),
             dirty_streams: Vec::new(),
+            recent_streams: Vec::new(),
             qps: Vec::new(),
             qp_rr: 0,
             timer_key: None,
