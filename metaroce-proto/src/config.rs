@@ -68,6 +68,13 @@ pub struct EndpointConfig {
     pub max_gso_segments: usize,
     /// Inbound capacity the receiver shares among its senders (kbit/s); `None`: grant no limit.
     pub receiver_capacity_kbps: Option<u64>,
+    /// Bytes the network adds to every datagram (link, IP and UDP headers
+    /// and framing) that count against a link's rate. The pacer charges
+    /// them on top of the UDP payload, so senders paced at grants that add
+    /// up to a receiver's link rate do not overrun that link (without them,
+    /// 4 KiB datagrams over Ethernet/IPv4 overrun it by about 1%, and an
+    /// incast's queue grows without bound). 0: charge the payload only.
+    pub datagram_overhead: u32,
     /// Local addresses, one per plane (multiplane: one NIC port and address
     /// per independent fabric plane), plane 0 first. Empty: one plane, sent
     /// from [`Endpoint::set_local_ip`](crate::Endpoint::set_local_ip)'s address.
@@ -103,6 +110,7 @@ impl Default for EndpointConfig {
             max_window: DEFAULT_MAX_WINDOW,
             delay_target: DEFAULT_DELAY_TARGET,
             receiver_capacity_kbps: None,
+            datagram_overhead: 0,
             receiver_active_window: DEFAULT_RECEIVER_ACTIVE_WINDOW,
             max_gso_segments: 1,
             plane_ips: Vec::new(),

@@ -168,6 +168,8 @@ impl MetaroceParams {
             receiver_capacity_kbps: self
                 .receiver_hints
                 .then(|| (env.link_gbps * 1e6 * planes as f64).round() as u64),
+            // The grant is the link's rate: pace what the link carries.
+            datagram_overhead: UDP_OVERHEAD,
             plane_ips: if planes > 1 {
                 (0..planes)
                     .map(|p| IpAddr::V4(env.addresses.ip(env.host, p as u8)))

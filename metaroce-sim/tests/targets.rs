@@ -66,19 +66,26 @@ fn series_covers_the_run_and_sums_to_goodput() {
 #[test]
 fn lossless_permutation_goodput() {
     let r = go(&small(500));
-    // Measured 0.773 (start-up included; the handshake and first RTTs
+    // Measured 0.836 (0.773 before the grant cap counted one ACK's bytes;
+    // start-up included; the handshake and first RTTs
     // weigh on a 0.5 ms run).
     assert!(r.goodput_fraction >= 0.70, "{}", r.goodput_fraction);
 }
 
 #[test]
 fn loss_1_percent_keeps_most_of_lossless() {
-    let c = small(500);
+    // The benchmark's workload (256 KiB WRITEs, 4 posted: 1 MiB, ~9 BDPs).
+    // With 64 KiB WRITEs only 256 KiB is posted, about two BDPs, so a hole
+    // being repaired in the oldest WRITE idles the sender: 74.9 / 83.6 =
+    // 0.896 (72.5 / 77.3 = 0.937 while the grant cap still held lossless
+    // runs below the line). That measures the application's posting depth.
+    let mut c = small(500);
+    c.metaroce.chunk_bytes = 256 * 1024;
     let base = go(&c).goodput_gbps;
     let r = go(&with_loss(&c, 0.01));
-    // Measured 72.5 / 77.3 = 0.937.
+    // Measured 82.05 / 83.89 = 0.978.
     assert!(
-        r.goodput_gbps >= 0.90 * base,
+        r.goodput_gbps >= 0.95 * base,
         "{} vs {base}",
         r.goodput_gbps
     );
@@ -90,7 +97,8 @@ fn loss_10_percent_keeps_a_share_of_lossless() {
     let base = go(&c).goodput_gbps;
     let r = go(&with_loss(&c, 0.1));
     let ratio = r.goodput_gbps / base;
-    // Measured 49.8 / 79.6 = 0.626 (a 1 ms run: lost handshakes and the
+    // Measured 53.97 / 87.88 = 0.614 (49.8 / 79.6 = 0.626 before the
+    // grant cap counted one ACK's bytes; 64 KiB WRITEs; a 1 ms run: lost handshakes and the
     // first RTTs weigh more than in the 10 ms benchmark).
     assert!(ratio >= 0.55, "{ratio}");
 }
@@ -104,7 +112,7 @@ fn loss_1_percent_beats_go_back_n() {
         ..c
     })
     .goodput_gbps;
-    // Measured 72.5 vs 48.0 (1.5x; the 5x target is at 64 hosts).
+    // Measured 74.9 vs 48.0 (1.6x; the 5x target is at 64 hosts).
     assert!(m >= 1.3 * g, "{m} vs {g}");
 }
 
@@ -231,4 +239,38 @@ fn ablation_receiver_hints_change_the_incast() {
         on.ecn_marked_fraction,
         off.ecn_marked_fraction
     );
+}
+
+/// 16 hosts, 4 leaves of 4, 4 spines, with the benchmark's workload
+/// (256 KiB WRITEs, 4 outstanding), 2 ms, no byte verification.
+fn bench_like() -> SimConfig {
+    let mut c = small(2_000);
+    c.metaroce.chunk_bytes = 256 * 1024;
+    c
+}
+
+/// Mean goodput from 0.5 ms on (past the handshakes and first grants).
+fn steady(r: &SimReport) -> f64 {
+    let s = &r.goodput_series_gbps[50..];
+    s.iter().sum::<f64>() / s.len() as f64
+}
+
+#[test]
+fn lossless_fraction_and_10_percent_loss_ratio() {
+    let c = bench_like();
+    let base = go(&c);
+    let lossy = go(&with_loss(&c, 0.1));
+    let (b, l) = (steady(&base), steady(&lossy));
+    eprintln!(
+        "lossless {} (steady {b}), 10% loss {} (steady {l}): ratio {}",
+        base.goodput_fraction,
+        lossy.goodput_gbps,
+        l / b
+    );
+    // Measured steady 95.9 Gb/s (whole run 0.929 of line: start-up weighs
+    // on 2 ms).
+    assert!(b >= 95.0, "lossless steady {b} Gb/s");
+    // Measured 87.3 / 95.9 = 0.910 (the physical limit is about 0.90 of
+    // the line: retransmissions take a tenth of every link).
+    assert!(l / b >= 0.88, "10% loss: {l} / {b}");
 }

@@ -184,6 +184,8 @@ pub(crate) struct Connection {
     pub(crate) sent: VecDeque<CsnRecord>,
     pub(crate) retx: VecDeque<u32>,
     pub(crate) in_flight: u64,
+    /// Bytes one ACK releases, smoothed (1/8 gain): the ACK clock's step.
+    pub(crate) ack_batch: u64,
     pub(crate) rtt: RttEstimator,
     /// When the last timeout that counted toward `retry_cnt` happened.
     pub(crate) last_timeout: Instant,
@@ -194,6 +196,8 @@ pub(crate) struct Connection {
     pub(crate) rate_hint_kbps: u32,
     /// Spreads DATA at the receiver's grant.
     pub(crate) pacer: Pacer,
+    /// What the network adds to each datagram, charged by the pacer.
+    pub(crate) datagram_overhead: u64,
     /// The peer said in the handshake that its ACKs carry grants.
     pub(crate) peer_grants: bool,
     /// Bytes in flight allowed before the first grant (when `peer_grants`).
@@ -216,6 +220,9 @@ pub(crate) struct Connection {
     pub(crate) established_at: Instant,
     pub(crate) naks: VecDeque<NakEntry>,
     pub(crate) dirty_streams: Vec<Qpn>,
+    /// Streams whose progress was reported lately, with how many more ACKs
+    /// repeat it (a lost ACK must not hold a completion until the next one).
+    pub(crate) recent_streams: Vec<(Qpn, u8)>,
 
     // Streams.
     pub(crate) qps: Vec<Qpn>,
@@ -291,6 +298,7 @@ impl Connection {
             sent: VecDeque::new(),
             retx: VecDeque::new(),
             in_flight: 0,
+            ack_batch: 0,
             rtt,
             last_timeout: now,
             consecutive_rto: 0,
@@ -301,6 +309,7 @@ impl Connection {
             pacer: Pacer::new(
                 (config.max_gso_segments.max(2) as u64).saturating_mul(u64::from(config.mtu)),
             ),
+            datagram_overhead: u64::from(config.datagram_overhead),
             peer_grants: false,
             first_flight: config.first_flight_bytes,
             rx_csn: RingBitmap::new(0),
@@ -316,6 +325,7 @@ impl Connection {
             established_at: now,
             naks: VecDeque::new(),
             dirty_streams: Vec::new(),
+            recent_streams: Vec::new(),
             qps: Vec::new(),
             qp_rr: 0,
             timer_key: None,
@@ -432,7 +442,12 @@ impl Connection {
         // the paths' ECN and delay reactions.
         let rtt = self.rtt.srtt()?;
         let bytes_per_sec = u64::from(self.rate_hint_kbps) * 1000 / 8;
-        let cap = (bytes_per_sec as f64 * rtt.as_secs_f64() * 1.25) as u64;
+        // Plus one ACK's worth of bytes: the RTT sample leaves out the time
+        // the receiver holds a packet before acking it (delayed and
+        // coalesced ACKs), but bytes are freed only when the ACK arrives, a
+        // batch at a time. Without it a short-RTT connection (5 us: the
+        // batch is a quarter of grant x RTT) idles its link waiting for ACKs.
+        let cap = (bytes_per_sec as f64 * rtt.as_secs_f64() * 1.25) as u64 + self.ack_batch;
         // At least two packets: with one, a small grant waits a whole
         // delayed ACK per packet and falls below itself (the pacer spreads
         // the packets at the grant anyway).

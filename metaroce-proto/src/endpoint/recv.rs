@@ -719,6 +719,7 @@ impl Endpoint {
         let mut delivered = Vec::new();
         let mut lost = Vec::new();
         let mut bogus = false;
+        let mut released = 0u64;
         for e in ack.paths() {
             let Some(p) = c.paths_tx.get_mut(usize::from(e.path_id)) else {
                 bogus = true;
@@ -742,6 +743,7 @@ impl Endpoint {
             if acked_bytes > 0 {
                 p.delivered(now);
             }
+            released = released.saturating_add(acked_bytes);
             // Each path's window follows its own ECN marks and delay.
             let latest = if p.rtt.srtt().is_some() {
                 p.rtt.latest()
@@ -753,6 +755,15 @@ impl Endpoint {
             p.cc.on_ack(acked_bytes, echo_pkts, echo_marked, latest, base, elapsed);
         }
         c.in_flight = c.paths_tx.iter().map(|p| p.in_flight).sum();
+        if released > 0 {
+            // Counted from our own send records, so a forged ACK cannot
+            // claim more than was in flight.
+            c.ack_batch = if c.ack_batch == 0 {
+                released
+            } else {
+                (c.ack_batch * 7 + released) / 8
+            };
+        }
         // The connection-level point covers whatever path a CSN went on.
         if seq_le(h.cum_csn, c.next_csn) {
             let mut csn = c.csn_una;

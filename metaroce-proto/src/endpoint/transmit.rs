@@ -7,6 +7,10 @@
 use super::{Ecn, Endpoint, Transmit};
 use crate::connection::{CsnKind, Ctrl};
 use crate::consts::ACK_PATH_ENTRY_LEN;
+
+/// ACKs after the first that repeat a stream's progress (all of them lost
+/// at 10% loss: 1 in 1,000).
+const STREAM_REPEATS: u8 = 2;
 use crate::time::Instant;
 use crate::verbs::qp::Segment;
 use crate::verbs::Qpn;
@@ -521,7 +525,7 @@ impl Endpoint {
         let src_port = p.src_port;
         let path_id = p.id;
         c.in_flight += size as u64;
-        c.pacer.sent(now, size as u64);
+        c.pacer.sent(now, size as u64 + c.datagram_overhead);
         c.stats.data_packets_sent += 1;
         if !retransmit {
             c.stats.payload_bytes_sent += payload.len() as u64;
@@ -586,15 +590,25 @@ impl Endpoint {
             rate_hint_kbps: hint,
             echo_path: c.last_rx_path,
         };
-        let streams: Vec<Qpn> = std::mem::take(&mut c.dirty_streams);
+        let mut streams: Vec<Qpn> = std::mem::take(&mut c.dirty_streams);
+        // Progress reported lately rides along again: at 10% loss one
+        // completion in ten would otherwise wait for the next message's ACK
+        // (or a progress probe), idling a sender whose requests are all sent.
+        let fresh = streams.len();
+        for &(qpn, _) in &c.recent_streams {
+            if !streams.contains(&qpn) {
+                streams.push(qpn);
+            }
+        }
         let mut entries = Vec::with_capacity(streams.len());
-        for &qpn in &streams {
+        for (i, &qpn) in streams.iter().enumerate() {
             if let Some(idx) = self.qp_index(qpn) {
                 if let Some(q) = self.qps[idx].as_mut() {
-                    entries.push(AckStreamEntry {
+                    let e = AckStreamEntry {
                         qpn: q.remote_qpn,
                         msn_done: q.msn_done,
-                    });
+                    };
+                    entries.push((e, qpn, i < fresh));
                     q.reported_msn_done = q.msn_done;
                 }
             }
@@ -613,11 +627,24 @@ impl Endpoint {
             }
         }
         let mut unsent_streams = Vec::new();
-        for (e, qpn) in entries.iter().zip(&streams) {
-            if b.push_stream(e).is_err() {
-                unsent_streams.push(*qpn);
+        for (e, qpn, fresh) in &entries {
+            let sent = b.push_stream(e).is_ok();
+            if *fresh {
+                if sent {
+                    match c.recent_streams.iter_mut().find(|r| r.0 == *qpn) {
+                        Some(r) => r.1 = STREAM_REPEATS + 1,
+                        None => c.recent_streams.push((*qpn, STREAM_REPEATS + 1)),
+                    }
+                } else {
+                    unsent_streams.push(*qpn);
+                }
             }
         }
+        // One repeat used up by this ACK (fresh entries start one higher).
+        c.recent_streams.retain_mut(|r| {
+            r.1 = r.1.saturating_sub(1);
+            r.1 > 0
+        });
         more |= !unsent_streams.is_empty();
         c.dirty_streams.extend(unsent_streams);
         while let Some(n) = c.naks.front() {
