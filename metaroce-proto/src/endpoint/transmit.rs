@@ -223,18 +223,7 @@ impl Endpoint {
         // on it); a delivered probe makes the path active again.
         let c = self.conns[ci].as_mut()?;
         if let Some(path) = c.probe_path() {
-            c.stats.probes_sent += 1;
-            let csn = c.new_csn(CsnKind::Nop);
-            return self.emit_data(
-                ci,
-                path,
-                csn,
-                CsnKind::Nop,
-                now,
-                &mut buf[..mtu],
-                false,
-                None,
-            );
+            return self.emit_nop(ci, path, now, &mut buf[..mtu], None);
         }
         // Progress probes: a NOP asking for one QP's state at once.
         let c = self.conns[ci].as_mut()?;
@@ -254,18 +243,7 @@ impl Endpoint {
                 };
                 let c = self.conns[ci].as_mut()?;
                 let path = c.pick_path(None, mtu as u64)?;
-                c.stats.probes_sent += 1;
-                let csn = c.new_csn(CsnKind::Nop);
-                return self.emit_data(
-                    ci,
-                    path,
-                    csn,
-                    CsnKind::Nop,
-                    now,
-                    &mut buf[..mtu],
-                    false,
-                    Some((remote, msn)),
-                );
+                return self.emit_nop(ci, path, now, &mut buf[..mtu], Some((remote, msn)));
             }
         }
         let c = self.conns[ci].as_mut()?;
@@ -396,6 +374,21 @@ impl Endpoint {
             t.segment_size = Some(mtu);
         }
         t
+    }
+
+    /// A NOP probe on `path` (asking for one QP's state if `probe`).
+    fn emit_nop(
+        &mut self,
+        ci: usize,
+        path: usize,
+        now: Instant,
+        buf: &mut [u8],
+        probe: Option<(u32, u32)>,
+    ) -> Option<Transmit> {
+        let c = self.conns[ci].as_mut()?;
+        c.stats.probes_sent += 1;
+        let csn = c.new_csn(CsnKind::Nop);
+        self.emit_data(ci, path, csn, CsnKind::Nop, now, buf, false, probe)
     }
 
     /// Encodes one DATA packet for `csn` on `path` and records it.
