@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{bounded, BIN};
+use common::{assert_success, bounded, BIN};
 use std::process::Command;
 use std::time::Duration;
 
@@ -29,11 +29,7 @@ fn the_script_parses_and_explains_itself() {
         .args(["-n", &script()])
         .output()
         .unwrap();
-    assert!(
-        syntax.status.success(),
-        "bash -n: {}",
-        String::from_utf8_lossy(&syntax.stderr)
-    );
+    assert_success(&syntax, "bash -n: ");
     let help = Command::new("bash")
         .args([&script(), "--help"])
         .output()

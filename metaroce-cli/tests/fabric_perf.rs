@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{bounded, server_exit, start_server, Guard as ChildGuard, BIN};
+use common::{assert_success, bounded, server_exit, start_server, Guard as ChildGuard, BIN};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
@@ -138,11 +138,7 @@ fn perf_across_a_two_spine_fabric() {
     // CE marks on 20% of the ECN-capable packets: the sender sees them
     // echoed on its paths (and still gets every byte through).
     let ecn = metaroce(&["fabric", "ecn", "20"]);
-    assert!(
-        ecn.status.success(),
-        "fabric ecn failed: {}",
-        String::from_utf8_lossy(&ecn.stderr)
-    );
+    assert_success(&ecn, "fabric ecn failed: ");
     let marked = perf_across();
     let marks = sum_over_paths(&marked, "ecn_marks");
     let packets = sum_over_paths(&marked, "packets");
@@ -256,11 +252,7 @@ fn perf_across_for(secs: &str) -> serde_json::Value {
     cli.args(["netns", "exec", &ns("h1"), BIN, "perf", "client", &addr])
         .args(["-D", secs, "-q", "2", "--json"]);
     let out = bounded(cli, Duration::from_secs(60));
-    assert!(
-        out.status.success(),
-        "client failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out, "client failed: ");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
     println!(
         "across the fabric: {:.3} Gbit/s, {} retransmits",

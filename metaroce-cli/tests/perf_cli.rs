@@ -1,20 +1,19 @@
 //! `metaroce perf` end to end: the README's main job, run short, on each
 //! backend, with every byte verified.
 
+mod common;
+
+use common::{assert_success, BIN};
 use std::process::Command;
 
 fn perf(args: &[&str]) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_metaroce"))
+    let out = Command::new(BIN)
         .arg("perf")
         .args(args)
         .arg("--json")
         .output()
         .expect("run metaroce perf");
-    assert!(
-        out.status.success(),
-        "metaroce perf failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out, "metaroce perf failed: ");
     serde_json::from_slice(&out.stdout).expect("one JSON object")
 }
 
@@ -63,7 +62,7 @@ fn default_run_picks_a_backend() {
 
 #[test]
 fn bad_flags_are_refused() {
-    let out = Command::new(env!("CARGO_BIN_EXE_metaroce"))
+    let out = Command::new(BIN)
         .args(["perf", "-s", "5G"])
         .output()
         .unwrap();
@@ -131,7 +130,7 @@ fn one_way_runs_have_no_direction_objects() {
 
 #[test]
 fn bidir_text_report_shows_each_direction_and_the_sum() {
-    let out = Command::new(env!("CARGO_BIN_EXE_metaroce"))
+    let out = Command::new(BIN)
         .args([
             "perf",
             "-b",
@@ -144,11 +143,7 @@ fn bidir_text_report_shows_each_direction_and_the_sum() {
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out, "");
     let text = String::from_utf8_lossy(&out.stdout);
     let row = |tag: &str| {
         text.lines()

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{bounded, server_exit, start_server as spawn_server, Guard, BIN};
+use common::{assert_success, bounded, server_exit, start_server as spawn_server, Guard, BIN};
 use std::net::UdpSocket;
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -32,11 +32,7 @@ fn client_json(addr: &str, extra: &[&str]) -> serde_json::Value {
     let mut args = vec!["perf", "client", addr, "--json"];
     args.extend_from_slice(extra);
     let out = run_bounded(&args, Duration::from_secs(60));
-    assert!(
-        out.status.success(),
-        "client {extra:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out, format!("client {extra:?} failed: "));
     serde_json::from_slice(&out.stdout).expect("one JSON object")
 }
 

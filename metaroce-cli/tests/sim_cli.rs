@@ -1,9 +1,12 @@
 //! `metaroce sim` end to end: a tiny fabric, JSON output.
 
+mod common;
+
+use common::{assert_success, BIN};
 use std::process::Command;
 
 fn metaroce() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_metaroce"))
+    Command::new(BIN)
 }
 
 const FIELDS: &[&str] = &[
@@ -41,11 +44,7 @@ fn sim_json_single_run() {
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out, "");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     for f in FIELDS {
         assert!(v.get(f).is_some(), "missing {f}: {v}");
@@ -77,11 +76,7 @@ fn sim_sweep_gives_an_array_and_a_table() {
         "spine:1@0.05",
     ];
     let out = metaroce().args(args).arg("--json").output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out, "");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let runs = v.as_array().unwrap();
     assert_eq!(runs.len(), 4);
@@ -154,11 +149,7 @@ fn sim_series_incast_metrics_and_ablation_knobs() {
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out, "");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["bin_us"], 20.0);
     assert_eq!(v["goodput_series_gbps"].as_array().unwrap().len(), 10);

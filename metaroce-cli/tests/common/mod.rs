@@ -10,6 +10,16 @@ use std::time::{Duration, Instant};
 /// The `metaroce` binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_metaroce");
 
+/// Fails the test, showing `what` and the child's stderr, unless `out`
+/// is a successful exit.
+pub fn assert_success(out: &Output, what: impl std::fmt::Display) {
+    assert!(
+        out.status.success(),
+        "{what}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// A child process killed when dropped (a failing test leaves nothing behind).
 pub struct Guard(pub Child);
 
