@@ -23,8 +23,14 @@ pub const DATA_HEADER_LEN: usize = 40;
 /// Size of the fixed part of an ACK packet, common header included (`ACK_HEADER_LEN`).
 pub const ACK_HEADER_LEN: usize = 28;
 
-/// Size of one per-path entry in an ACK (`ACK_PATH_ENTRY_LEN`).
-pub const ACK_PATH_ENTRY_LEN: usize = 48;
+/// Size of the fixed part of a per-path entry in an ACK
+/// (`ACK_PATH_ENTRY_MIN_LEN`): an entry whose SACK bitvector is all zero
+/// (every packet arrived in order) takes only this.
+pub const ACK_PATH_ENTRY_MIN_LEN: usize = 16;
+
+/// Largest size of one per-path entry in an ACK, the whole SACK bitvector
+/// included (`ACK_PATH_ENTRY_LEN`).
+pub const ACK_PATH_ENTRY_LEN: usize = ACK_PATH_ENTRY_MIN_LEN + SACK_BYTES;
 
 /// Size of one per-stream entry in an ACK (`ACK_STREAM_ENTRY_LEN`).
 pub const ACK_STREAM_ENTRY_LEN: usize = 8;

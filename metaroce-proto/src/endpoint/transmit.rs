@@ -6,7 +6,6 @@
 
 use super::{Ecn, Endpoint, Transmit};
 use crate::connection::{CsnKind, Ctrl};
-use crate::consts::ACK_PATH_ENTRY_LEN;
 
 /// ACKs after the first that repeat a stream's progress (all of them lost
 /// at 10% loss: 1 in 1,000).
@@ -613,7 +612,8 @@ impl Endpoint {
             if !p.dirty {
                 continue;
             }
-            if b.fits(ACK_PATH_ENTRY_LEN) && b.push_path(&p.entry(i as u8)).is_ok() {
+            let entry = p.entry(i as u8);
+            if b.fits(entry.encoded_len()) && b.push_path(&entry).is_ok() {
                 p.dirty = false;
             } else {
                 more = true;

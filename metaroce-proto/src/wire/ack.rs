@@ -15,7 +15,8 @@
 //! | 26 | 1 | `n_naks` | number of NAK entries |
 //! | 27 | 1 | `echo_path` | path id of the packet `ts_echo` came from |
 //!
-//! Then `n_paths` [`AckPathEntry`] (48 bytes each), `n_streams`
+//! Then `n_paths` [`AckPathEntry`] (16 bytes plus the SACK bytes they carry,
+//! at most 48 each), `n_streams`
 //! [`AckStreamEntry`] (8 bytes each), `n_naks` [`NakEntry`] (12 bytes each),
 //! then options as TLVs (`kind` u8, `len` u8, value) to the end of the datagram.
 //! An option whose `kind` has the high bit set is critical: a receiver that
@@ -26,8 +27,8 @@ use super::{
     WireError,
 };
 use crate::consts::{
-    ACK_HEADER_LEN, ACK_NAK_ENTRY_LEN, ACK_PATH_ENTRY_LEN, ACK_STREAM_ENTRY_LEN, MAX_OPTIONS_LEN,
-    MAX_PATHS, SACK_BYTES,
+    ACK_HEADER_LEN, ACK_NAK_ENTRY_LEN, ACK_PATH_ENTRY_MIN_LEN, ACK_STREAM_ENTRY_LEN,
+    MAX_OPTIONS_LEN, MAX_PATHS, SACK_BYTES,
 };
 
 /// The fixed fields of an ACK.
@@ -55,11 +56,16 @@ pub struct AckHeader {
 /// |---|---|---|
 /// | 0 | 1 | `path_id` |
 /// | 1 | 1 | `flags` (sent as 0) |
-/// | 2 | 2 | reserved |
+/// | 2 | 1 | `sack_len`: bytes of the SACK bitvector that follow (0..=32) |
+/// | 3 | 1 | reserved (sent as 0) |
 /// | 4 | 4 | `ack_psn`: every PSN before it was received on this path |
-/// | 8 | 32 | `sack`: bit `i` (byte `i/8`, bit `i%8` from the LSB) set means PSN `ack_psn + 1 + i` was received |
-/// | 40 | 4 | `rx_packets`: DATA packets received on this path (wrapping counter) |
-/// | 44 | 4 | `ce_packets`: of them, CE-marked (wrapping counter; the ECN echo) |
+/// | 8 | 4 | `rx_packets`: DATA packets received on this path (wrapping counter) |
+/// | 12 | 4 | `ce_packets`: of them, CE-marked (wrapping counter; the ECN echo) |
+/// | 16 | `sack_len` | `sack`: bit `i` (byte `i/8`, bit `i%8` from the LSB) set means PSN `ack_psn + 1 + i` was received; bytes beyond `sack_len` are zero |
+///
+/// The SACK is cut after its last non-zero byte, so the common entry of a
+/// path whose packets all arrived in order takes 16 bytes instead of 48:
+/// ACKs cost the reverse direction a third of the bytes they would.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AckPathEntry {
     /// The sender's path index.
@@ -75,6 +81,24 @@ pub struct AckPathEntry {
 }
 
 impl AckPathEntry {
+    /// Bytes of the SACK bitvector on the wire: up to its last non-zero byte.
+    pub fn sack_len(&self) -> usize {
+        self.sack.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1)
+    }
+
+    /// Bytes this entry takes in an ACK.
+    ///
+    /// ```
+    /// use metaroce_proto::wire::AckPathEntry;
+    /// let mut e = AckPathEntry { path_id: 0, ack_psn: 7, sack: [0; 32], rx_packets: 7, ce_packets: 0 };
+    /// assert_eq!(e.encoded_len(), 16, "in order: no SACK bytes");
+    /// e.sack[2] = 0b100; // PSN 7 + 1 + 18 arrived, the ones before it did not
+    /// assert_eq!(e.encoded_len(), 16 + 3);
+    /// ```
+    pub fn encoded_len(&self) -> usize {
+        ACK_PATH_ENTRY_MIN_LEN + self.sack_len()
+    }
+
     /// Whether PSN `ack_psn + 1 + i` is marked received.
     pub fn sack_bit(&self, i: u32) -> bool {
         let i = i as usize;
@@ -157,6 +181,8 @@ pub struct AckPacket<'a> {
     buf: &'a [u8],
     header: AckHeader,
     n_paths: usize,
+    /// Where the path entries end (they vary in length).
+    paths_end: usize,
     n_streams: usize,
     n_naks: usize,
 }
@@ -174,10 +200,21 @@ impl<'a> AckPacket<'a> {
         if n_paths > MAX_PATHS {
             return Err(WireError::InvalidField("n_paths"));
         }
-        let entries_end = ACK_HEADER_LEN
-            + n_paths * ACK_PATH_ENTRY_LEN
-            + n_streams * ACK_STREAM_ENTRY_LEN
-            + n_naks * ACK_NAK_ENTRY_LEN;
+        // Walk the path entries: each says how many SACK bytes it carries.
+        let mut paths_end = ACK_HEADER_LEN;
+        for _ in 0..n_paths {
+            check_len(&buf[paths_end..], ACK_PATH_ENTRY_MIN_LEN)?;
+            if usize::from(buf[paths_end]) >= MAX_PATHS {
+                return Err(WireError::InvalidField("path_id"));
+            }
+            let sack_len = usize::from(buf[paths_end + 2]);
+            if sack_len > SACK_BYTES {
+                return Err(WireError::InvalidField("sack_len"));
+            }
+            check_len(&buf[paths_end..], ACK_PATH_ENTRY_MIN_LEN + sack_len)?;
+            paths_end += ACK_PATH_ENTRY_MIN_LEN + sack_len;
+        }
+        let entries_end = paths_end + n_streams * ACK_STREAM_ENTRY_LEN + n_naks * ACK_NAK_ENTRY_LEN;
         check_len(buf, entries_end)?;
         let header = AckHeader {
             flags: buf[2],
@@ -192,14 +229,10 @@ impl<'a> AckPacket<'a> {
             buf,
             header,
             n_paths,
+            paths_end,
             n_streams,
             n_naks,
         };
-        for i in 0..n_paths {
-            if usize::from(buf[ACK_HEADER_LEN + i * ACK_PATH_ENTRY_LEN]) >= MAX_PATHS {
-                return Err(WireError::InvalidField("path_id"));
-            }
-        }
         let naks_at = pkt.naks_offset();
         for i in 0..n_naks {
             NakCode::from_u8(buf[naks_at + i * ACK_NAK_ENTRY_LEN + 8])?;
@@ -223,7 +256,7 @@ impl<'a> AckPacket<'a> {
     }
 
     fn streams_offset(&self) -> usize {
-        ACK_HEADER_LEN + self.n_paths * ACK_PATH_ENTRY_LEN
+        self.paths_end
     }
 
     fn naks_offset(&self) -> usize {
@@ -242,16 +275,20 @@ impl<'a> AckPacket<'a> {
     /// The per-path entries.
     pub fn paths(&self) -> impl Iterator<Item = AckPathEntry> + 'a {
         let buf = self.buf;
-        (0..self.n_paths).map(move |i| {
-            let b = &buf[ACK_HEADER_LEN + i * ACK_PATH_ENTRY_LEN..];
+        let mut at = ACK_HEADER_LEN;
+        (0..self.n_paths).map(move |_| {
+            // Lengths were validated in `parse`.
+            let b = &buf[at..];
+            let sack_len = usize::from(b[2]).min(SACK_BYTES);
             let mut sack = [0u8; SACK_BYTES];
-            sack.copy_from_slice(&b[8..8 + SACK_BYTES]);
+            sack[..sack_len].copy_from_slice(&b[ACK_PATH_ENTRY_MIN_LEN..][..sack_len]);
+            at += ACK_PATH_ENTRY_MIN_LEN + sack_len;
             AckPathEntry {
                 path_id: b[0],
                 ack_psn: get_u32(b, 4),
                 sack,
-                rx_packets: get_u32(b, 40),
-                ce_packets: get_u32(b, 44),
+                rx_packets: get_u32(b, 8),
+                ce_packets: get_u32(b, 12),
             }
         })
     }
@@ -377,15 +414,18 @@ impl<'b> AckBuilder<'b> {
         if usize::from(e.path_id) >= MAX_PATHS {
             return Err(WireError::InvalidField("path_id"));
         }
-        let at = self.advance(0, 24, ACK_PATH_ENTRY_LEN, MAX_PATHS as u8)?;
-        let b = &mut self.buf[at..at + ACK_PATH_ENTRY_LEN];
+        let sack_len = e.sack_len();
+        let len = e.encoded_len();
+        let at = self.advance(0, 24, len, MAX_PATHS as u8)?;
+        let b = &mut self.buf[at..at + len];
         b[0] = e.path_id;
         b[1] = 0;
-        put_u16(b, 2, 0);
+        b[2] = sack_len as u8;
+        b[3] = 0;
         put_u32(b, 4, e.ack_psn);
-        b[8..8 + SACK_BYTES].copy_from_slice(&e.sack);
-        put_u32(b, 40, e.rx_packets);
-        put_u32(b, 44, e.ce_packets);
+        put_u32(b, 8, e.rx_packets);
+        put_u32(b, 12, e.ce_packets);
+        b[ACK_PATH_ENTRY_MIN_LEN..].copy_from_slice(&e.sack[..sack_len]);
         Ok(())
     }
 
@@ -562,10 +602,59 @@ mod tests {
     }
 
     #[test]
+    fn sack_is_cut_after_its_last_nonzero_byte() {
+        let mut buf = [0u8; 512];
+        let n = build(&mut buf);
+        // Path 3's SACK ends in byte 31 (all 32 sent); path 4's is empty.
+        assert_eq!(
+            n,
+            ACK_HEADER_LEN
+                + 2 * ACK_PATH_ENTRY_MIN_LEN
+                + SACK_BYTES
+                + ACK_STREAM_ENTRY_LEN
+                + ACK_NAK_ENTRY_LEN
+                + 4
+        );
+        let mut sack = [0u8; SACK_BYTES];
+        sack[1] = 0x40;
+        let e = AckPathEntry {
+            path_id: 1,
+            ack_psn: 99,
+            sack,
+            rx_packets: 7,
+            ce_packets: 1,
+        };
+        let mut b = AckBuilder::new(&mut buf, AckHeader::default()).unwrap();
+        b.push_path(&e).unwrap();
+        let n = b.finish();
+        assert_eq!(n, ACK_HEADER_LEN + ACK_PATH_ENTRY_MIN_LEN + 2);
+        let a = AckPacket::parse(&buf[..n], |_| false).unwrap();
+        assert_eq!(a.paths().collect::<Vec<_>>(), vec![e]);
+        // A length beyond the bitvector is refused, not read past.
+        buf[ACK_HEADER_LEN + 2] = SACK_BYTES as u8 + 1;
+        let mut long = buf;
+        assert_eq!(
+            AckPacket::parse(&long[..ACK_HEADER_LEN + 48 + 1], |_| false).unwrap_err(),
+            WireError::InvalidField("sack_len")
+        );
+        // A length whose bytes are missing is truncation.
+        long[ACK_HEADER_LEN + 2] = 20;
+        assert!(matches!(
+            AckPacket::parse(&long[..n], |_| false).unwrap_err(),
+            WireError::Truncated { .. }
+        ));
+    }
+
+    #[test]
     fn rejects_bad_nak_code() {
         let mut buf = [0u8; 512];
         let n = build(&mut buf);
-        let nak_code_at = ACK_HEADER_LEN + 2 * ACK_PATH_ENTRY_LEN + ACK_STREAM_ENTRY_LEN + 8;
+        // Path 3 carries all 32 SACK bytes, path 4 none.
+        let nak_code_at = ACK_HEADER_LEN
+            + (ACK_PATH_ENTRY_MIN_LEN + SACK_BYTES)
+            + ACK_PATH_ENTRY_MIN_LEN
+            + ACK_STREAM_ENTRY_LEN
+            + 8;
         buf[nak_code_at] = 0;
         assert_eq!(
             AckPacket::parse(&buf[..n], |_| false).unwrap_err(),
