@@ -67,7 +67,7 @@ pub struct SimArgs {
     /// metaroce: bytes per RDMA WRITE (default 256 KiB; 64 KiB for all-to-all).
     #[arg(long)]
     pub chunk_bytes: Option<u32>,
-    /// metaroce: WRITEs kept posted per flow (default 4; 2 for all-to-all).
+    /// metaroce: WRITEs kept posted per flow (default 8; 2 for all-to-all).
     #[arg(long)]
     pub outstanding: Option<u32>,
     /// metaroce: minimum RTO in µs (default: 5 × base RTT, at least 20 µs).
@@ -165,7 +165,9 @@ fn configs(a: &SimArgs) -> anyhow::Result<Vec<SimConfig>> {
     m.chunk_bytes = a
         .chunk_bytes
         .unwrap_or(if many_flows { 64 * 1024 } else { 256 * 1024 });
-    m.outstanding = a.outstanding.unwrap_or(if many_flows { 2 } else { 4 });
+    m.outstanding = a
+        .outstanding
+        .unwrap_or(if many_flows { 2 } else { m.outstanding });
     m.min_rto_ns = a.min_rto_us.map(|us| us * NS_PER_US);
     m.initial_window = a.initial_window;
     m.max_window = a.max_window;

@@ -89,6 +89,14 @@ pub struct MetaroceParams {
     /// Bytes per RDMA WRITE.
     pub chunk_bytes: u32,
     /// WRITEs kept posted per flow.
+    ///
+    /// Default 8 (2 MiB of 256 KiB WRITEs), deep enough that the congestion
+    /// window, not the application, limits the rate at 10% loss as well.
+    /// With 4 (1 MiB, about three BDPs at the 64-host fabric's smoothed RTT
+    /// of 20-30 µs) the oldest WRITE's recovery drains the pipeline at 10%
+    /// loss: every WRITE has lost packets, the sender sends 4% fewer
+    /// packets than lossless, and 449 RTOs fire where 28 do lossless
+    /// (82.96 Gb/s against 84.93 with 8, 64 hosts, seed 1).
     pub outstanding: u32,
     /// Lower bound of the RTO; `None`: 5 × the fabric's base RTT, at least 20 µs.
     pub min_rto_ns: Option<Nanos>,
@@ -119,7 +127,7 @@ impl Default for MetaroceParams {
             paths: 8,
             source_ports: 128,
             chunk_bytes: 256 * 1024,
-            outstanding: 4,
+            outstanding: 8,
             min_rto_ns: None,
             initial_rto_ns: None,
             initial_window: None,

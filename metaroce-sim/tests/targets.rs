@@ -242,7 +242,7 @@ fn ablation_receiver_hints_change_the_incast() {
 }
 
 /// 16 hosts, 4 leaves of 4, 4 spines, with the benchmark's workload
-/// (256 KiB WRITEs, 4 outstanding), 2 ms, no byte verification.
+/// (256 KiB WRITEs, 8 outstanding), 2 ms, no byte verification.
 fn bench_like() -> SimConfig {
     let mut c = small(2_000);
     c.metaroce.chunk_bytes = 256 * 1024;
