@@ -94,6 +94,8 @@ pub struct Pair {
     pub events_b: Vec<Event>,
     pub delivered: u64,
     pub dropped: u64,
+    /// Datagrams and their bytes put on the link, per direction (a->b, b->a).
+    pub sent: [(u64, u64); 2],
     /// Link is cut in this direction (a->b, b->a).
     pub cut: (bool, bool),
     /// Earliest time each direction's wire is free (serialisation).
@@ -119,6 +121,7 @@ impl Pair {
             events_b: Vec::new(),
             delivered: 0,
             dropped: 0,
+            sent: [(0, 0); 2],
             cut: (false, false),
             wire_free: [0, 0],
         }
@@ -153,6 +156,9 @@ impl Pair {
                 let datagrams: Vec<Vec<u8>> =
                     self.buf[..t.size].chunks(seg).map(|c| c.to_vec()).collect();
                 for bytes in datagrams {
+                    let sent = &mut self.sent[usize::from(!to_b)];
+                    sent.0 += 1;
+                    sent.1 += bytes.len() as u64;
                     let cut = if to_b { self.cut.0 } else { self.cut.1 };
                     if cut || self.rng.unit() < self.link.loss {
                         self.dropped += 1;
