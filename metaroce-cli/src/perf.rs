@@ -246,6 +246,10 @@ struct PathReport {
     spurious: u64,
     ecn_marks: u64,
     rtt_us: f64,
+    /// Times declared failed (moved to a new source port, probed back).
+    failures: u64,
+    /// Times moved to a new source port because the route stayed congested.
+    moves: u64,
 }
 
 /// One direction of a run: the client's own stream (`tx`) or, with
@@ -1365,6 +1369,8 @@ fn client_run(
                 spurious: p.spurious_losses,
                 ecn_marks: p.ce_marks,
                 rtt_us: p.srtt_ns as f64 / 1000.0,
+                failures: p.failures,
+                moves: p.moves,
             })
             .collect(),
     })

@@ -146,6 +146,22 @@ pub const DEFAULT_MAX_WINDOW: u64 = 64 * 1024 * 1024;
 /// Default smallest congestion window of a connection, in bytes (`DEFAULT_MIN_WINDOW`).
 pub const DEFAULT_MIN_WINDOW: u64 = 8 * 1024;
 
+/// Consecutive congested rounds (RTTs whose ECN marks or queueing delay cut
+/// the window) after which a path moves to another source port, i.e.
+/// another ECMP route (`REPATH_ROUNDS`). One unlucky hash can leave a
+/// connection with no path over some spine, or too many over one; moving
+/// the most congested path, again and again, walks the paths off crowded
+/// routes (as PLB does for single-path flows).
+pub const REPATH_ROUNDS: u32 = 4;
+
+/// A path moves only while its window is below the connection's mean path
+/// window divided by this (`REPATH_WINDOW_SHARE`).
+pub const REPATH_WINDOW_SHARE: u64 = 3;
+
+/// Smoothed RTTs between two path moves of one connection (`REPATH_COOLDOWN_RTTS`):
+/// a move must show its effect before the next.
+pub const REPATH_COOLDOWN_RTTS: u32 = 8;
+
 /// Default queueing delay a sender tolerates before it slows down (`DEFAULT_DELAY_TARGET`).
 pub const DEFAULT_DELAY_TARGET: Duration = Duration::from_micros(100);
 

@@ -386,6 +386,8 @@ impl MetaroceFactory {
                 s.retransmits += cs.retransmits;
                 s.fast_retransmits += cs.fast_retransmits;
                 s.rto_fires += cs.rto_fires;
+                s.path_failures += cs.path_failures;
+                s.path_moves += cs.path_moves;
                 s.packets_lost += cs.packets_lost;
                 s.duplicates_received += cs.duplicates_received;
                 s.acks_sent += cs.acks_sent;
@@ -428,6 +430,10 @@ pub struct MetaroceSummary {
     pub fast_retransmits: u64,
     /// Retransmission timeouts.
     pub rto_fires: u64,
+    /// Paths declared failed (and moved to a new source port).
+    pub path_failures: u64,
+    /// Paths moved to a new source port because their route stayed congested.
+    pub path_moves: u64,
     /// Packets declared lost.
     pub packets_lost: u64,
     /// Duplicate DATA packets received.

@@ -30,6 +30,9 @@ use core::time::Duration;
 /// let before = cc.window();
 /// cc.on_ack(4096, 16, 0, Duration::from_micros(200), rtt, Duration::from_micros(300));
 /// assert!(cc.window() < before, "queueing delay shrinks the window");
+/// assert_eq!(cc.congested_rounds(), 2, "two rounds in a row cut the window");
+/// cc.on_ack(4096, 16, 0, rtt, rtt, Duration::from_micros(20));
+/// assert_eq!(cc.congested_rounds(), 0, "a clean round ends the run");
 /// ```
 #[derive(Debug, Clone)]
 pub struct SenderCc {
@@ -46,6 +49,8 @@ pub struct SenderCc {
     win_min_rtt: Option<Duration>,
     /// Elapsed time in this observation window.
     win_elapsed: Duration,
+    /// Observation windows in a row that cut the window.
+    congested_rounds: u32,
 }
 
 /// DCTCP's gain for the marked-fraction average.
@@ -66,6 +71,7 @@ impl SenderCc {
             win_total: 0,
             win_min_rtt: None,
             win_elapsed: Duration::ZERO,
+            congested_rounds: 0,
         }
     }
 
@@ -82,6 +88,13 @@ impl SenderCc {
         self.win_total = 0;
         self.win_min_rtt = None;
         self.win_elapsed = Duration::ZERO;
+        self.congested_rounds = 0;
+    }
+
+    /// Observation windows (about one RTT each) in a row in which ECN marks
+    /// or queueing delay cut the window; 0 after a round that did not.
+    pub fn congested_rounds(&self) -> u32 {
+        self.congested_rounds
     }
 
     /// DCTCP's smoothed marked fraction.
@@ -132,6 +145,9 @@ impl SenderCc {
             }
             if factor < 1.0 {
                 self.cwnd = ((self.cwnd as f64 * factor) as u64).clamp(self.min, self.max);
+                self.congested_rounds = self.congested_rounds.saturating_add(1);
+            } else {
+                self.congested_rounds = 0;
             }
             self.win_marked = 0;
             self.win_total = 0;

@@ -132,6 +132,8 @@ pub struct ConnectionStats {
     pub probes_sent: u64,
     /// Paths declared failed and moved to a new source port.
     pub path_failures: u64,
+    /// Paths moved to a new source port because their route stayed congested.
+    pub path_moves: u64,
     /// Current congestion window.
     pub cwnd: u64,
     /// Bytes in flight.
@@ -177,6 +179,8 @@ pub(crate) struct Connection {
     pub(crate) paths_tx: Vec<PathTx>,
     pub(crate) paths_rx: Vec<PathRx>,
     pub(crate) path_rr: usize,
+    /// No path moves (to a less congested route) before this time.
+    pub(crate) next_move_at: Instant,
 
     // Send side.
     pub(crate) next_csn: u32,
@@ -293,6 +297,7 @@ impl Connection {
             paths_tx,
             paths_rx: Vec::new(),
             path_rr: 0,
+            next_move_at: now,
             next_csn: 0,
             csn_una: 0,
             sent: VecDeque::new(),

@@ -62,6 +62,9 @@ pub struct PathStats {
     pub cwnd: u64,
     /// Times the path was declared failed and moved to a new source port.
     pub failures: u64,
+    /// Times the path moved to a new source port because its route stayed
+    /// congested (not failed).
+    pub moves: u64,
     /// Current state (`None` only in a default value).
     pub state: Option<PathState>,
     /// Plane the path runs on (index into the endpoint's plane addresses).
@@ -94,6 +97,10 @@ pub(crate) struct PathTx {
     pub(crate) consecutive_lost: u32,
     /// Window to restart from when a probe succeeds.
     restart_window: u64,
+    /// A move to this source port is pending: the path takes no new packets
+    /// until those on its current route are resolved, so that its PSNs stay
+    /// in order on one route.
+    pub(crate) move_to: Option<u16>,
     /// Least time a packet waits before it is declared lost, by time or by
     /// timeout: a little more than the longest a packet this path declared
     /// lost turned out to take (it was acknowledged after all). Zero until
@@ -141,6 +148,7 @@ impl PathTx {
             newest_delivered: Instant::ZERO,
             consecutive_lost: 0,
             restart_window: restart,
+            move_to: None,
             late_floor: Duration::ZERO,
             lost_slots: [0; SACK_BITS as usize / 64],
             last_ack_at: Instant::ZERO,
@@ -159,6 +167,7 @@ impl PathTx {
     /// the path's window, and one at a time while probing.
     pub(crate) fn can_send(&self, bytes: u64) -> bool {
         self.has_room()
+            && self.move_to.is_none()
             && match self.state {
                 PathState::Probing => self.in_flight == 0,
                 PathState::Active => {
@@ -210,8 +219,34 @@ impl PathTx {
         }
     }
 
+    /// Starts moving the path to `new_port` (a congested route, not a dead
+    /// one); the move happens once nothing is in flight on the old route.
+    pub(crate) fn start_move(&mut self, new_port: u16) {
+        self.move_to = Some(new_port);
+        self.finish_move();
+    }
+
+    /// Completes a pending move whose old route has drained. Returns whether it did.
+    pub(crate) fn finish_move(&mut self) -> bool {
+        match self.move_to {
+            Some(port) if self.in_flight == 0 => {
+                self.move_to = None;
+                self.src_port = port;
+                // A new route: its own congestion history starts over, from
+                // the same window (the route it left was crowded, not slow).
+                self.cc.reset(self.cc.window());
+                self.late_floor = Duration::ZERO;
+                self.backoff = 0;
+                self.stats.moves += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Declares the path failed: moves it to `new_port` and starts probing.
     pub(crate) fn fail(&mut self, new_port: u16, min_window: u64) {
+        self.move_to = None;
         self.state = PathState::Probing;
         self.src_port = new_port;
         // A new route: its probe gets a plain timeout, not the old route's backoff.
@@ -709,6 +744,41 @@ mod tests {
             .unwrap();
         // ... holds later losses up by two smoothed RTTs at most.
         assert_eq!(t.late_floor(), Duration::from_millis(2));
+    }
+
+    #[test]
+    fn a_move_waits_for_the_old_route_to_drain() {
+        let mut t = tx();
+        t.record_send(1, Instant::ZERO, 100, false);
+        t.record_send(2, Instant::ZERO, 100, false);
+        t.start_move(2000);
+        // Packets are still on the old route: no new ones, same port.
+        assert_eq!(t.move_to, Some(2000));
+        assert!(!t.can_send(100));
+        assert_eq!(t.src_port, 1000);
+        assert!(!t.finish_move());
+        // Both arrive: the move completes, the window is kept.
+        let window = t.cc.window();
+        let mut r = PathRx::new();
+        r.on_packet(0, false);
+        r.on_packet(1, false);
+        t.on_ack(&r.entry(0), Instant::from_nanos(10_000), |_| {})
+            .unwrap();
+        assert_eq!(t.in_flight, 0);
+        assert!(t.finish_move());
+        assert_eq!((t.src_port, t.move_to, t.stats.moves), (2000, None, 1));
+        assert_eq!(t.cc.window(), window);
+        assert!(t.can_send(100));
+        // PSNs go on in order on the new route.
+        assert_eq!(t.next_psn, 2);
+        // With nothing in flight a move is immediate.
+        t.start_move(3000);
+        assert_eq!((t.src_port, t.stats.moves), (3000, 2));
+        // A failure overrides a pending move.
+        t.record_send(3, Instant::ZERO, 100, false);
+        t.start_move(4000);
+        t.fail(5000, 100);
+        assert_eq!((t.src_port, t.move_to), (5000, None));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use super::{Endpoint, Event};
 use crate::connection::{ConnectionError, ConnectionState, CsnKind, Ctrl, PathEvent};
+use crate::consts::{REPATH_COOLDOWN_RTTS, REPATH_ROUNDS, REPATH_WINDOW_SHARE};
 use crate::time::Instant;
 use crate::verbs::qp::{max_payload, Accepted, Incoming, ReadResp};
 use crate::verbs::{CompletionQueue, CqHandle, Qpn, WcOpcode, WcStatus, WorkCompletion};
@@ -85,18 +86,15 @@ impl Endpoint {
     /// it delivers again.
     pub(crate) fn fail_path(&mut self, ci: usize, pi: usize) {
         let min_window = u64::from(self.config.mtu);
+        // A port no path uses; with none to spare the path keeps its port
+        // (and its route) but still probes before it carries traffic again.
+        let Some(new_port) = self.unused_port(ci) else {
+            return;
+        };
         let Some(c) = self.conns[ci].as_mut() else {
             return;
         };
-        let used: Vec<u16> = c.paths_tx.iter().map(|p| p.src_port).collect();
-        let ports = &self.config.source_ports;
-        let start = self.rng.next_u32() as usize % ports.len();
-        // A port no path uses; with none to spare the path keeps its port
-        // (and its route) but still probes before it carries traffic again.
-        let new_port = (0..ports.len())
-            .map(|k| ports[(start + k) % ports.len()])
-            .find(|port| !used.contains(port))
-            .unwrap_or(c.paths_tx[pi].src_port);
+        let new_port = new_port.unwrap_or(c.paths_tx[pi].src_port);
         let p = &mut c.paths_tx[pi];
         tracing::debug!(
             conn = ci,
@@ -107,6 +105,90 @@ impl Endpoint {
         );
         p.fail(new_port, min_window);
         c.stats.path_failures += 1;
+    }
+
+    /// A source port, drawn at random, that no path of connection `ci` uses
+    /// (and none is moving to). `None`: no such connection; `Some(None)`:
+    /// every port is taken.
+    fn unused_port(&mut self, ci: usize) -> Option<Option<u16>> {
+        let c = self.conns[ci].as_ref()?;
+        let used: Vec<u16> = c
+            .paths_tx
+            .iter()
+            .flat_map(|p| [Some(p.src_port), p.move_to])
+            .flatten()
+            .collect();
+        let ports = &self.config.source_ports;
+        let start = self.rng.next_u32() as usize % ports.len();
+        Some(
+            (0..ports.len())
+                .map(|k| ports[(start + k) % ports.len()])
+                .find(|port| !used.contains(port)),
+        )
+    }
+
+    /// After an ACK: completes path moves whose old route drained, and moves
+    /// the most congested path to a new source port (a new ECMP route) when
+    /// its window was cut `REPATH_ROUNDS` rounds in a row, at most once per
+    /// `REPATH_COOLDOWN_RTTS` smoothed RTTs and one path at a time.
+    ///
+    /// Spraying over per-path windows shifts traffic away from a crowded
+    /// route, but cannot reach a route no path hashes onto: with 16 paths
+    /// over 4 spines, one connection in 25 has no path over some spine.
+    pub(crate) fn move_congested_path(&mut self, ci: usize, now: Instant) {
+        let Some(c) = self.conns[ci].as_mut() else {
+            return;
+        };
+        let mut moving = false;
+        for p in c.paths_tx.iter_mut() {
+            if p.finish_move() {
+                c.stats.path_moves += 1;
+                tracing::debug!(conn = ci, path = p.id, port = p.src_port, "path moved");
+            }
+            moving |= p.move_to.is_some();
+        }
+        if moving || c.paths_tx.len() < 2 || now < c.next_move_at {
+            return;
+        }
+        // A candidate: congested round after round, with a window far below
+        // its siblings' (its route is crowded where theirs are not). Moving
+        // it costs little: it carries little.
+        let mean = c.window() / c.paths_tx.len() as u64;
+        let Some(pi) = c
+            .paths_tx
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| {
+                p.state == crate::connection::PathState::Active
+                    && p.cc.congested_rounds() >= REPATH_ROUNDS
+                    && p.cc.window().saturating_mul(REPATH_WINDOW_SHARE) < mean
+            })
+            .min_by_key(|(_, p)| p.cc.window())
+            .map(|(i, _)| i)
+        else {
+            return;
+        };
+        let Some(Some(port)) = self.unused_port(ci) else {
+            return;
+        };
+        let Some(c) = self.conns[ci].as_mut() else {
+            return;
+        };
+        let srtt = c.rtt.srtt().unwrap_or(c.rtt.rto());
+        c.next_move_at = now + srtt * REPATH_COOLDOWN_RTTS;
+        let p = &mut c.paths_tx[pi];
+        tracing::debug!(
+            conn = ci,
+            path = p.id,
+            old = p.src_port,
+            new = port,
+            rounds = p.cc.congested_rounds(),
+            "congested path moves to a new source port"
+        );
+        p.start_move(port);
+        if p.move_to.is_none() {
+            c.stats.path_moves += 1;
+        }
     }
 
     /// After an ACK: time-based loss detection on every path, and paths that

@@ -826,6 +826,7 @@ impl Endpoint {
             self.on_nak(now, ci, n);
         }
         self.detect_path_losses(ci, now);
+        self.move_congested_path(ci, now);
         self.touch(ci, Some(now));
     }
 
