@@ -7,7 +7,7 @@
 # every spine, and through a spine cut in the middle of a run; it prints one
 # table and writes it between the `compare-fabric` markers of
 # docs/BENCHMARKS.md (unless --no-write). Needs root, nft, iperf3, python3;
-# MPTCP needs mptcpize (Debian package mptcpd).
+# MPTCP needs mptcpize (Debian package mptcpize).
 #
 # Everything it starts (fabric namespaces PREFIX-*, iperf3, metaroce) is
 # removed on exit, whatever happens.
@@ -81,7 +81,7 @@ HAVE_MPTCP=1
 MPTCP_WHY=
 if ! command -v mptcpize >/dev/null 2>&1; then
     HAVE_MPTCP=0
-    MPTCP_WHY="mptcpize not installed (apt-get install mptcpd)"
+    MPTCP_WHY="mptcpize not installed (apt-get install mptcpize)"
 elif [ ! -e /proc/sys/net/mptcp/enabled ]; then
     HAVE_MPTCP=0
     MPTCP_WHY="the kernel has no MPTCP (no /proc/sys/net/mptcp)"
