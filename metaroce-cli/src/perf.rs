@@ -17,7 +17,7 @@ use anyhow::{bail, Context};
 use clap::{Args, Subcommand, ValueEnum};
 use metaroce_io::{Backend, Driver, DriverConfig, DriverError};
 use metaroce_proto::verbs::*;
-use metaroce_proto::{Endpoint, EndpointConfig, Event};
+use metaroce_proto::{Endpoint, EndpointConfig, Event, PathState};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -240,6 +240,8 @@ struct PathReport {
     id: u8,
     src_port: u16,
     packets: u64,
+    /// Bytes of the DATA packets sent (whole datagrams).
+    bytes: u64,
     retransmits: u64,
     lost: u64,
     /// Packets declared lost that arrived after all.
@@ -250,6 +252,8 @@ struct PathReport {
     failures: u64,
     /// Times moved to a new source port because the route stayed congested.
     moves: u64,
+    /// `active`, or `probing` (declared failed, testing its new route).
+    state: &'static str,
 }
 
 /// One direction of a run: the client's own stream (`tx`) or, with
@@ -1364,6 +1368,7 @@ fn client_run(
                 id: p.id,
                 src_port: p.src_port,
                 packets: p.packets_sent,
+                bytes: p.bytes_sent,
                 retransmits: p.retransmits,
                 lost: p.packets_lost,
                 spurious: p.spurious_losses,
@@ -1371,13 +1376,17 @@ fn client_run(
                 rtt_us: p.srtt_ns as f64 / 1000.0,
                 failures: p.failures,
                 moves: p.moves,
+                state: match p.state {
+                    Some(PathState::Probing) => "probing",
+                    _ => "active",
+                },
             })
             .collect(),
     })
 }
 
 fn print_report(r: &Report, paths: u8, depth: u32, where_: &str) {
-    let line = "-".repeat(86);
+    let line = "-".repeat(96);
     let name = match r.op {
         Op::Write => "RDMA_Write",
         Op::Read => "RDMA_Read",
@@ -1430,11 +1439,23 @@ fn print_report(r: &Report, paths: u8, depth: u32, where_: &str) {
         r.verified_bytes, r.corrupt_bytes
     );
     println!("{line}");
-    println!(" path  src_port   packets      retransmits  lost     ecn_marks  rtt[usec]");
+    println!(
+        " path src_port packets    bytes         retx     lost     ecn      rtt[usec] state   fail/move"
+    );
     for p in &r.paths {
         println!(
-            " {:<5} {:<10} {:<12} {:<12} {:<8} {:<10} {:.1}",
-            p.id, p.src_port, p.packets, p.retransmits, p.lost, p.ecn_marks, p.rtt_us
+            " {:<4} {:<8} {:<10} {:<13} {:<8} {:<8} {:<8} {:<9.1} {:<7} {}/{}",
+            p.id,
+            p.src_port,
+            p.packets,
+            p.bytes,
+            p.retransmits,
+            p.lost,
+            p.ecn_marks,
+            p.rtt_us,
+            p.state,
+            p.failures,
+            p.moves
         );
     }
     println!("{line}");

@@ -162,6 +162,12 @@ pub const REPATH_WINDOW_SHARE: u64 = 3;
 /// a move must show its effect before the next.
 pub const REPATH_COOLDOWN_RTTS: u32 = 8;
 
+/// The wait between path moves doubles with every move, at most this many
+/// times (`REPATH_MAX_BACKOFF`): 8 × 2^6 = 512 smoothed RTTs. Where every
+/// route is congested (loopback, one bottleneck) moves cannot help, and a
+/// connection there moved a path every 2 ms without it.
+pub const REPATH_MAX_BACKOFF: u32 = 6;
+
 /// Default queueing delay a sender tolerates before it slows down (`DEFAULT_DELAY_TARGET`).
 pub const DEFAULT_DELAY_TARGET: Duration = Duration::from_micros(100);
 

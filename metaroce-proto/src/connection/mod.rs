@@ -181,6 +181,11 @@ pub(crate) struct Connection {
     pub(crate) path_rr: usize,
     /// No path moves (to a less congested route) before this time.
     pub(crate) next_move_at: Instant,
+    /// Path moves so far: each doubles the wait before the next (up to
+    /// `REPATH_MAX_BACKOFF` doublings), so that a network where every route
+    /// is congested (one bottleneck link, a host's own socket) does not
+    /// keep moving paths for nothing.
+    pub(crate) moves_made: u32,
 
     // Send side.
     pub(crate) next_csn: u32,
@@ -298,6 +303,7 @@ impl Connection {
             paths_rx: Vec::new(),
             path_rr: 0,
             next_move_at: now,
+            moves_made: 0,
             next_csn: 0,
             csn_una: 0,
             sent: VecDeque::new(),

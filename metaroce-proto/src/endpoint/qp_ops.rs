@@ -3,7 +3,7 @@
 
 use super::{Endpoint, Event};
 use crate::connection::{ConnectionError, ConnectionState, CsnKind, Ctrl, PathEvent};
-use crate::consts::{REPATH_COOLDOWN_RTTS, REPATH_ROUNDS, REPATH_WINDOW_SHARE};
+use crate::consts::{REPATH_COOLDOWN_RTTS, REPATH_MAX_BACKOFF, REPATH_ROUNDS, REPATH_WINDOW_SHARE};
 use crate::time::Instant;
 use crate::verbs::qp::{max_payload, Accepted, Incoming, ReadResp};
 use crate::verbs::{CompletionQueue, CqHandle, Qpn, WcOpcode, WcStatus, WorkCompletion};
@@ -130,8 +130,9 @@ impl Endpoint {
 
     /// After an ACK: completes path moves whose old route drained, and moves
     /// the most congested path to a new source port (a new ECMP route) when
-    /// its window was cut `REPATH_ROUNDS` rounds in a row, at most once per
-    /// `REPATH_COOLDOWN_RTTS` smoothed RTTs and one path at a time.
+    /// its window was cut `REPATH_ROUNDS` rounds in a row, one path at a time,
+    /// the n-th move at least `REPATH_COOLDOWN_RTTS` × 2^min(n, `REPATH_MAX_BACKOFF`)
+    /// smoothed RTTs after the one before.
     ///
     /// Spraying over per-path windows shifts traffic away from a crowded
     /// route, but cannot reach a route no path hashes onto: with 16 paths
@@ -176,7 +177,9 @@ impl Endpoint {
             return;
         };
         let srtt = c.rtt.srtt().unwrap_or(c.rtt.rto());
-        c.next_move_at = now + srtt * REPATH_COOLDOWN_RTTS;
+        let backoff = 1u32 << c.moves_made.min(REPATH_MAX_BACKOFF);
+        c.next_move_at = now + srtt * REPATH_COOLDOWN_RTTS * backoff;
+        c.moves_made = c.moves_made.saturating_add(1);
         let p = &mut c.paths_tx[pi];
         tracing::debug!(
             conn = ci,
