@@ -150,8 +150,8 @@ pub const DEFAULT_MIN_WINDOW: u64 = 8 * 1024;
 /// the window) after which a path moves to another source port, i.e.
 /// another ECMP route (`REPATH_ROUNDS`). One unlucky hash can leave a
 /// connection with no path over some spine, or too many over one; moving
-/// the most congested path, again and again, walks the paths off crowded
-/// routes (as PLB does for single-path flows).
+/// starved paths (see `REPATH_WINDOW_SHARE`) walks them off crowded routes,
+/// as PLB does for single-path flows.
 pub const REPATH_ROUNDS: u32 = 4;
 
 /// A path moves only while its window is below the connection's mean path

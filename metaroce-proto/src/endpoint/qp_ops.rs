@@ -129,8 +129,10 @@ impl Endpoint {
     }
 
     /// After an ACK: completes path moves whose old route drained, and moves
-    /// the most congested path to a new source port (a new ECMP route) when
-    /// its window was cut `REPATH_ROUNDS` rounds in a row, one path at a time,
+    /// a starved path to a new source port (a new ECMP route): one whose
+    /// window was cut `REPATH_ROUNDS` rounds in a row and is below the
+    /// connection's mean path window / `REPATH_WINDOW_SHARE` (the smallest
+    /// such window first). One path at a time,
     /// the n-th move at least `REPATH_COOLDOWN_RTTS` × 2^min(n, `REPATH_MAX_BACKOFF`)
     /// smoothed RTTs after the one before.
     ///
