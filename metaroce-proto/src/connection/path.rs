@@ -221,9 +221,10 @@ impl PathTx {
 
     /// Starts moving the path to `new_port` (a congested route, not a dead
     /// one); the move happens once nothing is in flight on the old route.
-    pub(crate) fn start_move(&mut self, new_port: u16) {
+    /// Returns whether it happened at once (nothing was in flight).
+    pub(crate) fn start_move(&mut self, new_port: u16) -> bool {
         self.move_to = Some(new_port);
-        self.finish_move();
+        self.finish_move()
     }
 
     /// Completes a pending move whose old route has drained. Returns whether it did.
@@ -772,11 +773,11 @@ mod tests {
         // PSNs go on in order on the new route.
         assert_eq!(t.next_psn, 2);
         // With nothing in flight a move is immediate.
-        t.start_move(3000);
+        assert!(t.start_move(3000));
         assert_eq!((t.src_port, t.stats.moves), (3000, 2));
         // A failure overrides a pending move.
         t.record_send(3, Instant::ZERO, 100, false);
-        t.start_move(4000);
+        assert!(!t.start_move(4000));
         t.fail(5000, 100);
         assert_eq!((t.src_port, t.move_to), (5000, None));
     }

@@ -2,8 +2,9 @@
 //! order, failing a QP, executing retired messages, connection timers.
 
 use super::{Endpoint, Event};
-use crate::connection::{ConnectionError, ConnectionState, CsnKind, Ctrl, PathEvent};
+use crate::connection::{ConnectionError, ConnectionState, CsnKind, Ctrl, PathEvent, PathTx};
 use crate::consts::{REPATH_COOLDOWN_RTTS, REPATH_MAX_BACKOFF, REPATH_ROUNDS, REPATH_WINDOW_SHARE};
+use crate::rng::Rng;
 use crate::time::Instant;
 use crate::verbs::qp::{max_payload, Accepted, Incoming, ReadResp};
 use crate::verbs::{CompletionQueue, CqHandle, Qpn, WcOpcode, WcStatus, WorkCompletion};
@@ -86,15 +87,13 @@ impl Endpoint {
     /// it delivers again.
     pub(crate) fn fail_path(&mut self, ci: usize, pi: usize, why: &'static str) {
         let min_window = u64::from(self.config.mtu);
-        // A port no path uses; with none to spare the path keeps its port
-        // (and its route) but still probes before it carries traffic again.
-        let Some(new_port) = self.unused_port(ci) else {
-            return;
-        };
         let Some(c) = self.conns[ci].as_mut() else {
             return;
         };
-        let new_port = new_port.unwrap_or(c.paths_tx[pi].src_port);
+        // A port no path uses; with none to spare the path keeps its port
+        // (and its route) but still probes before it carries traffic again.
+        let new_port = unused_port(&self.config.source_ports, &mut self.rng, &c.paths_tx)
+            .unwrap_or(c.paths_tx[pi].src_port);
         let p = &mut c.paths_tx[pi];
         tracing::debug!(
             conn = ci,
@@ -106,26 +105,6 @@ impl Endpoint {
         );
         p.fail(new_port, min_window);
         c.stats.path_failures += 1;
-    }
-
-    /// A source port, drawn at random, that no path of connection `ci` uses
-    /// (and none is moving to). `None`: no such connection; `Some(None)`:
-    /// every port is taken.
-    fn unused_port(&mut self, ci: usize) -> Option<Option<u16>> {
-        let c = self.conns[ci].as_ref()?;
-        let used: Vec<u16> = c
-            .paths_tx
-            .iter()
-            .flat_map(|p| [Some(p.src_port), p.move_to])
-            .flatten()
-            .collect();
-        let ports = &self.config.source_ports;
-        let start = self.rng.next_u32() as usize % ports.len();
-        Some(
-            (0..ports.len())
-                .map(|k| ports[(start + k) % ports.len()])
-                .find(|port| !used.contains(port)),
-        )
     }
 
     /// After an ACK: completes path moves whose old route drained, and moves
@@ -172,10 +151,7 @@ impl Endpoint {
         else {
             return;
         };
-        let Some(Some(port)) = self.unused_port(ci) else {
-            return;
-        };
-        let Some(c) = self.conns[ci].as_mut() else {
+        let Some(port) = unused_port(&self.config.source_ports, &mut self.rng, &c.paths_tx) else {
             return;
         };
         let srtt = c.rtt.srtt().unwrap_or(c.rtt.rto());
@@ -191,8 +167,7 @@ impl Endpoint {
             rounds = p.cc.congested_rounds(),
             "congested path moves to a new source port"
         );
-        p.start_move(port);
-        if p.move_to.is_none() {
+        if p.start_move(port) {
             c.stats.path_moves += 1;
         }
     }
@@ -684,4 +659,18 @@ use crate::verbs::QpState;
 /// An RNR timer in whole microseconds for the wire.
 pub(crate) fn rnr_us(d: core::time::Duration) -> u16 {
     u16::try_from(d.as_micros()).unwrap_or(u16::MAX).max(1)
+}
+
+/// A source port from `ports`, drawn at random, that none of `paths` uses
+/// or is moving to; `None` when every port is taken.
+fn unused_port(ports: &[u16], rng: &mut Rng, paths: &[PathTx]) -> Option<u16> {
+    let used: Vec<u16> = paths
+        .iter()
+        .flat_map(|p| [Some(p.src_port), p.move_to])
+        .flatten()
+        .collect();
+    let start = rng.next_u32() as usize % ports.len();
+    (0..ports.len())
+        .map(|k| ports[(start + k) % ports.len()])
+        .find(|port| !used.contains(port))
 }
