@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use metaroce_proto::verbs::*;
-use metaroce_proto::{ConnectionError, EndpointConfig, Event, Instant};
+use metaroce_proto::{Chunk, ConnectionError, EndpointConfig, Event, Gather, Instant};
 use std::time::Duration;
 
 fn pair(seed: u64, link: LinkConfig) -> (Pair, Verbs) {
@@ -1434,4 +1434,142 @@ fn the_receivers_grant_caps_the_sender() {
         capped > free * 4,
         "grant had no effect: {capped:?} vs {free:?}"
     );
+}
+
+/// What a [`gather_run`] saw: the wire hashes and counts, what the READ
+/// brought back, the SEND's bytes, and the region chunks gathered.
+type GatherRun = ([u64; 2], [(u64, u64); 2], Vec<u8>, Vec<u8>, u64);
+
+/// One lossy run of WRITE, SEND and READ (responses come out of the
+/// responder's region by rkey), copied or gathered; returns what went on
+/// the wire, what landed, and how many payloads were referenced.
+fn gather_run(gather: Option<usize>) -> GatherRun {
+    let ca = EndpointConfig {
+        max_gso_segments: 8,
+        ..EndpointConfig::default()
+    };
+    let mut p = Pair::new(ca.clone(), ca, 11, LinkConfig::lossy(0.03));
+    p.gather = gather.map(Gather::new);
+    p.connect();
+    let v = Verbs::setup(&mut p);
+    let data = pattern(5, 300_000);
+    let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
+    let win = reg(&mut p.b, v.pdb, vec![0; 300_000], 0x4000, AccessFlags::ALL);
+    let inbox = reg(&mut p.b, v.pdb, vec![0; 1000], 0, AccessFlags::LOCAL_WRITE);
+    let back = reg(
+        &mut p.a,
+        v.pda,
+        vec![0; 300_000],
+        0,
+        AccessFlags::LOCAL_WRITE,
+    );
+    p.b.post_recv(
+        v.qb,
+        RecvWr {
+            wr_id: 9,
+            sge: Sge {
+                lkey: inbox.lkey,
+                addr: 0,
+                len: 1000,
+            },
+        },
+    )
+    .unwrap();
+    let now = p.now;
+    let remote = RemoteAddr {
+        rkey: win.rkey,
+        addr: win.addr,
+    };
+    let sge = |lkey: u32, addr: u64, len: u32| Sge { lkey, addr, len };
+    for wr in [
+        SendWr::new(1, SendOp::Write(remote), sge(src.lkey, 0, 300_000)),
+        // Small: below any gather threshold, copied in every mode.
+        SendWr::new(2, SendOp::Send, sge(src.lkey, 7, 700)),
+        SendWr::new(3, SendOp::Read(remote), sge(back.lkey, 0, 300_000)),
+    ] {
+        p.a.post_send(now, v.qa, wr).unwrap();
+    }
+    let wa = wait_cq(&mut p, true, v.cqa, 3, Duration::from_secs(5));
+    assert_eq!(
+        wa.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        (1..=3).map(|i| (i, WcStatus::Success)).collect::<Vec<_>>()
+    );
+    p.run_for(Duration::from_millis(5));
+    let got = p.a.mr(back.lkey).unwrap().to_vec();
+    let inbox = p.b.mr(inbox.lkey).unwrap()[..700].to_vec();
+    assert_eq!(&inbox[..], &data[7..707]);
+    // Every pin was given back: the regions deregister.
+    assert!(p.a.dereg_mr(src.lkey).is_ok());
+    assert!(p.b.dereg_mr(win.lkey).is_ok());
+    (p.wire_hash, p.sent, got, inbox, p.region_chunks)
+}
+
+#[test]
+fn gathered_transmits_are_the_copied_ones_byte_for_byte() {
+    let (hash, sent, got, inbox, chunks) = gather_run(None);
+    assert_eq!(chunks, 0);
+    assert_eq!(got, pattern(5, 300_000));
+    for min in [1, 1024, 100_000] {
+        let (ghash, gsent, ggot, ginbox, gchunks) = gather_run(Some(min));
+        assert_eq!((ghash, gsent), (hash, sent), "threshold {min}: same wire");
+        assert_eq!((&ggot, &ginbox), (&got, &inbox));
+        if min <= 1024 {
+            // WRITE and READ response payloads, each datagram's own chunk.
+            assert!(gchunks > 100, "threshold {min}: {gchunks} chunks");
+        } else {
+            assert_eq!(gchunks, 0, "no payload is {min} bytes");
+        }
+    }
+}
+
+#[test]
+fn a_region_being_sent_from_does_not_deregister() {
+    let (mut p, v) = pair(12, LinkConfig::perfect());
+    let data = pattern(6, 4000);
+    let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
+    let win = reg(&mut p.b, v.pdb, vec![0; 4000], 0, AccessFlags::ALL);
+    let now = p.now;
+    let remote = RemoteAddr {
+        rkey: win.rkey,
+        addr: 0,
+    };
+    p.a.post_send(
+        now,
+        v.qa,
+        SendWr::new(
+            1,
+            SendOp::Write(remote),
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: 4000,
+            },
+        ),
+    )
+    .unwrap();
+    // The driver gathers the WRITE and hands it to the kernel ...
+    let mut buf = vec![0u8; 65_536];
+    let mut g = Gather::new(64);
+    let t = p.a.poll_transmit_gather(now, &mut buf, &mut g).unwrap();
+    assert!(g.has_regions());
+    let mut wire = Vec::new();
+    for c in g.chunks() {
+        match c {
+            Chunk::Buf(r) => wire.extend_from_slice(&buf[r.clone()]),
+            Chunk::Region { lkey, range } => {
+                assert_eq!(*lkey, src.lkey);
+                wire.extend_from_slice(&p.a.mr(*lkey).unwrap()[range.clone()]);
+            }
+        }
+    }
+    assert_eq!(wire.len(), t.size);
+    let from = std::net::SocketAddr::new(p.a_addr.ip(), t.src_port);
+    p.b.handle_datagram(now, from, t.ecn, &wire);
+    // ... the WRITE completes before the kernel reports the send done.
+    let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_millis(50));
+    assert_eq!(wa[0].status, WcStatus::Success);
+    assert_eq!(p.b.mr(win.lkey).unwrap(), &data[..]);
+    assert_eq!(p.a.dereg_mr(src.lkey), Err(VerbsError::MrSending(1)));
+    p.a.release_chunks(g.chunks());
+    assert!(p.a.dereg_mr(src.lkey).is_ok());
 }

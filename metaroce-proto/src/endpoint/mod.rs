@@ -79,6 +79,86 @@ pub struct Transmit {
     pub segment_size: Option<usize>,
 }
 
+/// One piece of a gathered transmit
+/// ([`poll_transmit_gather`](Endpoint::poll_transmit_gather)), in wire order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Chunk {
+    /// Bytes of the transmit buffer (headers, and payloads too small to be
+    /// worth a reference).
+    Buf(core::ops::Range<usize>),
+    /// Bytes of a registered memory region, by its local key: a payload
+    /// straight out of the region the request names. The region stays
+    /// pinned (it cannot be deregistered) until the driver gives it back with
+    /// [`release_chunks`](Endpoint::release_chunks).
+    Region {
+        /// The region's local key (also for a READ response, which names
+        /// its region by rkey on the wire).
+        lkey: u32,
+        /// The bytes, as a range of [`Endpoint::mr`]`(lkey)`.
+        range: core::ops::Range<usize>,
+    },
+}
+
+/// Where the bytes of a gathered transmit are: the headers in the transmit
+/// buffer, the payloads in their memory regions. Kept by the driver and
+/// reused for every call.
+///
+/// ```
+/// use metaroce_proto::{Chunk, Gather};
+/// let g = Gather::new(1024);
+/// assert!(g.chunks().is_empty());
+/// assert!(matches!(Chunk::Buf(0..64), Chunk::Buf(_)));
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct Gather {
+    chunks: Vec<Chunk>,
+    min_payload: usize,
+    /// Bytes of the buffer the current transmit uses so far.
+    at: usize,
+}
+
+impl Gather {
+    /// Payloads of at least `min_payload` bytes are referenced in their
+    /// region; smaller ones are copied into the buffer (a reference costs
+    /// the kernel a page walk; a short copy is cheaper).
+    pub fn new(min_payload: usize) -> Self {
+        Gather {
+            chunks: Vec::new(),
+            min_payload: min_payload.max(1),
+            at: 0,
+        }
+    }
+
+    /// The pieces of the last transmit, in order. Empty: the transmit is
+    /// the buffer's first `size` bytes, as with
+    /// [`poll_transmit`](Endpoint::poll_transmit).
+    pub fn chunks(&self) -> &[Chunk] {
+        &self.chunks
+    }
+
+    /// Whether any payload of the last transmit is in a region.
+    pub fn has_regions(&self) -> bool {
+        self.chunks
+            .iter()
+            .any(|c| matches!(c, Chunk::Region { .. }))
+    }
+
+    /// Appends `len` bytes of the buffer at the current position.
+    fn push_buf(&mut self, len: usize) {
+        let at = self.at;
+        match self.chunks.last_mut() {
+            Some(Chunk::Buf(r)) if r.end == at => r.end += len,
+            _ => self.chunks.push(Chunk::Buf(at..at + len)),
+        }
+        self.at += len;
+    }
+
+    fn start(&mut self) {
+        self.chunks.clear();
+        self.at = 0;
+    }
+}
+
 /// Something the application should know about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {

@@ -4,7 +4,7 @@
 //! retransmissions, a completion probe, then new data from the connection's
 //! QPs in round robin.
 
-use super::{Ecn, Endpoint, Transmit};
+use super::{Chunk, Ecn, Endpoint, Gather, Transmit};
 use crate::connection::{CsnKind, Ctrl};
 
 /// ACKs after the first that repeat a stream's progress (all of them lost
@@ -38,6 +38,69 @@ impl Endpoint {
         buf: &mut [u8],
         planes: u64,
     ) -> Option<Transmit> {
+        self.poll_transmit_with(now, buf, planes, None)
+    }
+
+    /// [`poll_transmit`](Self::poll_transmit) without copying payloads: the
+    /// headers go into `buf` and every payload of at least the gather's
+    /// threshold stays in its memory region, named by a
+    /// [`Chunk::Region`]; [`Gather::chunks`] lists the transmit's bytes in
+    /// wire order (empty: the first `size` bytes of `buf`, as with
+    /// `poll_transmit`). The driver sends them with one scatter-gather send
+    /// (`sendmsg` with an `iovec` per chunk, zero copy if it likes) and,
+    /// once the kernel is done with them, hands the chunks back to
+    /// [`release_chunks`](Self::release_chunks): until then their regions
+    /// are pinned and [`dereg_mr`](Self::dereg_mr) refuses them with
+    /// [`VerbsError::MrSending`](crate::verbs::VerbsError::MrSending). The
+    /// datagrams are the ones `poll_transmit` would have written, byte for
+    /// byte.
+    ///
+    /// ```
+    /// use metaroce_proto::{Chunk, Endpoint, EndpointConfig, Gather, Instant};
+    /// let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+    /// let mut buf = vec![0u8; 65_536];
+    /// let mut g = Gather::new(1024);
+    /// while let Some(t) = ep.poll_transmit_gather(Instant::ZERO, &mut buf, &mut g) {
+    ///     for c in g.chunks() {
+    ///         match c {
+    ///             Chunk::Buf(r) => { let _header = &buf[r.clone()]; }
+    ///             Chunk::Region { lkey, range } => { let _payload = &ep.mr(*lkey).unwrap()[range.clone()]; }
+    ///         }
+    ///     }
+    ///     // ... the kernel sends it ...
+    ///     ep.release_chunks(g.chunks());
+    ///     let _ = t;
+    /// }
+    /// ```
+    pub fn poll_transmit_gather(
+        &mut self,
+        now: Instant,
+        buf: &mut [u8],
+        gather: &mut Gather,
+    ) -> Option<Transmit> {
+        gather.start();
+        let t = self.poll_transmit_with(now, buf, u64::MAX, Some(&mut *gather));
+        debug_assert!(t.is_some() || gather.chunks.is_empty());
+        t
+    }
+
+    /// Unpins the regions of a gathered transmit the kernel is done with.
+    /// Chunks of regions that no longer exist are ignored.
+    pub fn release_chunks(&mut self, chunks: &[Chunk]) {
+        for c in chunks {
+            if let Chunk::Region { lkey, .. } = c {
+                self.mrs.pin(*lkey, -1);
+            }
+        }
+    }
+
+    fn poll_transmit_with(
+        &mut self,
+        now: Instant,
+        buf: &mut [u8],
+        planes: u64,
+        mut gather: Option<&mut Gather>,
+    ) -> Option<Transmit> {
         self.last_now = self.last_now.max(now);
         if let Some(r) = self.stateless.pop_front() {
             if buf.len() >= r.len {
@@ -61,7 +124,7 @@ impl Endpoint {
                 c.in_ready = false;
                 c.tx_mask = planes;
             }
-            let t = self.transmit_conn(ci, now, buf);
+            let t = self.transmit_conn(ci, now, buf, gather.as_deref_mut());
             if let Some(c) = self.conns[ci].as_mut() {
                 c.tx_mask = u64::MAX;
             }
@@ -122,7 +185,13 @@ impl Endpoint {
         }
     }
 
-    fn transmit_conn(&mut self, ci: usize, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+    fn transmit_conn(
+        &mut self,
+        ci: usize,
+        now: Instant,
+        buf: &mut [u8],
+        mut gather: Option<&mut Gather>,
+    ) -> Option<Transmit> {
         let handshake_rto = self.config.handshake_rto;
         let max_paths = self.config.paths;
         let listen_port = self.config.listen_port;
@@ -216,13 +285,23 @@ impl Endpoint {
                 return None;
             };
             c.stats.retransmits += 1;
-            return self.emit_data(ci, path, csn, kind, now, &mut buf[..mtu], true, None);
+            return self.emit_data(
+                ci,
+                path,
+                csn,
+                kind,
+                now,
+                &mut buf[..mtu],
+                true,
+                None,
+                gather,
+            );
         }
         // A failed path probes its new route with a NOP (no message waits
         // on it); a delivered probe makes the path active again.
         let c = self.conns[ci].as_mut()?;
         if let Some(path) = c.probe_path() {
-            return self.emit_nop(ci, path, now, &mut buf[..mtu], None);
+            return self.emit_nop(ci, path, now, &mut buf[..mtu], None, gather);
         }
         // Progress probes: a NOP asking for one QP's state at once.
         let c = self.conns[ci].as_mut()?;
@@ -242,7 +321,7 @@ impl Endpoint {
                 };
                 let c = self.conns[ci].as_mut()?;
                 let path = c.pick_path(None, mtu as u64)?;
-                return self.emit_nop(ci, path, now, &mut buf[..mtu], Some((remote, msn)));
+                return self.emit_nop(ci, path, now, &mut buf[..mtu], Some((remote, msn)), gather);
             }
         }
         let c = self.conns[ci].as_mut()?;
@@ -277,8 +356,18 @@ impl Endpoint {
             // A path has room (checked above), so the segment always goes out.
             let path = c.pick_path(None, mtu as u64)?;
             let csn = c.new_csn(kind);
-            let first = self.emit_data(ci, path, csn, kind, now, &mut buf[..mtu], false, None)?;
-            return Some(self.extend_batch(ci, qpn, path, first, now, buf, mtu));
+            let first = self.emit_data(
+                ci,
+                path,
+                csn,
+                kind,
+                now,
+                &mut buf[..mtu],
+                false,
+                None,
+                gather.as_deref_mut(),
+            )?;
+            return Some(self.extend_batch(ci, qpn, path, first, now, buf, mtu, gather));
         }
         None
     }
@@ -329,6 +418,7 @@ impl Endpoint {
         now: Instant,
         buf: &mut [u8],
         mtu: usize,
+        mut gather: Option<&mut Gather>,
     ) -> Transmit {
         let max = self.config.max_gso_segments;
         let mut t = first;
@@ -351,7 +441,8 @@ impl Endpoint {
                 break;
             };
             let csn = c.new_csn(kind);
-            let at = t.size;
+            // Gathered, the buffer holds only what is not in a region.
+            let at = gather.as_ref().map_or(t.size, |g| g.at);
             match self.emit_data(
                 ci,
                 path,
@@ -361,6 +452,7 @@ impl Endpoint {
                 &mut buf[at..at + mtu],
                 false,
                 None,
+                gather.as_deref_mut(),
             ) {
                 Some(next) => {
                     t.size += next.size;
@@ -383,14 +475,17 @@ impl Endpoint {
         now: Instant,
         buf: &mut [u8],
         probe: Option<(u32, u32)>,
+        gather: Option<&mut Gather>,
     ) -> Option<Transmit> {
         let c = self.conns[ci].as_mut()?;
         c.stats.probes_sent += 1;
         let csn = c.new_csn(CsnKind::Nop);
-        self.emit_data(ci, path, csn, CsnKind::Nop, now, buf, false, probe)
+        self.emit_data(ci, path, csn, CsnKind::Nop, now, buf, false, probe, gather)
     }
 
-    /// Encodes one DATA packet for `csn` on `path` and records it.
+    /// Encodes one DATA packet for `csn` on `path` and records it. With a
+    /// gather, a large enough payload stays in its region and only the
+    /// header goes into `buf`.
     #[allow(clippy::too_many_arguments)]
     fn emit_data(
         &mut self,
@@ -402,6 +497,7 @@ impl Endpoint {
         buf: &mut [u8],
         retransmit: bool,
         probe: Option<(u32, u32)>,
+        gather: Option<&mut Gather>,
     ) -> Option<Transmit> {
         let Endpoint {
             conns, qps, mrs, ..
@@ -490,28 +586,39 @@ impl Endpoint {
             }
             CsnKind::Nop => {}
         }
-        let payload: &[u8] = match source {
-            Some((local, key, addr, len)) => {
-                let mr = if local {
-                    mrs.by_lkey(key)
-                } else {
-                    mrs.by_rkey(key)
-                };
-                match mr.and_then(|m| m.range(addr, u64::from(len)).map(|r| &m.buf[r])) {
-                    Some(b) => b,
-                    None => {
-                        // The source vanished: keep the CSN alive as a NOP.
-                        hdr = nop_of(&hdr);
-                        &[]
-                    }
+        // The payload: its region's local key and its range there.
+        let found = source.and_then(|(local, key, addr, len)| {
+            let mr = if local {
+                mrs.by_lkey(key)
+            } else {
+                mrs.by_rkey(key)
+            }?;
+            Some((mr.info.lkey, mr.range(addr, u64::from(len))?))
+        });
+        if source.is_some() && found.is_none() {
+            // The source vanished: keep the CSN alive as a NOP.
+            hdr = nop_of(&hdr);
+        }
+        // Zero-length segments, and CSNs whose request is gone (already a NOP).
+        let plen = found.as_ref().map_or(0, |(_, r)| r.len());
+        let hlen = hdr.emit_header(buf, plen).ok()?;
+        let size = hlen + plen;
+        match (found, gather) {
+            (Some((lkey, range)), Some(g)) if plen >= g.min_payload => {
+                g.push_buf(hlen);
+                mrs.pin(lkey, 1);
+                g.chunks.push(Chunk::Region { lkey, range });
+            }
+            (found, g) => {
+                if let Some((lkey, range)) = found {
+                    let m = mrs.by_lkey(lkey)?;
+                    buf[hlen..size].copy_from_slice(&m.buf[range]);
+                }
+                if let Some(g) = g {
+                    g.push_buf(size);
                 }
             }
-            // Zero-length segments, and CSNs whose request is gone (already a NOP).
-            None => &[],
-        };
-        let hlen = hdr.emit_header(buf, payload.len()).ok()?;
-        buf[hlen..hlen + payload.len()].copy_from_slice(payload);
-        let size = hlen + payload.len();
+        }
         let p = &mut c.paths_tx[path];
         p.record_send(csn, now, size as u32, retransmit);
         let src_port = p.src_port;
@@ -520,7 +627,7 @@ impl Endpoint {
         c.pacer.sent(now, size as u64 + c.datagram_overhead);
         c.stats.data_packets_sent += 1;
         if !retransmit {
-            c.stats.payload_bytes_sent += payload.len() as u64;
+            c.stats.payload_bytes_sent += plen as u64;
         }
         if let Some(r) = c.record_mut(csn) {
             r.last_path = path_id;

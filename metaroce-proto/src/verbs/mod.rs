@@ -250,6 +250,11 @@ pub enum VerbsError {
     /// The memory region is referenced by outstanding work requests.
     #[error("memory region still in use by {0} work requests")]
     MrInUse(u32),
+    /// The driver is still sending from the memory region (gathered
+    /// transmits not yet completed by the kernel, microseconds at most):
+    /// retry after the driver's next poll.
+    #[error("memory region still being sent from by {0} transmits")]
+    MrSending(u32),
     /// The memory region is too large or empty.
     #[error("invalid memory region length {0}")]
     InvalidLength(usize),

@@ -26,6 +26,9 @@ pub(crate) struct MemoryRegion {
     pub(crate) buf: Box<[u8]>,
     /// Outstanding work requests and READ responses that reference the region.
     pub(crate) refs: u32,
+    /// Gathered transmits the driver still sends from the region
+    /// ([`Chunk::Region`](crate::Chunk::Region)): its memory must stay.
+    pub(crate) pins: u32,
 }
 
 impl MemoryRegion {
@@ -94,6 +97,7 @@ impl MrTable {
             info,
             buf,
             refs: 0,
+            pins: 0,
         });
         Ok(info)
     }
@@ -104,6 +108,9 @@ impl MrTable {
             Some(Some(mr)) if mr.info.lkey == lkey => {
                 if mr.refs > 0 {
                     return Err(VerbsError::MrInUse(mr.refs));
+                }
+                if mr.pins > 0 {
+                    return Err(VerbsError::MrSending(mr.pins));
                 }
             }
             _ => return Err(VerbsError::InvalidKey(lkey)),
@@ -175,6 +182,13 @@ impl MrTable {
         }
     }
 
+    /// Pins (`+1`) or unpins (`-1`) a region for a gathered transmit.
+    pub(crate) fn pin(&mut self, lkey: u32, delta: i32) {
+        if let Some(mr) = self.by_lkey_mut(lkey) {
+            mr.pins = mr.pins.saturating_add_signed(delta);
+        }
+    }
+
     pub(crate) fn add_ref_rkey(&mut self, rkey: u32, delta: i32) {
         if let Some(mr) = self.by_rkey_mut(rkey) {
             mr.refs = mr.refs.saturating_add_signed(delta);
@@ -212,6 +226,11 @@ mod tests {
         t.add_ref(a.lkey, 1);
         assert_eq!(t.deregister(a.lkey), Err(VerbsError::MrInUse(1)));
         t.add_ref(a.lkey, -1);
+        t.pin(a.lkey, 1);
+        t.pin(a.lkey, 1);
+        assert_eq!(t.deregister(a.lkey), Err(VerbsError::MrSending(2)));
+        t.pin(a.lkey, -1);
+        t.pin(a.lkey, -1);
         assert!(t.deregister(a.lkey).is_ok());
         assert!(t.by_lkey(a.lkey).is_none());
         let b = t

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use metaroce_proto::verbs::*;
-use metaroce_proto::{Ecn, Endpoint, EndpointConfig, Event, Instant};
+use metaroce_proto::{Chunk, Ecn, Endpoint, EndpointConfig, Event, Gather, Instant};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::net::SocketAddr;
@@ -100,6 +100,13 @@ pub struct Pair {
     pub cut: (bool, bool),
     /// Earliest time each direction's wire is free (serialisation).
     wire_free: [u64; 2],
+    /// Transmits are gathered ([`Endpoint::poll_transmit_gather`]) and put
+    /// together from their chunks, like a scatter-gather send would.
+    pub gather: Option<Gather>,
+    /// Region chunks gathered (payloads that were not copied by the core).
+    pub region_chunks: u64,
+    /// FNV-1a over every datagram put on the link, per direction.
+    pub wire_hash: [u64; 2],
 }
 
 impl Pair {
@@ -124,6 +131,9 @@ impl Pair {
             sent: [(0, 0); 2],
             cut: (false, false),
             wire_free: [0, 0],
+            gather: None,
+            region_chunks: 0,
+            wire_hash: [0xcbf2_9ce4_8422_2325; 2],
         }
     }
 
@@ -146,16 +156,45 @@ impl Pair {
                 } else {
                     (&mut self.b, self.b_addr)
                 };
-                let Some(t) = ep.poll_transmit(self.now, &mut self.buf) else {
-                    break;
+                let (t, wire) = match self.gather.as_mut() {
+                    None => {
+                        let Some(t) = ep.poll_transmit(self.now, &mut self.buf) else {
+                            break;
+                        };
+                        (t, self.buf[..t.size].to_vec())
+                    }
+                    Some(g) => {
+                        let Some(t) = ep.poll_transmit_gather(self.now, &mut self.buf, g) else {
+                            break;
+                        };
+                        let mut wire = Vec::with_capacity(t.size);
+                        if g.chunks().is_empty() {
+                            wire.extend_from_slice(&self.buf[..t.size]);
+                        }
+                        for c in g.chunks() {
+                            match c {
+                                Chunk::Buf(r) => wire.extend_from_slice(&self.buf[r.clone()]),
+                                Chunk::Region { lkey, range } => {
+                                    self.region_chunks += 1;
+                                    wire.extend_from_slice(&ep.mr(*lkey).unwrap()[range.clone()]);
+                                }
+                            }
+                        }
+                        ep.release_chunks(g.chunks());
+                        (t, wire)
+                    }
                 };
                 assert!(t.size <= self.buf.len());
+                assert_eq!(wire.len(), t.size, "the chunks add up to the transmit");
                 let from = SocketAddr::new(from.ip(), t.src_port);
                 // A GSO batch is several datagrams: the link sees each.
                 let seg = t.segment_size.unwrap_or(t.size).max(1);
-                let datagrams: Vec<Vec<u8>> =
-                    self.buf[..t.size].chunks(seg).map(|c| c.to_vec()).collect();
+                let datagrams: Vec<Vec<u8>> = wire.chunks(seg).map(|c| c.to_vec()).collect();
                 for bytes in datagrams {
+                    let h = &mut self.wire_hash[usize::from(!to_b)];
+                    for &b in &bytes {
+                        *h = (*h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+                    }
                     let sent = &mut self.sent[usize::from(!to_b)];
                     sent.0 += 1;
                     sent.1 += bytes.len() as u64;
