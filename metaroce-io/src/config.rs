@@ -83,6 +83,11 @@ pub struct UringConfig {
     pub zero_copy: bool,
     /// Smallest transmit (bytes, a whole GSO batch) sent with zero copy.
     pub zero_copy_threshold: usize,
+    /// Payloads of at least this many bytes go to the kernel straight out
+    /// of their memory region (a scatter-gather send: the headers from the
+    /// send slot, each payload from its region, no copy by the driver); `0`
+    /// copies every payload into the send slot first.
+    pub gather_threshold: usize,
 }
 
 impl Default for UringConfig {
@@ -93,6 +98,7 @@ impl Default for UringConfig {
             send_slots: 32,
             zero_copy: true,
             zero_copy_threshold: 16 << 10,
+            gather_threshold: 1024,
         }
     }
 }
@@ -171,6 +177,9 @@ pub struct DriverStats {
     pub zero_copy_sends: u64,
     /// Zero-copy sends the kernel copied after all (loopback always does).
     pub zero_copy_copied: u64,
+    /// Sends whose payloads the kernel read straight from their memory
+    /// regions (io_uring, [`UringConfig::gather_threshold`]).
+    pub gathered_sends: u64,
     /// Times the multishot receive was armed (io_uring only; 1 if it never ended).
     pub recv_arms: u64,
     /// Received datagrams dropped by the driver (truncated, or bad metadata).

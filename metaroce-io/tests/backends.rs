@@ -555,6 +555,27 @@ fn zero_copy_sends_complete_and_are_counted() {
 }
 
 #[test]
+fn gathered_sends_carry_payloads_straight_from_the_regions() {
+    if !runnable("io_uring") {
+        return;
+    }
+    // Batched and one datagram per send: every byte checked at the far end.
+    for gso in [16, 1] {
+        let p = write_several_mib::<UringDriver>("io_uring", gso);
+        let s = p.a.stats();
+        println!("gathered, {gso} segments: {s:?}");
+        assert!(s.gathered_sends > 0, "{gso} segments: {s:?}");
+        assert_eq!(s.send_errors, 0, "{gso} segments: {s:?}");
+    }
+    // Threshold 0: every payload copied into the send slots.
+    let mut cfg = config(16);
+    cfg.uring.gather_threshold = 0;
+    let mut p = pair::<UringDriver>(cfg);
+    p.write_checked("io_uring", 2 << 20, 2);
+    assert_eq!(p.a.stats().gathered_sends, 0, "{:?}", p.a.stats());
+}
+
+#[test]
 fn dropping_mid_transfer_waits_for_the_kernel() {
     if !runnable("io_uring") {
         return;

@@ -111,6 +111,9 @@ pub(super) struct Worker {
     /// Regions and PDs whose handles were dropped while still in use.
     zombies_mr: Vec<u32>,
     zombies_pd: Vec<PdHandle>,
+    /// Deregistrations waiting for the driver's last send from the region
+    /// (a gathered payload still with the kernel, microseconds at most).
+    deregs: Vec<(u32, Reply<Box<[u8]>>)>,
     scratch: Vec<WorkCompletion>,
 }
 
@@ -161,6 +164,7 @@ pub(super) fn run(
         next_wr: 1,
         connecting: HashMap::new(),
         zombies_mr: Vec::new(),
+        deregs: Vec::new(),
         zombies_pd: Vec::new(),
         scratch: Vec::new(),
     };
@@ -193,7 +197,8 @@ impl Worker {
             self.drv.poll(Duration::from_millis(100))?;
             self.events();
             self.completions();
-            if !self.zombies_mr.is_empty() || !self.zombies_pd.is_empty() {
+            if !self.zombies_mr.is_empty() || !self.zombies_pd.is_empty() || !self.deregs.is_empty()
+            {
                 self.reap_zombies();
             }
             if let Some(m) = &mut self.metrics {
@@ -227,11 +232,14 @@ impl Worker {
             } => {
                 let _ = reply.send(ep.reg_mr(pd, buf, addr, access).map_err(Into::into));
             }
-            Command::DeregMr(lkey, r) => {
-                let _ = r.send(ep.dereg_mr(lkey).map_err(Into::into));
-            }
+            Command::DeregMr(lkey, r) => match ep.dereg_mr(lkey) {
+                Err(VerbsError::MrSending(_)) => self.deregs.push((lkey, r)),
+                res => {
+                    let _ = r.send(res.map_err(Into::into));
+                }
+            },
             Command::DropMr(lkey) => {
-                if let Err(VerbsError::MrInUse(_)) = ep.dereg_mr(lkey) {
+                if let Err(VerbsError::MrInUse(_) | VerbsError::MrSending(_)) = ep.dereg_mr(lkey) {
                     self.zombies_mr.push(lkey);
                 }
             }
@@ -390,8 +398,22 @@ impl Worker {
 
     fn reap_zombies(&mut self) {
         let ep = self.drv.endpoint();
-        self.zombies_mr
-            .retain(|&k| matches!(ep.dereg_mr(k), Err(VerbsError::MrInUse(_))));
+        self.zombies_mr.retain(|&k| {
+            matches!(
+                ep.dereg_mr(k),
+                Err(VerbsError::MrInUse(_) | VerbsError::MrSending(_))
+            )
+        });
+        let mut waiting = Vec::new();
+        for (lkey, r) in self.deregs.drain(..) {
+            match ep.dereg_mr(lkey) {
+                Err(VerbsError::MrSending(_)) => waiting.push((lkey, r)),
+                res => {
+                    let _ = r.send(res.map_err(Into::into));
+                }
+            }
+        }
+        self.deregs = waiting;
         self.zombies_pd.retain(|&pd| ep.dealloc_pd(pd).is_err());
     }
 }

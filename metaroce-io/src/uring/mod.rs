@@ -7,8 +7,15 @@
 //! second one sends what the wake-up provoked). A driver moved to another
 //! thread re-arms its receive there on the next turn.
 //!
-//! All `unsafe` lives in [`sys`]; the control messages are parsed and built
-//! by safe code in [`cmsg`].
+//! Large payloads go out without a copy in user space: the core gathers a
+//! transmit ([`Endpoint::poll_transmit_gather`]), the headers in the send
+//! slot and each payload left in its memory region, and one `SENDMSG` (or
+//! `SENDMSG_ZC`) takes an `iovec` per piece; the regions stay pinned in the
+//! core until the slot's last completion.
+//!
+//! All `unsafe` but the one call that hands region memory to a slot lives
+//! in [`sys`]; the control messages are parsed and built by safe code in
+//! [`cmsg`].
 
 mod cmsg;
 mod sys;
@@ -19,7 +26,7 @@ use crate::waker::{WakeReceiver, Waker};
 use crate::{Backend, Clock, DriverConfig, DriverError, DriverStats, FaultConfig, IoDriver};
 use io_uring::cqueue;
 use io_uring::types::RecvMsgOut;
-use metaroce_proto::{Endpoint, Instant, Transmit};
+use metaroce_proto::{Chunk, Endpoint, Gather, Instant, Transmit};
 use std::net::{SocketAddr, UdpSocket};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::OnceLock;
@@ -58,6 +65,29 @@ struct SlotMeta {
     zc: bool,
     /// Carried `UDP_SEGMENT`.
     gso: bool,
+    /// Payloads straight from their regions.
+    gathered: bool,
+}
+
+/// Fragments one zero-copy send may make (`MAX_SKB_FRAGS`, 17 unless the
+/// kernel was built with more).
+const ZC_MAX_FRAGS: usize = 17;
+
+/// Pages the `Extern` pieces of a gathered send touch, plus one per
+/// `Buf` piece (the headers: small, but not next to their payloads).
+fn page_spans(pieces: &[sys::Piece]) -> usize {
+    const PAGE: usize = 4096;
+    pieces
+        .iter()
+        .map(|p| match p {
+            sys::Piece::Buf(_) => 1,
+            sys::Piece::Extern(ptr, len) => {
+                let start = ptr.addr();
+                let last = start + (*len).max(1) - 1;
+                last / PAGE - start / PAGE + 1
+            }
+        })
+        .sum()
 }
 
 /// Zero-copy notifications in a row saying the kernel copied after which
@@ -76,6 +106,10 @@ pub const ZC_COPIED_LIMIT: u32 = 64;
 /// println!("{:?}", drv.stats());
 /// ```
 pub struct UringDriver {
+    /// Declared first, so dropped first: its `Drop` waits until the kernel
+    /// is done with every send, gathered payloads in `ep`'s regions
+    /// included, before the endpoint (and its regions) go.
+    ring: sys::Ring,
     ep: Endpoint,
     clock: Clock,
     /// Receive sockets, one per plane.
@@ -84,9 +118,17 @@ pub struct UringDriver {
     sockets: Sockets,
     local: SocketAddr,
     v6: bool,
-    ring: sys::Ring,
     free: Vec<usize>,
     meta: Vec<SlotMeta>,
+    /// Where the core put the last transmit's bytes (gathered sends).
+    gather: Gather,
+    /// Whether transmits are gathered (payloads from their regions).
+    gathering: bool,
+    /// The region chunks each slot's send reads, released to the core at
+    /// the slot's last completion.
+    pinned: Vec<Vec<Chunk>>,
+    /// GSO segments the core batches.
+    segments: usize,
     /// GSO still works (downgraded on EIO/EINVAL).
     gso: bool,
     /// Zero copy enabled and still working.
@@ -188,6 +230,10 @@ impl UringDriver {
             ring,
             free: (0..n).rev().collect(),
             meta: vec![SlotMeta::default(); n],
+            gather: Gather::new(u.gather_threshold),
+            gathering: u.gather_threshold > 0,
+            pinned: vec![Vec::new(); n],
+            segments,
             gso,
             zc,
             zc_threshold: u.zero_copy_threshold,
@@ -433,6 +479,9 @@ impl UringDriver {
                 if m.zc {
                     self.stats.zero_copy_sends += 1;
                 }
+                if m.gathered {
+                    self.stats.gathered_sends += 1;
+                }
             }
             Some(SendCqe::Result(r)) => {
                 // A lost datagram: the protocol recovers it like any loss.
@@ -466,8 +515,22 @@ impl UringDriver {
             Some(SendCqe::Notif { copied: false }) => self.zc_copied_run = 0,
             None => {}
         }
-        if i < self.ring.slots() && self.ring.slot_mut(i).is_free() && !self.free.contains(&i) {
-            self.free.push(i);
+        if i < self.ring.slots() && self.ring.slot_mut(i).is_free() {
+            self.release(i);
+            if !self.free.contains(&i) {
+                self.free.push(i);
+            }
+        }
+    }
+
+    /// Gives the regions slot `i` sent from back to the core (the kernel
+    /// is done with the slot).
+    fn release(&mut self, i: usize) {
+        if let Some(p) = self.pinned.get_mut(i) {
+            if !p.is_empty() {
+                self.ep.release_chunks(p);
+                p.clear();
+            }
         }
     }
 
@@ -481,13 +544,27 @@ impl UringDriver {
                 self.free.pop();
                 continue;
             };
-            let Some(t) = self.ep.poll_transmit(now, buf) else {
+            // GSO refused at run time splits batches into one send per
+            // segment, from a contiguous buffer: no gathering then.
+            let gather = self.gathering && (self.gso || self.segments == 1);
+            let t = if gather {
+                self.ep.poll_transmit_gather(now, buf, &mut self.gather)
+            } else {
+                self.ep.poll_transmit(now, buf)
+            };
+            let Some(t) = t else {
                 break;
             };
             self.free.pop();
             any = true;
-            if let Err(e) = self.queue(i, &t) {
+            let queued = if gather && self.gather.has_regions() {
+                self.queue_gathered(i, &t)
+            } else {
+                self.queue(i, &t)
+            };
+            if let Err(e) = queued {
                 if self.ring.slot_mut(i).is_free() {
+                    self.release(i);
                     self.free.push(i);
                 }
                 self.stats.send_errors += 1;
@@ -497,12 +574,79 @@ impl UringDriver {
         Ok(any)
     }
 
-    /// Queues slot `i`, filled with `t`.
-    fn queue(&mut self, i: usize, t: &Transmit) -> std::io::Result<()> {
-        let fd: RawFd = match self.sockets.send_index(t.src_ip, t.src_port) {
+    /// The socket a transmit goes out on.
+    fn send_fd(&self, t: &Transmit) -> RawFd {
+        match self.sockets.send_index(t.src_ip, t.src_port) {
             Some(s) => self.send[s].as_raw_fd(),
             None => self.recv[self.sockets.recv_index(t.src_ip)].as_raw_fd(),
+        }
+    }
+
+    /// Queues slot `i` for the gathered transmit `t`: the headers in the
+    /// slot, the payloads in their regions, one `iovec` each.
+    fn queue_gathered(&mut self, i: usize, t: &Transmit) -> std::io::Result<()> {
+        let fd = self.send_fd(t);
+        let seg = t.segment_size.filter(|&s| s > 0 && s < t.size);
+        let datagrams = seg.map_or(1, |s| t.size.div_ceil(s));
+        // The pins are the slot's from here on, whatever happens next.
+        let chunks = self.gather.chunks();
+        self.pinned[i].extend(
+            chunks
+                .iter()
+                .filter(|c| matches!(c, Chunk::Region { .. }))
+                .cloned(),
+        );
+        let mut pieces = Vec::with_capacity(self.gather.chunks().len());
+        for c in self.gather.chunks() {
+            pieces.push(match c {
+                Chunk::Buf(r) => sys::Piece::Buf(r.clone()),
+                Chunk::Region { lkey, range } => {
+                    let b = self
+                        .ep
+                        .mr(*lkey)
+                        .and_then(|m| m.get(range.clone()))
+                        .ok_or_else(|| std::io::Error::other("gathered region vanished"))?;
+                    sys::Piece::Extern(b.as_ptr(), b.len())
+                }
+            });
+        }
+        let v6 = self.v6;
+        let slot = self.ring.slot_mut(i);
+        let (_, ctrl) = slot.parts_mut().expect("free slot");
+        let seg16 = seg.and_then(|s| u16::try_from(s).ok());
+        let clen = cmsg::encode_send(&mut ctrl.0, v6, t.ecn, seg16);
+        // SAFETY: every `Extern` piece is a payload range of a region of
+        // `self.ep` that the core pinned for this transmit (it refuses to
+        // deregister it) and that `self.pinned[i]` releases only once the
+        // slot's last completion has come (`on_send`) or its send was never
+        // queued. Regions are boxed and never move or shrink while
+        // registered; the endpoint is dropped only after the ring, whose
+        // `Drop` waits for every completion. The application may still
+        // write the bytes through the endpoint meanwhile (RDMA semantics:
+        // the request's buffer is not to be touched until it completes);
+        // the kernel only reads them.
+        if !unsafe { slot.set_gather(t.dst, &pieces, clen) } {
+            return Err(std::io::Error::other(
+                "gathered transmit does not fit the slot",
+            ));
+        }
+        // Zero copy makes every page a piece touches a fragment of one
+        // socket buffer, and the kernel refuses more than `MAX_SKB_FRAGS`
+        // of them (EMSGSIZE): a larger gathered send goes with one copy,
+        // by the kernel.
+        let zc = self.zc && t.size >= self.zc_threshold && page_spans(&pieces) <= ZC_MAX_FRAGS;
+        self.meta[i] = SlotMeta {
+            datagrams: datagrams as u64,
+            zc,
+            gso: seg.is_some(),
+            gathered: true,
         };
+        self.ring.send(i, 1, fd, zc)
+    }
+
+    /// Queues slot `i`, filled with `t`.
+    fn queue(&mut self, i: usize, t: &Transmit) -> std::io::Result<()> {
+        let fd = self.send_fd(t);
         // One segment is a plain datagram.
         let seg = t.segment_size.filter(|&s| s > 0 && s < t.size);
         let datagrams = seg.map_or(1, |s| t.size.div_ceil(s));
@@ -520,6 +664,7 @@ impl UringDriver {
                     datagrams: 1,
                     zc: false,
                     gso: false,
+                    gathered: false,
                 };
                 self.ring.send(i, datagrams, fd, false)
             }
@@ -533,6 +678,7 @@ impl UringDriver {
                     datagrams: datagrams as u64,
                     zc,
                     gso: seg.is_some(),
+                    gathered: false,
                 };
                 self.ring.send(i, 1, fd, zc)
             }

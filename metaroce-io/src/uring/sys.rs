@@ -12,6 +12,11 @@
 //!   push of its request until its last completion: the result for
 //!   `SENDMSG`, the notification (`IORING_CQE_F_NOTIF`) for `SENDMSG_ZC`
 //!   when the result carried `IORING_CQE_F_MORE`;
+//! - for a gathered send, the payloads its `iovec`s point at outside the
+//!   slot (memory regions of the endpoint) for the same time: the caller of
+//!   [`SendSlot::set_gather`] promises it (the core pins those regions
+//!   until the driver releases them at the slot's last completion, and the
+//!   driver drops its `Ring`, which drains, before its endpoint);
 //! - the multishot receive's `msghdr` until the completion without
 //!   `IORING_CQE_F_MORE` that ends it;
 //! - the buffer ring's entries until it is unregistered;
@@ -293,6 +298,15 @@ struct Msg {
     iov: libc::iovec,
 }
 
+/// Where one piece of a gathered send is.
+#[derive(Debug, Clone)]
+pub(super) enum Piece {
+    /// Bytes of the slot's buffer.
+    Buf(std::ops::Range<usize>),
+    /// Bytes outside the slot (a memory region's payload).
+    Extern(*const u8, usize),
+}
+
 /// A send buffer and everything its `msghdr` points at.
 pub(super) struct SendSlot {
     buf: Box<[u8]>,
@@ -300,6 +314,9 @@ pub(super) struct SendSlot {
     ctrl: CmsgBuf,
     /// `msgs[0]` sends a whole transmit; `msgs[..n]` its segments one by one.
     msgs: Box<[Msg]>,
+    /// The `iovec`s of a gathered send (through `msgs[0]`): a header and a
+    /// payload per datagram.
+    gather: Box<[libc::iovec]>,
     /// Completions the kernel still owes for this slot.
     inflight: u16,
 }
@@ -319,8 +336,63 @@ impl SendSlot {
                     },
                 })
                 .collect(),
+            gather: (0..2 * max_msgs.max(1) + 2)
+                .map(|_| libc::iovec {
+                    iov_base: std::ptr::null_mut(),
+                    iov_len: 0,
+                })
+                .collect(),
             inflight: 0,
         }
+    }
+
+    /// Points message 0 at `pieces`, in order (one scatter-gather
+    /// `sendmsg`: a GSO batch of headers and payloads), to `dst`, with the
+    /// first `ctrl_len` bytes of control data. False if the slot is busy, a
+    /// `Buf` piece is outside the buffer or there are more pieces than
+    /// `iovec`s.
+    ///
+    /// # Safety
+    ///
+    /// The memory of every [`Piece::Extern`] must be readable for its length
+    /// and stay allocated, at the same address, until the slot's last
+    /// completion after the [`Ring::send`] that follows (or until the slot is
+    /// pointed elsewhere without being sent). The kernel only reads it.
+    pub(super) unsafe fn set_gather(
+        &mut self,
+        dst: std::net::SocketAddr,
+        pieces: &[Piece],
+        ctrl_len: usize,
+    ) -> bool {
+        if self.inflight != 0 || pieces.len() > self.gather.len() || pieces.is_empty() {
+            return false;
+        }
+        for (iov, p) in self.gather.iter_mut().zip(pieces) {
+            let (base, len) = match p {
+                Piece::Buf(r) => {
+                    let Some(b) = self.buf.get_mut(r.clone()) else {
+                        return false;
+                    };
+                    (b.as_mut_ptr().cast::<libc::c_void>(), b.len())
+                }
+                // The kernel never writes through a send's `iovec`.
+                Piece::Extern(ptr, len) => (ptr.cast_mut().cast::<libc::c_void>(), *len),
+            };
+            iov.iov_base = base;
+            iov.iov_len = len;
+        }
+        self.dst = SockAddr::from(dst);
+        let msg = &mut self.msgs[0];
+        msg.hdr = zeroed_msghdr();
+        msg.hdr.msg_name = self.dst.as_ptr() as *mut libc::c_void;
+        msg.hdr.msg_namelen = self.dst.len();
+        msg.hdr.msg_iov = self.gather.as_mut_ptr();
+        msg.hdr.msg_iovlen = pieces.len() as _;
+        if ctrl_len > 0 {
+            msg.hdr.msg_control = self.ctrl.0.as_mut_ptr().cast();
+            msg.hdr.msg_controllen = ctrl_len.min(self.ctrl.0.len()) as _;
+        }
+        true
     }
 
     /// Whether the kernel is done with the slot.
@@ -553,12 +625,13 @@ impl Ring {
                 opcode::SendMsg::new(Fd(fd), hdr).build()
             }
             .user_data(TAG_SEND | i as u64);
-            // SAFETY: the `msghdr`, its `iovec`, the data, the address and
+            // SAFETY: the `msghdr`, its `iovec`s, the data, the address and
             // the control data all live in slot `i` of the boxed, never
-            // resized slot array. `inflight` counts this request from now on,
-            // so `parts_mut`/`set_msg` refuse to touch the slot until its
-            // last completion (the notification for zero copy), and `Drop`
-            // waits for it.
+            // resized slot array (a gathered send's payloads outside it are
+            // the `set_gather` caller's promise). `inflight` counts this
+            // request from now on, so `parts_mut`/`set_msg`/`set_gather`
+            // refuse to touch the slot until its last completion (the
+            // notification for zero copy), and `Drop` waits for it.
             unsafe { self.push(&e)? };
             self.slots[i].inflight += 1;
         }
