@@ -439,7 +439,12 @@ impl Endpoint {
 
     /// The bytes of a region, for the application to write. Bytes that an
     /// outstanding SEND/WRITE reads, or that a peer may WRITE, must not be
-    /// changed until the request completes.
+    /// changed until the request completes. A driver that gathers
+    /// ([`poll_transmit_gather`](Self::poll_transmit_gather)) has the kernel
+    /// read payloads from the region itself, possibly a moment after the
+    /// request completed (a retransmission already on its way); such a copy
+    /// is a duplicate the peer drops unread, so writing after the completion
+    /// is safe.
     pub fn mr_mut(&mut self, lkey: u32) -> Option<&mut [u8]> {
         self.mrs.by_lkey_mut(lkey).map(|m| &mut m.buf[..])
     }
