@@ -28,6 +28,6 @@ pub mod wire;
 
 pub use config::{ConfigError, EndpointConfig};
 pub use connection::{ConnectionError, ConnectionState, ConnectionStats, PathState, PathStats};
-pub use endpoint::{Chunk, Ecn, Endpoint, EndpointError, Event, Gather, Transmit};
+pub use endpoint::{Chunk, Ecn, Endpoint, EndpointError, Event, Gather, RegionPin, Transmit};
 pub use stats::{EndpointStats, RejectCounters, RejectReason};
 pub use time::Instant;

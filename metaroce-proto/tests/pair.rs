@@ -1570,6 +1570,10 @@ fn a_region_being_sent_from_does_not_deregister() {
     assert_eq!(wa[0].status, WcStatus::Success);
     assert_eq!(p.b.mr(win.lkey).unwrap(), &data[..]);
     assert_eq!(p.a.dereg_mr(src.lkey), Err(VerbsError::MrSending(1)));
-    p.a.release_chunks(g.chunks());
+    let mut pins = Vec::new();
+    g.take_pins(&mut pins);
+    assert_eq!(pins.len(), 1);
+    p.a.release_pins(&mut pins);
+    assert!(pins.is_empty());
     assert!(p.a.dereg_mr(src.lkey).is_ok());
 }

@@ -26,7 +26,7 @@ use crate::waker::{WakeReceiver, Waker};
 use crate::{Backend, Clock, DriverConfig, DriverError, DriverStats, FaultConfig, IoDriver};
 use io_uring::cqueue;
 use io_uring::types::RecvMsgOut;
-use metaroce_proto::{Chunk, Endpoint, Gather, Instant, Transmit};
+use metaroce_proto::{Chunk, Endpoint, Gather, Instant, RegionPin, Transmit};
 use std::net::{SocketAddr, UdpSocket};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::OnceLock;
@@ -73,19 +73,20 @@ struct SlotMeta {
 /// kernel was built with more).
 const ZC_MAX_FRAGS: usize = 17;
 
-/// Pages the `Extern` pieces of a gathered send touch, plus one per
-/// `Buf` piece (the headers: small, but not next to their payloads).
-fn page_spans(pieces: &[sys::Piece]) -> usize {
+/// Pages the pieces of a gathered send touch, each counted apart (the
+/// kernel makes a fragment per piece and page); `base` is the address of
+/// the slot's buffer, which `Buf` pieces are ranges of.
+fn page_spans(pieces: &[sys::Piece], base: usize) -> usize {
     const PAGE: usize = 4096;
+    let span = |start: usize, len: usize| {
+        let last = start + len.max(1) - 1;
+        last / PAGE - start / PAGE + 1
+    };
     pieces
         .iter()
         .map(|p| match p {
-            sys::Piece::Buf(_) => 1,
-            sys::Piece::Extern(ptr, len) => {
-                let start = ptr.addr();
-                let last = start + (*len).max(1) - 1;
-                last / PAGE - start / PAGE + 1
-            }
+            sys::Piece::Buf(r) => span(base + r.start, r.len()),
+            sys::Piece::Extern(ptr, len) => span(ptr.addr(), *len),
         })
         .sum()
 }
@@ -106,9 +107,8 @@ pub const ZC_COPIED_LIMIT: u32 = 64;
 /// println!("{:?}", drv.stats());
 /// ```
 pub struct UringDriver {
-    /// Declared first, so dropped first: its `Drop` waits until the kernel
-    /// is done with every send, gathered payloads in `ep`'s regions
-    /// included, before the endpoint (and its regions) go.
+    /// The ring: `UringDriver`'s `Drop` drains it before the pins of the
+    /// gathered payloads in `ep`'s regions are released.
     ring: sys::Ring,
     ep: Endpoint,
     clock: Clock,
@@ -124,9 +124,9 @@ pub struct UringDriver {
     gather: Gather,
     /// Whether transmits are gathered (payloads from their regions).
     gathering: bool,
-    /// The region chunks each slot's send reads, released to the core at
-    /// the slot's last completion.
-    pinned: Vec<Vec<Chunk>>,
+    /// The pins of the regions each slot's send reads, released to the
+    /// core at the slot's last completion.
+    pinned: Vec<Vec<RegionPin>>,
     /// GSO segments the core batches.
     segments: usize,
     /// GSO still works (downgraded on EIO/EINVAL).
@@ -232,7 +232,7 @@ impl UringDriver {
             meta: vec![SlotMeta::default(); n],
             gather: Gather::new(u.gather_threshold),
             gathering: u.gather_threshold > 0,
-            pinned: vec![Vec::new(); n],
+            pinned: (0..n).map(|_| Vec::new()).collect(),
             segments,
             gso,
             zc,
@@ -487,7 +487,12 @@ impl UringDriver {
                 // A lost datagram: the protocol recovers it like any loss.
                 self.stats.send_errors += 1;
                 let err = -r;
-                let refused = matches!(err, libc::EINVAL | libc::EIO | libc::EOPNOTSUPP);
+                // EMSGSIZE: a gathered zero-copy batch with more fragments
+                // than this kernel takes.
+                let refused = matches!(
+                    err,
+                    libc::EINVAL | libc::EIO | libc::EOPNOTSUPP | libc::EMSGSIZE
+                );
                 if m.zc && refused && self.zc {
                     self.zc = false;
                     tracing::warn!(error = %std::io::Error::from_raw_os_error(err), "zero-copy send refused: sending with copies from now on");
@@ -528,8 +533,7 @@ impl UringDriver {
     fn release(&mut self, i: usize) {
         if let Some(p) = self.pinned.get_mut(i) {
             if !p.is_empty() {
-                self.ep.release_chunks(p);
-                p.clear();
+                self.ep.release_pins(p);
             }
         }
     }
@@ -557,6 +561,8 @@ impl UringDriver {
             };
             self.free.pop();
             any = true;
+            // The pins are the slot's from here on, whatever happens next.
+            self.gather.take_pins(&mut self.pinned[i]);
             let queued = if gather && self.gather.has_regions() {
                 self.queue_gathered(i, &t)
             } else {
@@ -588,14 +594,6 @@ impl UringDriver {
         let fd = self.send_fd(t);
         let seg = t.segment_size.filter(|&s| s > 0 && s < t.size);
         let datagrams = seg.map_or(1, |s| t.size.div_ceil(s));
-        // The pins are the slot's from here on, whatever happens next.
-        let chunks = self.gather.chunks();
-        self.pinned[i].extend(
-            chunks
-                .iter()
-                .filter(|c| matches!(c, Chunk::Region { .. }))
-                .cloned(),
-        );
         let mut pieces = Vec::with_capacity(self.gather.chunks().len());
         for c in self.gather.chunks() {
             pieces.push(match c {
@@ -612,16 +610,19 @@ impl UringDriver {
         }
         let v6 = self.v6;
         let slot = self.ring.slot_mut(i);
-        let (_, ctrl) = slot.parts_mut().expect("free slot");
+        let (buf, ctrl) = slot.parts_mut().expect("free slot");
+        let base = buf.as_ptr().addr();
         let seg16 = seg.and_then(|s| u16::try_from(s).ok());
         let clen = cmsg::encode_send(&mut ctrl.0, v6, t.ecn, seg16);
         // SAFETY: every `Extern` piece is a payload range of a region of
-        // `self.ep` that the core pinned for this transmit (it refuses to
-        // deregister it) and that `self.pinned[i]` releases only once the
-        // slot's last completion has come (`on_send`) or its send was never
-        // queued. Regions are boxed and never move or shrink while
-        // registered; the endpoint is dropped only after the ring, whose
-        // `Drop` waits for every completion. The application may still
+        // `self.ep` that the core pinned for this transmit: it refuses to
+        // deregister the region while the pin (held in `self.pinned[i]`, not
+        // forgeable, released only by this endpoint) exists, and a pinned
+        // region's memory is leaked, never freed, if the endpoint is dropped
+        // or replaced. The pin is released only once the slot's last
+        // completion has come (`on_send`), its send was never queued, or
+        // `Drop` has drained the ring. Regions are boxed and never move or
+        // shrink while registered. The application may still
         // write the bytes through the endpoint meanwhile (RDMA semantics:
         // the request's buffer is not to be touched until it completes);
         // the kernel only reads them.
@@ -634,7 +635,8 @@ impl UringDriver {
         // socket buffer, and the kernel refuses more than `MAX_SKB_FRAGS`
         // of them (EMSGSIZE): a larger gathered send goes with one copy,
         // by the kernel.
-        let zc = self.zc && t.size >= self.zc_threshold && page_spans(&pieces) <= ZC_MAX_FRAGS;
+        let zc =
+            self.zc && t.size >= self.zc_threshold && page_spans(&pieces, base) <= ZC_MAX_FRAGS;
         self.meta[i] = SlotMeta {
             datagrams: datagrams as u64,
             zc,
@@ -681,6 +683,20 @@ impl UringDriver {
                     gathered: false,
                 };
                 self.ring.send(i, 1, fd, zc)
+            }
+        }
+    }
+}
+
+impl Drop for UringDriver {
+    /// Waits until the kernel is done with every send, then gives the
+    /// regions their sends read back to the core. If the kernel does not
+    /// answer in time the pins stay, and the endpoint leaks those regions'
+    /// memory when it drops instead of freeing it under the kernel.
+    fn drop(&mut self) {
+        if self.ring.drain() {
+            for i in 0..self.pinned.len() {
+                self.release(i);
             }
         }
     }

@@ -15,8 +15,9 @@
 //! - for a gathered send, the payloads its `iovec`s point at outside the
 //!   slot (memory regions of the endpoint) for the same time: the caller of
 //!   [`SendSlot::set_gather`] promises it (the core pins those regions
-//!   until the driver releases them at the slot's last completion, and the
-//!   driver drops its `Ring`, which drains, before its endpoint);
+//!   until the driver releases them at the slot's last completion or after
+//!   a successful drain at drop, and leaks a pinned region's memory rather
+//!   than free it);
 //! - the multishot receive's `msghdr` until the completion without
 //!   `IORING_CQE_F_MORE` that ends it;
 //! - the buffer ring's entries until it is unregistered;
@@ -769,7 +770,7 @@ impl Ring {
 
     /// Cancels every request and waits (bounded) until the kernel holds no
     /// memory of ours. True if it got there.
-    fn drain(&mut self) -> bool {
+    pub(super) fn drain(&mut self) -> bool {
         let e = opcode::AsyncCancel2::new(CancelBuilder::any())
             .build()
             .user_data(TAG_CTRL);

@@ -88,8 +88,9 @@ pub enum Chunk {
     Buf(core::ops::Range<usize>),
     /// Bytes of a registered memory region, by its local key: a payload
     /// straight out of the region the request names. The region stays
-    /// pinned (it cannot be deregistered) until the driver gives it back with
-    /// [`release_chunks`](Endpoint::release_chunks).
+    /// pinned (it cannot be deregistered) until the driver hands the
+    /// transmit's [`RegionPin`]s ([`Gather::take_pins`]) back to
+    /// [`release_pins`](Endpoint::release_pins).
     Region {
         /// The region's local key (also for a READ response, which names
         /// its region by rkey on the wire).
@@ -109,12 +110,28 @@ pub enum Chunk {
 /// assert!(g.chunks().is_empty());
 /// assert!(matches!(Chunk::Buf(0..64), Chunk::Buf(_)));
 /// ```
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct Gather {
     chunks: Vec<Chunk>,
+    /// One per region chunk handed out and not yet taken by the driver.
+    pins: Vec<RegionPin>,
     min_payload: usize,
     /// Bytes of the buffer the current transmit uses so far.
     at: usize,
+}
+
+/// A gathered payload's hold on its memory region: while it exists the
+/// region cannot be deregistered, so its memory stays where the kernel reads
+/// it. Made only by the endpoint that gathered the payload, not `Clone`, and
+/// only that endpoint's [`release_pins`](Endpoint::release_pins) lets go of
+/// it (another endpoint ignores it). A pin that is dropped instead keeps its
+/// region pinned for good, and an endpoint dropped while pins are out leaks
+/// those regions' memory rather than free what the kernel may still read.
+#[derive(Debug)]
+#[must_use = "a dropped pin keeps its region pinned for good"]
+pub struct RegionPin {
+    pub(crate) lkey: u32,
+    pub(crate) owner: u64,
 }
 
 impl Gather {
@@ -124,6 +141,7 @@ impl Gather {
     pub fn new(min_payload: usize) -> Self {
         Gather {
             chunks: Vec::new(),
+            pins: Vec::new(),
             min_payload: min_payload.max(1),
             at: 0,
         }
@@ -134,6 +152,12 @@ impl Gather {
     /// [`poll_transmit`](Endpoint::poll_transmit).
     pub fn chunks(&self) -> &[Chunk] {
         &self.chunks
+    }
+
+    /// Moves the pins of the transmits gathered so far into `into`, for the
+    /// driver to keep until the kernel is done with their bytes.
+    pub fn take_pins(&mut self, into: &mut Vec<RegionPin>) {
+        into.append(&mut self.pins);
     }
 
     /// Whether any payload of the last transmit is in a region.
@@ -153,6 +177,8 @@ impl Gather {
         self.at += len;
     }
 
+    /// A new transmit. Pins not taken yet stay: dropping them would leave
+    /// their regions pinned for good.
     fn start(&mut self) {
         self.chunks.clear();
         self.at = 0;
@@ -319,7 +345,7 @@ impl Endpoint {
             by_cid: Map::default(),
             by_peer: Map::default(),
             pds: Vec::new(),
-            mrs: MrTable::default(),
+            mrs: MrTable::new(),
             cqs: Vec::new(),
             qps: Vec::new(),
             qp_gens: Vec::new(),
@@ -437,9 +463,10 @@ impl Endpoint {
         self.mrs.by_lkey(lkey).map(|m| &m.buf[..])
     }
 
-    /// The bytes of a region, for the application to write. Bytes that an
-    /// outstanding SEND/WRITE reads, or that a peer may WRITE, must not be
-    /// changed until the request completes. A driver that gathers
+    /// The bytes of a region, for the application to write (a region moves
+    /// nowhere while registered: it is the same memory every call). Bytes
+    /// that an outstanding SEND/WRITE reads, or that a peer may WRITE, must
+    /// not be changed until the request completes. A driver that gathers
     /// ([`poll_transmit_gather`](Self::poll_transmit_gather)) has the kernel
     /// read payloads from the region itself, possibly a moment after the
     /// request completed (a retransmission already on its way); such a copy

@@ -4,7 +4,7 @@
 //! retransmissions, a completion probe, then new data from the connection's
 //! QPs in round robin.
 
-use super::{Chunk, Ecn, Endpoint, Gather, Transmit};
+use super::{Chunk, Ecn, Endpoint, Gather, RegionPin, Transmit};
 use crate::connection::{CsnKind, Ctrl};
 
 /// ACKs after the first that repeat a stream's progress (all of them lost
@@ -48,9 +48,10 @@ impl Endpoint {
     /// wire order (empty: the first `size` bytes of `buf`, as with
     /// `poll_transmit`). The driver sends them with one scatter-gather send
     /// (`sendmsg` with an `iovec` per chunk, zero copy if it likes) and,
-    /// once the kernel is done with them, hands the chunks back to
-    /// [`release_chunks`](Self::release_chunks): until then their regions
-    /// are pinned and [`dereg_mr`](Self::dereg_mr) refuses them with
+    /// once the kernel is done with them, hands their pins
+    /// ([`Gather::take_pins`]) back to [`release_pins`](Self::release_pins):
+    /// until then their regions are pinned and
+    /// [`dereg_mr`](Self::dereg_mr) refuses them with
     /// [`VerbsError::MrSending`](crate::verbs::VerbsError::MrSending). The
     /// datagrams are the ones `poll_transmit` would have written, byte for
     /// byte.
@@ -60,15 +61,17 @@ impl Endpoint {
     /// let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
     /// let mut buf = vec![0u8; 65_536];
     /// let mut g = Gather::new(1024);
+    /// let mut pins = Vec::new();
     /// while let Some(t) = ep.poll_transmit_gather(Instant::ZERO, &mut buf, &mut g) {
+    ///     g.take_pins(&mut pins);
     ///     for c in g.chunks() {
     ///         match c {
     ///             Chunk::Buf(r) => { let _header = &buf[r.clone()]; }
     ///             Chunk::Region { lkey, range } => { let _payload = &ep.mr(*lkey).unwrap()[range.clone()]; }
     ///         }
     ///     }
-    ///     // ... the kernel sends it ...
-    ///     ep.release_chunks(g.chunks());
+    ///     // ... the kernel sends it, and says it is done ...
+    ///     ep.release_pins(&mut pins);
     ///     let _ = t;
     /// }
     /// ```
@@ -80,17 +83,20 @@ impl Endpoint {
     ) -> Option<Transmit> {
         gather.start();
         let t = self.poll_transmit_with(now, buf, u64::MAX, Some(&mut *gather));
-        debug_assert!(t.is_some() || gather.chunks.is_empty());
+        if t.is_none() {
+            // Never the case (chunks come only with a transmit); were it
+            // so, the pins stay in `gather` for the driver's next take.
+            gather.chunks.clear();
+        }
         t
     }
 
-    /// Unpins the regions of a gathered transmit the kernel is done with.
-    /// Chunks of regions that no longer exist are ignored.
-    pub fn release_chunks(&mut self, chunks: &[Chunk]) {
-        for c in chunks {
-            if let Chunk::Region { lkey, .. } = c {
-                self.mrs.pin(*lkey, -1);
-            }
+    /// Lets go of pins of gathered transmits the kernel is done with (and
+    /// empties `pins`). Pins another endpoint made are ignored: their
+    /// regions stay pinned.
+    pub fn release_pins(&mut self, pins: &mut Vec<RegionPin>) {
+        for p in pins.drain(..) {
+            self.mrs.unpin(p);
         }
     }
 
@@ -606,7 +612,9 @@ impl Endpoint {
         match (found, gather) {
             (Some((lkey, range)), Some(g)) if plen >= g.min_payload => {
                 g.push_buf(hlen);
-                mrs.pin(lkey, 1);
+                if let Some(pin) = mrs.pin(lkey) {
+                    g.pins.push(pin);
+                }
                 g.chunks.push(Chunk::Region { lkey, range });
             }
             (found, g) => {

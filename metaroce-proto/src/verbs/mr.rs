@@ -1,7 +1,12 @@
 //! Memory regions and their keys.
 
 use super::{AccessFlags, PdHandle, VerbsError};
+use crate::endpoint::RegionPin;
 use core::ops::Range;
+use core::sync::atomic::{AtomicU64, Ordering};
+
+/// Tells tables apart, so a pin goes back only to the one that made it.
+static NEXT_TABLE: AtomicU64 = AtomicU64::new(1);
 
 /// What the application learns when it registers a region: the keys and
 /// where it lives in the virtual address space that peers use.
@@ -46,17 +51,40 @@ impl MemoryRegion {
 /// Regions indexed by the low 24 bits of their keys; the top 8 bits of each
 /// key are a tag that changes on every registration of a slot, so a stale key
 /// does not name a new region.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct MrTable {
     slots: Vec<Option<MemoryRegion>>,
     tags: Vec<u8>,
     free: Vec<u32>,
+    /// This table's identity, in every pin it makes.
+    owner: u64,
+}
+
+impl Drop for MrTable {
+    /// A region still pinned may be read by the kernel: its memory is
+    /// leaked, not freed.
+    fn drop(&mut self) {
+        for mr in self.slots.iter_mut().flatten() {
+            if mr.pins > 0 {
+                std::mem::forget(std::mem::take(&mut mr.buf));
+            }
+        }
+    }
 }
 
 const INDEX_BITS: u32 = 24;
 const INDEX_MASK: u32 = (1 << INDEX_BITS) - 1;
 
 impl MrTable {
+    pub(crate) fn new() -> Self {
+        MrTable {
+            slots: Vec::new(),
+            tags: Vec::new(),
+            free: Vec::new(),
+            owner: NEXT_TABLE.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
     pub(crate) fn register(
         &mut self,
         pd: PdHandle,
@@ -182,10 +210,21 @@ impl MrTable {
         }
     }
 
-    /// Pins (`+1`) or unpins (`-1`) a region for a gathered transmit.
-    pub(crate) fn pin(&mut self, lkey: u32, delta: i32) {
-        if let Some(mr) = self.by_lkey_mut(lkey) {
-            mr.pins = mr.pins.saturating_add_signed(delta);
+    /// Pins a region for a gathered transmit.
+    pub(crate) fn pin(&mut self, lkey: u32) -> Option<RegionPin> {
+        let owner = self.owner;
+        let mr = self.by_lkey_mut(lkey)?;
+        mr.pins = mr.pins.checked_add(1)?;
+        Some(RegionPin { lkey, owner })
+    }
+
+    /// Lets go of a pin this table made (others are ignored).
+    pub(crate) fn unpin(&mut self, pin: RegionPin) {
+        if pin.owner != self.owner {
+            return;
+        }
+        if let Some(mr) = self.by_lkey_mut(pin.lkey) {
+            mr.pins = mr.pins.saturating_sub(1);
         }
     }
 
@@ -202,7 +241,7 @@ mod tests {
 
     #[test]
     fn keys_bounds_and_reuse() {
-        let mut t = MrTable::default();
+        let mut t = MrTable::new();
         let pd = PdHandle(0);
         let a = t
             .register(
@@ -226,11 +265,25 @@ mod tests {
         t.add_ref(a.lkey, 1);
         assert_eq!(t.deregister(a.lkey), Err(VerbsError::MrInUse(1)));
         t.add_ref(a.lkey, -1);
-        t.pin(a.lkey, 1);
-        t.pin(a.lkey, 1);
+        let p1 = t.pin(a.lkey).unwrap();
+        let p2 = t.pin(a.lkey).unwrap();
         assert_eq!(t.deregister(a.lkey), Err(VerbsError::MrSending(2)));
-        t.pin(a.lkey, -1);
-        t.pin(a.lkey, -1);
+        // Another table's pin does not unpin this one's region.
+        let mut other = MrTable::new();
+        other.unpin(t.pin(a.lkey).unwrap());
+        t.unpin(RegionPin {
+            lkey: a.lkey,
+            owner: other.owner,
+        });
+        assert_eq!(t.deregister(a.lkey), Err(VerbsError::MrSending(3)));
+        t.unpin(p1);
+        t.unpin(p2);
+        assert_eq!(t.deregister(a.lkey), Err(VerbsError::MrSending(1)));
+        let p3 = RegionPin {
+            lkey: a.lkey,
+            owner: t.owner,
+        };
+        t.unpin(p3);
         assert!(t.deregister(a.lkey).is_ok());
         assert!(t.by_lkey(a.lkey).is_none());
         let b = t

@@ -180,7 +180,9 @@ impl Pair {
                                 }
                             }
                         }
-                        ep.release_chunks(g.chunks());
+                        let mut pins = Vec::new();
+                        g.take_pins(&mut pins);
+                        ep.release_pins(&mut pins);
                         (t, wire)
                     }
                 };
