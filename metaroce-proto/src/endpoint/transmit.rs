@@ -592,14 +592,14 @@ impl Endpoint {
             }
             CsnKind::Nop => {}
         }
-        // The payload: its region's local key and its range there.
+        // The payload: its region and its range there, looked up once.
         let found = source.and_then(|(local, key, addr, len)| {
             let mr = if local {
                 mrs.by_lkey(key)
             } else {
                 mrs.by_rkey(key)
             }?;
-            Some((mr.info.lkey, mr.range(addr, u64::from(len))?))
+            Some((mr, mr.range(addr, u64::from(len))?))
         });
         if source.is_some() && found.is_none() {
             // The source vanished: keep the CSN alive as a NOP.
@@ -610,7 +610,8 @@ impl Endpoint {
         let hlen = hdr.emit_header(buf, plen).ok()?;
         let size = hlen + plen;
         match (found, gather) {
-            (Some((lkey, range)), Some(g)) if plen >= g.min_payload => {
+            (Some((mr, range)), Some(g)) if plen >= g.min_payload => {
+                let lkey = mr.info.lkey;
                 g.push_buf(hlen);
                 if let Some(pin) = mrs.pin(lkey) {
                     g.pins.push(pin);
@@ -618,9 +619,8 @@ impl Endpoint {
                 g.chunks.push(Chunk::Region { lkey, range });
             }
             (found, g) => {
-                if let Some((lkey, range)) = found {
-                    let m = mrs.by_lkey(lkey)?;
-                    buf[hlen..size].copy_from_slice(&m.buf[range]);
+                if let Some((mr, range)) = found {
+                    buf[hlen..size].copy_from_slice(&mr.buf[range]);
                 }
                 if let Some(g) = g {
                     g.push_buf(size);
