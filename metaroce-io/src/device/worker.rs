@@ -6,7 +6,9 @@
 use super::{ApiError, CqSink, Incoming};
 use crate::{Driver, DriverConfig, DriverError, Metrics, Waker};
 use metaroce_proto::verbs::*;
-use metaroce_proto::{ConnectionError, ConnectionState, ConnectionStats, EndpointStats, Event};
+use metaroce_proto::{
+    ConnectionError, ConnectionState, ConnectionStats, Endpoint, EndpointStats, Event,
+};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::mpsc::{self, TryRecvError};
@@ -232,12 +234,7 @@ impl Worker {
             } => {
                 let _ = reply.send(ep.reg_mr(pd, buf, addr, access).map_err(Into::into));
             }
-            Command::DeregMr(lkey, r) => match ep.dereg_mr(lkey) {
-                Err(VerbsError::MrSending(_)) => self.deregs.push((lkey, r)),
-                res => {
-                    let _ = r.send(res.map_err(Into::into));
-                }
-            },
+            Command::DeregMr(lkey, r) => self.deregs.extend(try_dereg(ep, lkey, r)),
             Command::DropMr(lkey) => {
                 if let Err(VerbsError::MrInUse(_) | VerbsError::MrSending(_)) = ep.dereg_mr(lkey) {
                     self.zombies_mr.push(lkey);
@@ -404,17 +401,24 @@ impl Worker {
                 Err(VerbsError::MrInUse(_) | VerbsError::MrSending(_))
             )
         });
-        let mut waiting = Vec::new();
-        for (lkey, r) in self.deregs.drain(..) {
-            match ep.dereg_mr(lkey) {
-                Err(VerbsError::MrSending(_)) => waiting.push((lkey, r)),
-                res => {
-                    let _ = r.send(res.map_err(Into::into));
-                }
-            }
-        }
-        self.deregs = waiting;
+        let waiting = std::mem::take(&mut self.deregs);
+        self.deregs = waiting
+            .into_iter()
+            .filter_map(|(lkey, r)| try_dereg(ep, lkey, r))
+            .collect();
         self.zombies_pd.retain(|&pd| ep.dealloc_pd(pd).is_err());
+    }
+}
+
+/// Deregisters `lkey` and answers `r`, unless the driver is still sending
+/// from the region: then hands both back, to try again after a poll.
+fn try_dereg(ep: &mut Endpoint, lkey: u32, r: Reply<Box<[u8]>>) -> Option<(u32, Reply<Box<[u8]>>)> {
+    match ep.dereg_mr(lkey) {
+        Err(VerbsError::MrSending(_)) => Some((lkey, r)),
+        res => {
+            let _ = r.send(res.map_err(Into::into));
+            None
+        }
     }
 }
 

@@ -69,6 +69,13 @@ struct SlotMeta {
     gathered: bool,
 }
 
+/// A transmit's GSO segment size (`None`: one plain datagram, as is a
+/// batch of one) and its number of datagrams.
+fn segments(t: &Transmit) -> (Option<usize>, usize) {
+    let seg = t.segment_size.filter(|&s| s > 0 && s < t.size);
+    (seg, seg.map_or(1, |s| t.size.div_ceil(s)))
+}
+
 /// Fragments one zero-copy send may make (`MAX_SKB_FRAGS`, 17 unless the
 /// kernel was built with more).
 const ZC_MAX_FRAGS: usize = 17;
@@ -592,8 +599,7 @@ impl UringDriver {
     /// slot, the payloads in their regions, one `iovec` each.
     fn queue_gathered(&mut self, i: usize, t: &Transmit) -> std::io::Result<()> {
         let fd = self.send_fd(t);
-        let seg = t.segment_size.filter(|&s| s > 0 && s < t.size);
-        let datagrams = seg.map_or(1, |s| t.size.div_ceil(s));
+        let (seg, datagrams) = segments(t);
         let mut pieces = Vec::with_capacity(self.gather.chunks().len());
         for c in self.gather.chunks() {
             pieces.push(match c {
@@ -622,10 +628,10 @@ impl UringDriver {
         // or replaced. The pin is released only once the slot's last
         // completion has come (`on_send`), its send was never queued, or
         // `Drop` has drained the ring. Regions are boxed and never move or
-        // shrink while registered. The application may still
-        // write the bytes through the endpoint meanwhile (RDMA semantics:
-        // the request's buffer is not to be touched until it completes);
-        // the kernel only reads them.
+        // shrink while registered. The application may still write the
+        // bytes through the endpoint meanwhile (RDMA semantics: the
+        // request's buffer is not to be touched until it completes); the
+        // kernel only reads them.
         if !unsafe { slot.set_gather(t.dst, &pieces, clen) } {
             return Err(std::io::Error::other(
                 "gathered transmit does not fit the slot",
@@ -649,9 +655,7 @@ impl UringDriver {
     /// Queues slot `i`, filled with `t`.
     fn queue(&mut self, i: usize, t: &Transmit) -> std::io::Result<()> {
         let fd = self.send_fd(t);
-        // One segment is a plain datagram.
-        let seg = t.segment_size.filter(|&s| s > 0 && s < t.size);
-        let datagrams = seg.map_or(1, |s| t.size.div_ceil(s));
+        let (seg, datagrams) = segments(t);
         let v6 = self.v6;
         let slot = self.ring.slot_mut(i);
         match seg {
