@@ -87,6 +87,10 @@ pub const COOKIE_LIFETIME: Duration = Duration::from_secs(10);
 /// Largest number of ACK options' bytes accepted after the entries (`MAX_OPTIONS_LEN`).
 pub const MAX_OPTIONS_LEN: usize = 256;
 
+/// A full data segment carries a multiple of this many payload bytes
+/// (`SEGMENT_ALIGN`); see [`segment_payload`](crate::wire::segment_payload).
+pub const SEGMENT_ALIGN: usize = 64;
+
 /// Default UDP payload MTU of a path: a 4 KiB payload plus headers (`DEFAULT_MTU`).
 pub const DEFAULT_MTU: u16 = 4_096 + 64;
 

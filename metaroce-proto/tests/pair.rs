@@ -4,7 +4,9 @@
 mod common;
 
 use common::*;
+use metaroce_proto::consts::DATA_HEADER_LEN;
 use metaroce_proto::verbs::*;
+use metaroce_proto::wire::{segment_payload, Opcode};
 use metaroce_proto::{Chunk, ConnectionError, EndpointConfig, Event, Gather, Instant};
 use std::time::Duration;
 
@@ -1268,10 +1270,15 @@ fn gso_batches_carry_full_segments_on_one_path() {
     let mut buf = vec![0u8; 65536];
     let t = p.a.poll_transmit(p.now, &mut buf).unwrap();
     let seg = t.segment_size.expect("a batch");
-    assert_eq!(seg, usize::from(EndpointConfig::default().mtu));
+    // A full WRITE segment: header, extension, 4 KiB of payload.
+    let full = segment_payload(usize::from(EndpointConfig::default().mtu), Opcode::Write);
+    assert_eq!(full, 4096);
+    assert_eq!(seg, DATA_HEADER_LEN + Opcode::Write.ext_len() + full);
     assert!(t.size > seg && t.size <= 8 * seg);
     for chunk in buf[..t.size].chunks(seg) {
-        let (h, _) = metaroce_proto::wire::DataHeader::parse(chunk).unwrap();
+        let (h, payload) = metaroce_proto::wire::DataHeader::parse(chunk).unwrap();
+        assert_eq!(payload.len(), full);
+        assert_eq!(h.msg_offset as usize % full, 0);
         assert_eq!(
             h.path_id,
             metaroce_proto::wire::DataHeader::parse(&buf[..seg])
@@ -1284,6 +1291,72 @@ fn gso_batches_carry_full_segments_on_one_path() {
     let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(5));
     assert_eq!(wa[0].status, WcStatus::Success);
     assert!(p.b.mr(win.lkey).unwrap() == &data[..]);
+}
+
+/// Messages of a multiple of the segment payload split into full segments
+/// only, so one GSO batch runs on from one WRITE into the next: 64 KiB
+/// WRITEs (16 segments each) go out in batches of 15, not as 15 + 1.
+#[test]
+fn gso_batches_run_across_message_boundaries() {
+    let cfg = EndpointConfig {
+        max_gso_segments: 15,
+        initial_window: 1 << 20,
+        first_flight_bytes: 1 << 20,
+        ..EndpointConfig::default()
+    };
+    let mut p = Pair::new(cfg.clone(), cfg, 26, LinkConfig::perfect());
+    p.connect();
+    let v = Verbs::setup(&mut p);
+    let (size, count) = (64usize << 10, 4);
+    let src = reg(
+        &mut p.a,
+        v.pda,
+        pattern(26, size * count),
+        0,
+        AccessFlags::NONE,
+    );
+    let win = reg(
+        &mut p.b,
+        v.pdb,
+        vec![0; size * count],
+        0,
+        AccessFlags::REMOTE_WRITE,
+    );
+    for i in 0..count {
+        let r = RemoteAddr {
+            rkey: win.rkey,
+            addr: (i * size) as u64,
+        };
+        let sge = Sge {
+            lkey: src.lkey,
+            addr: (i * size) as u64,
+            len: size as u32,
+        };
+        p.a.post_send(p.now, v.qa, SendWr::new(i as u64, SendOp::Write(r), sge))
+            .unwrap();
+    }
+    let mut buf = vec![0u8; 65536];
+    let (mut batches, mut segments, mut spanning) = (Vec::new(), 0, 0);
+    while segments < count * size / 4096 {
+        let t =
+            p.a.poll_transmit(p.now, &mut buf)
+                .expect("window room for all");
+        let seg = t.segment_size.unwrap_or(t.size);
+        let msns: Vec<u32> = buf[..t.size]
+            .chunks(seg)
+            .map(|c| {
+                let (h, payload) = metaroce_proto::wire::DataHeader::parse(c).unwrap();
+                assert_eq!(payload.len(), 4096);
+                h.msn
+            })
+            .collect();
+        spanning += usize::from(msns.first() != msns.last());
+        segments += msns.len();
+        batches.push(msns.len());
+    }
+    // 64 full segments: four batches of 15 and one of 4.
+    assert_eq!(batches, vec![15, 15, 15, 15, 4]);
+    assert!(spanning >= 3, "{spanning} batches span two WRITEs");
 }
 
 #[test]

@@ -6,7 +6,7 @@ use crate::connection::{ConnectionError, ConnectionState, CsnKind, Ctrl, PathEve
 use crate::consts::{REPATH_COOLDOWN_RTTS, REPATH_MAX_BACKOFF, REPATH_ROUNDS, REPATH_WINDOW_SHARE};
 use crate::rng::Rng;
 use crate::time::Instant;
-use crate::verbs::qp::{max_payload, Accepted, Incoming, ReadResp};
+use crate::verbs::qp::{Accepted, Incoming, ReadResp};
 use crate::verbs::{CompletionQueue, CqHandle, Qpn, WcOpcode, WcStatus, WorkCompletion};
 use crate::wire::seq::seq_lt;
 use crate::wire::{NakCode, NakEntry, Opcode};
@@ -280,7 +280,6 @@ impl Endpoint {
         let Some(idx) = self.qp_index(qpn) else {
             return;
         };
-        let mtu = self.conns[ci].as_ref().map_or(1024, |c| c.mtu);
         let Endpoint {
             qps,
             mrs,
@@ -313,8 +312,6 @@ impl Endpoint {
                 }
             }
             Opcode::ReadReq => {
-                let per = max_payload(mtu, Opcode::ReadResp);
-                let pkts_total = a.len.div_ceil(per).max(1);
                 mrs.add_ref_rkey(a.rkey, 1);
                 q.read_resps.push_back(ReadResp {
                     msn: q.msn_done.wrapping_sub(1),
@@ -323,7 +320,7 @@ impl Endpoint {
                     len: a.len,
                     next_offset: 0,
                     sent_all: false,
-                    pkts_total,
+                    pkts_sent: 0,
                     pkts_acked: 0,
                 });
             }
@@ -392,7 +389,7 @@ impl Endpoint {
         if let Some(pos) = q.read_resps.iter().position(|r| r.msn == msn) {
             let r = &mut q.read_resps[pos];
             r.pkts_acked += 1;
-            if r.sent_all && r.pkts_acked >= r.pkts_total {
+            if r.sent_all && r.pkts_acked >= r.pkts_sent {
                 let rkey = r.rkey;
                 q.read_resps.remove(pos);
                 mrs.add_ref_rkey(rkey, -1);

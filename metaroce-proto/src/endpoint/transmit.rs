@@ -11,7 +11,7 @@ use crate::connection::{CsnKind, Ctrl};
 /// at 10% loss: 1 in 1,000).
 const STREAM_REPEATS: u8 = 2;
 use crate::time::Instant;
-use crate::verbs::qp::Segment;
+use crate::verbs::qp::{SegLimit, Segment};
 use crate::verbs::Qpn;
 use crate::wire::{
     data_flags, Accept, AckBuilder, AckHeader, AckStreamEntry, Close, DataHeader, Hello, Opcode,
@@ -354,7 +354,8 @@ impl Endpoint {
                     }
                 }
             }
-            let Some(kind) = self.take_segment(qpn, now, mtu) else {
+            let limit = SegLimit::new(mtu);
+            let Some((kind, full)) = self.take_segment(qpn, now, limit) else {
                 continue;
             };
             let c = self.conns[ci].as_mut()?;
@@ -373,18 +374,23 @@ impl Endpoint {
                 None,
                 gather.as_deref_mut(),
             )?;
-            return Some(self.extend_batch(ci, qpn, path, first, now, buf, mtu, gather));
+            if !full {
+                return Some(first);
+            }
+            return Some(self.extend_batch(ci, qpn, path, first, now, buf, limit, gather));
         }
         None
     }
 
-    /// The next new segment of `qpn`, as what its CSN will carry.
-    fn take_segment(&mut self, qpn: Qpn, now: Instant, mtu: usize) -> Option<CsnKind> {
+    /// The next new segment of `qpn`, as what its CSN will carry, and
+    /// whether it is a full one.
+    fn take_segment(&mut self, qpn: Qpn, now: Instant, limit: SegLimit) -> Option<(CsnKind, bool)> {
         let q = self.qp_mut(qpn)?;
         if !q.has_send_work(now) {
             return None;
         }
-        let kind = match q.next_segment(now, mtu)? {
+        let (seg, full) = q.next_segment(now, limit)?;
+        let kind = match seg {
             Segment::Request {
                 msn,
                 gen,
@@ -407,13 +413,14 @@ impl Endpoint {
                 len,
             },
         };
-        Some(kind)
+        Some((kind, full))
     }
 
-    /// Appends more segments of the same QP on the same path to a transmit,
-    /// for one UDP GSO send: every segment but the last is exactly `mtu`
-    /// bytes (a full segment is always the MTU, whatever its opcode), so the
-    /// batch ends after the first shorter one.
+    /// Appends more segments of the same QP on the same path to a full
+    /// first segment, for one UDP GSO send: every segment but the last is
+    /// exactly as long as the first (a segment whose opcode has a longer
+    /// header carries that much less payload), so the batch ends after the
+    /// first shorter one.
     #[allow(clippy::too_many_arguments)]
     fn extend_batch(
         &mut self,
@@ -423,24 +430,26 @@ impl Endpoint {
         first: Transmit,
         now: Instant,
         buf: &mut [u8],
-        mtu: usize,
+        limit: SegLimit,
         mut gather: Option<&mut Gather>,
     ) -> Transmit {
         let max = self.config.max_gso_segments;
+        let seg = first.size;
+        let limit = limit.within(seg);
         let mut t = first;
         let mut n = 1;
-        while n < max && t.size == n * mtu && buf.len() >= t.size + mtu {
+        while n < max && t.size == n * seg && buf.len() >= t.size + seg {
             let Some(c) = self.conns[ci].as_ref() else {
                 break;
             };
             if !c.paths_tx[path].has_room()
-                || !c.cwnd_room(mtu as u64)
+                || !c.cwnd_room(seg as u64)
                 || !c.csn_room()
                 || !c.pacer.ready(now)
             {
                 break;
             }
-            let Some(kind) = self.take_segment(qpn, now, mtu) else {
+            let Some((kind, _)) = self.take_segment(qpn, now, limit) else {
                 break;
             };
             let Some(c) = self.conns[ci].as_mut() else {
@@ -455,7 +464,7 @@ impl Endpoint {
                 csn,
                 kind,
                 now,
-                &mut buf[at..at + mtu],
+                &mut buf[at..at + seg],
                 false,
                 None,
                 gather.as_deref_mut(),
@@ -468,7 +477,7 @@ impl Endpoint {
             }
         }
         if n > 1 {
-            t.segment_size = Some(mtu);
+            t.segment_size = Some(seg);
         }
         t
     }

@@ -15,7 +15,7 @@ use crate::consts::{
 };
 use crate::time::Instant;
 use crate::wire::seq::{seq_dist, seq_lt};
-use crate::wire::{NakCode, NakEntry, Opcode, OpcodeExt};
+use crate::wire::{segment_payload, NakCode, NakEntry, Opcode, OpcodeExt};
 use core::time::Duration;
 use std::collections::VecDeque;
 
@@ -250,13 +250,41 @@ pub(crate) struct ReadResp {
     /// Next offset to send for the first time.
     pub(crate) next_offset: u32,
     pub(crate) sent_all: bool,
-    pub(crate) pkts_total: u32,
+    /// Response packets sent (first transmissions) and delivered.
+    pub(crate) pkts_sent: u32,
     pub(crate) pkts_acked: u32,
 }
 
-/// Largest payload of a packet of `opcode` on a connection of `mtu`.
-pub(crate) fn max_payload(mtu: usize, opcode: Opcode) -> u32 {
-    (mtu.saturating_sub(DATA_HEADER_LEN + opcode.ext_len())).max(1) as u32
+/// How large the next packet may be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SegLimit {
+    /// The connection's MTU, which sets the payload of a full segment
+    /// ([`segment_payload`]).
+    mtu: usize,
+    /// Largest packet, header included: the MTU, or the segment size of the
+    /// UDP GSO batch the packet joins.
+    wire: usize,
+}
+
+impl SegLimit {
+    /// Full segments of a path of `mtu` UDP payload bytes.
+    pub(crate) fn new(mtu: usize) -> Self {
+        SegLimit { mtu, wire: mtu }
+    }
+
+    /// The same, for a packet of at most `wire` bytes.
+    pub(crate) fn within(self, wire: usize) -> Self {
+        SegLimit {
+            wire: wire.min(self.wire),
+            ..self
+        }
+    }
+
+    /// Largest payload of a packet of `opcode`.
+    pub(crate) fn payload(self, opcode: Opcode) -> u32 {
+        let room = self.wire.saturating_sub(DATA_HEADER_LEN + opcode.ext_len());
+        segment_payload(self.mtu, opcode).min(room).max(1) as u32
+    }
 }
 
 /// One packet's worth of work chosen by a QP.
@@ -470,12 +498,19 @@ impl Qp {
         Some(self.send_idx)
     }
 
-    /// Picks the next packet: READ responses first, then RNR resends, then new requests.
-    pub(crate) fn next_segment(&mut self, now: Instant, mtu: usize) -> Option<Segment> {
+    /// Picks the next packet: READ responses first, then RNR resends, then
+    /// new requests; and whether it is a full one (as much payload as
+    /// `limit` allows its opcode).
+    pub(crate) fn next_segment(
+        &mut self,
+        now: Instant,
+        limit: SegLimit,
+    ) -> Option<(Segment, bool)> {
         if self.state.responds() {
             if let Some(r) = self.read_resps.iter_mut().find(|r| !r.sent_all) {
-                let max = max_payload(mtu, Opcode::ReadResp);
+                let max = limit.payload(Opcode::ReadResp);
                 let len = (r.len - r.next_offset).min(max);
+                r.pkts_sent += 1;
                 let seg = Segment::Response {
                     msn: r.msn,
                     offset: r.next_offset,
@@ -485,7 +520,7 @@ impl Qp {
                 if r.next_offset >= r.len {
                     r.sent_all = true;
                 }
-                return Some(seg);
+                return Some((seg, len == max));
             }
         }
         if !self.state.takes_send() || self.rnr_wait_until.is_some_and(|t| now < t) {
@@ -500,9 +535,8 @@ impl Qp {
                 self.resend.pop_front();
                 continue;
             };
-            let len = len_total
-                .saturating_sub(offset)
-                .min(max_payload(mtu, opcode));
+            let max = limit.payload(opcode);
+            let len = len_total.saturating_sub(offset).min(max);
             let next = offset + len;
             self.last_progress = self.last_progress.max(now);
             if next >= len_total {
@@ -510,18 +544,20 @@ impl Qp {
             } else if let Some(front) = self.resend.front_mut() {
                 front.1 = next;
             }
-            return Some(Segment::Request {
+            let seg = Segment::Request {
                 msn,
                 gen,
                 offset,
                 len,
-            });
+            };
+            return Some((seg, len == max));
         }
         let idx = self.next_new_request()?;
         let wqe = &self.sq[idx];
         let offset = self.send_offset;
         let total = wqe.request_len();
-        let len = (total - offset).min(max_payload(mtu, wqe.opcode()));
+        let max = limit.payload(wqe.opcode());
+        let len = (total - offset).min(max);
         let seg = Segment::Request {
             msn: wqe.msn,
             gen: wqe.gen,
@@ -537,7 +573,7 @@ impl Qp {
             self.send_idx += 1;
             self.send_offset = 0;
         }
-        Some(seg)
+        Some((seg, len == max))
     }
 
     /// Responder: the record of message `msn`, creating empty slots up to it.
@@ -669,9 +705,9 @@ mod tests {
         q.sq.push_back(wqe(0, SendOp::Send, 10_000));
         q.sq.push_back(wqe(1, SendOp::Send, 0));
         let now = Instant::ZERO;
-        let mtu = 4096 + 44;
+        let limit = SegLimit::new(4096 + 60);
         let mut segs = Vec::new();
-        while let Some(s) = q.next_segment(now, mtu) {
+        while let Some((s, _)) = q.next_segment(now, limit) {
             segs.push(s);
         }
         assert_eq!(
@@ -706,6 +742,31 @@ mod tests {
     }
 
     #[test]
+    fn a_segment_joining_a_batch_fits_the_batch_segment_size() {
+        let limit = SegLimit::new(4096 + 60);
+        for op in [
+            Opcode::Send,
+            Opcode::Write,
+            Opcode::WriteImm,
+            Opcode::ReadResp,
+        ] {
+            assert_eq!(limit.payload(op), 4096, "{op:?}");
+        }
+        // A batch of WRITE segments (52-byte headers): a WRITE_IMM segment
+        // (60) in it carries 8 bytes less, a SEND segment (44) no more.
+        let batch = limit.within(52 + 4096);
+        assert_eq!(batch.payload(Opcode::Write), 4096);
+        assert_eq!(batch.payload(Opcode::WriteImm), 4088);
+        assert_eq!(batch.payload(Opcode::Send), 4096);
+        let mut q = qp();
+        q.sq.push_back(wqe(0, SendOp::Send, 5000));
+        let (s, full) = q.next_segment(Instant::ZERO, limit).unwrap();
+        assert!(matches!(s, Segment::Request { len: 4096, .. }) && full);
+        let (s, full) = q.next_segment(Instant::ZERO, limit).unwrap();
+        assert!(matches!(s, Segment::Request { len: 904, .. }) && !full);
+    }
+
+    #[test]
     fn fence_and_read_limit_hold_requests_back() {
         let mut q = qp();
         q.max_rd_atomic = 1;
@@ -717,21 +778,21 @@ mod tests {
         q.sq.push_back(w);
         let now = Instant::ZERO;
         assert!(matches!(
-            q.next_segment(now, 1000),
+            q.next_segment(now, SegLimit::new(1000)).map(|s| s.0),
             Some(Segment::Request { msn: 0, len: 0, .. })
         ));
         assert_eq!(
-            q.next_segment(now, 1000),
+            q.next_segment(now, SegLimit::new(1000)).map(|s| s.0),
             None,
             "second READ waits for max_rd_atomic"
         );
         q.reads_outstanding = 0;
         assert!(matches!(
-            q.next_segment(now, 1000),
+            q.next_segment(now, SegLimit::new(1000)).map(|s| s.0),
             Some(Segment::Request { msn: 1, .. })
         ));
         assert_eq!(
-            q.next_segment(now, 1000),
+            q.next_segment(now, SegLimit::new(1000)).map(|s| s.0),
             None,
             "fenced WRITE waits for the READs"
         );
@@ -745,16 +806,19 @@ mod tests {
         let mut q = qp();
         q.sq.push_back(wqe(0, SendOp::Send, 10));
         let t0 = Instant::from_nanos(1000);
-        assert!(q.next_segment(t0, 1000).is_some());
+        assert!(q
+            .next_segment(t0, SegLimit::new(1000))
+            .map(|s| s.0)
+            .is_some());
         q.sq[0].gen = 1;
         q.resend.push_back((0, 0));
         q.rnr_wait_until = Some(Instant::from_nanos(5000));
         assert!(!q.has_send_work(t0));
-        assert_eq!(q.next_segment(t0, 1000), None);
+        assert_eq!(q.next_segment(t0, SegLimit::new(1000)).map(|s| s.0), None);
         let t1 = Instant::from_nanos(5000);
         assert!(q.has_send_work(t1));
         assert_eq!(
-            q.next_segment(t1, 1000),
+            q.next_segment(t1, SegLimit::new(1000)).map(|s| s.0),
             Some(Segment::Request {
                 msn: 0,
                 gen: 1,
@@ -762,7 +826,7 @@ mod tests {
                 len: 10
             })
         );
-        assert_eq!(q.next_segment(t1, 1000), None);
+        assert_eq!(q.next_segment(t1, SegLimit::new(1000)).map(|s| s.0), None);
     }
 
     #[test]

@@ -24,7 +24,25 @@ use super::{
     check_len, check_out, expect_type, get_u32, get_u64, put_common, put_u32, put_u64, PacketType,
     WireError,
 };
-use crate::consts::DATA_HEADER_LEN;
+use crate::consts::{DATA_HEADER_LEN, SEGMENT_ALIGN};
+
+/// Payload bytes of a full `opcode` segment on a path of `mtu` UDP payload
+/// bytes: what its header leaves, rounded down to a multiple of
+/// [`SEGMENT_ALIGN`]. A message whose length is a multiple of that (4 KiB
+/// at the default MTU, for every opcode) splits into full segments only,
+/// so a UDP GSO batch of equal segments runs on across message boundaries.
+///
+/// ```
+/// use metaroce_proto::consts::DEFAULT_MTU;
+/// use metaroce_proto::wire::{segment_payload, Opcode};
+/// assert_eq!(segment_payload(usize::from(DEFAULT_MTU), Opcode::Write), 4096);
+/// assert_eq!(segment_payload(usize::from(DEFAULT_MTU), Opcode::WriteImm), 4096);
+/// assert_eq!(segment_payload(1472, Opcode::Write), 1408);
+/// ```
+pub fn segment_payload(mtu: usize, opcode: Opcode) -> usize {
+    let room = mtu.saturating_sub(DATA_HEADER_LEN + opcode.ext_len());
+    room / SEGMENT_ALIGN * SEGMENT_ALIGN
+}
 
 /// Flag bits of a DATA packet (`flags` byte).
 pub mod data_flags {
@@ -353,6 +371,37 @@ mod tests {
             msg_offset: 0,
             ext,
         }
+    }
+
+    #[test]
+    fn full_segments_fit_every_mtu_with_every_opcode() {
+        let (lo, hi) = (crate::consts::MIN_MTU, crate::consts::MAX_MTU);
+        for mtu in usize::from(lo)..=usize::from(hi) {
+            for o in (1..=7).map(|v| Opcode::from_u8(v).unwrap()) {
+                let (h, p) = (DATA_HEADER_LEN + o.ext_len(), segment_payload(mtu, o));
+                assert_eq!(p % SEGMENT_ALIGN, 0, "mtu {mtu} {o:?}");
+                assert!(
+                    p > 0 && h + p <= mtu && h + p + SEGMENT_ALIGN > mtu,
+                    "mtu {mtu} {o:?}"
+                );
+            }
+        }
+        // At the default MTU every opcode carries 4 KiB.
+        for o in [
+            Opcode::Send,
+            Opcode::SendImm,
+            Opcode::Write,
+            Opcode::WriteImm,
+        ] {
+            assert_eq!(
+                segment_payload(usize::from(crate::consts::DEFAULT_MTU), o),
+                4096
+            );
+        }
+        assert_eq!(
+            segment_payload(usize::from(crate::consts::DEFAULT_MTU), Opcode::ReadResp),
+            4096
+        );
     }
 
     #[test]

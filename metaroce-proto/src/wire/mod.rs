@@ -42,7 +42,7 @@ pub mod seq;
 pub use ack::{
     AckBuilder, AckHeader, AckOption, AckPacket, AckPathEntry, AckStreamEntry, NakCode, NakEntry,
 };
-pub use data::{data_flags, DataHeader, Opcode, OpcodeExt};
+pub use data::{data_flags, segment_payload, DataHeader, Opcode, OpcodeExt};
 pub use handshake::{
     Accept, Close, CloseCode, CookieReply, Hello, PlaneAddrs, VersionNegotiation, EXT_PLANES,
 };
