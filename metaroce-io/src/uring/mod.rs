@@ -346,8 +346,10 @@ impl UringDriver {
     /// Reaps completions, runs due timers, queues transmits and keeps the
     /// receive armed. Returns whether anything happened.
     fn work(&mut self) -> Result<bool, DriverError> {
-        let mut progress = self.reap();
+        // One clock reading serves the turn: the sends it queues leave
+        // together at its submission anyway.
         let now = self.clock.now();
+        let mut progress = self.reap(now);
         if let Some(f) = &mut self.faults {
             progress |= f.release(now, &mut self.ep);
         }
@@ -359,7 +361,7 @@ impl UringDriver {
             self.ep.handle_timeout(now);
             progress = true;
         }
-        progress |= self.flush()?;
+        progress |= self.flush(now)?;
         for (k, r) in self.recv.iter().enumerate() {
             if self.ring.arm_recv(k, r.as_raw_fd())? {
                 self.stats.recv_arms += 1;
@@ -386,10 +388,9 @@ impl UringDriver {
 
     /// Handles every completion ready. Returns whether any datagram or send
     /// completion (a freed slot) came.
-    fn reap(&mut self) -> bool {
+    fn reap(&mut self, now: Instant) -> bool {
         let cqes = self.ring.reap();
         let mut progress = false;
-        let now = self.clock.now();
         for c in &cqes {
             let tag = c.user_data() & TAG_MASK;
             let low = c.user_data() & !TAG_MASK;
@@ -547,10 +548,9 @@ impl UringDriver {
 
     /// Queues a send for every transmit the core has, while send slots are
     /// free. Returns whether any was queued.
-    fn flush(&mut self) -> Result<bool, DriverError> {
+    fn flush(&mut self, now: Instant) -> Result<bool, DriverError> {
         let mut any = false;
         while let Some(&i) = self.free.last() {
-            let now = self.clock.now();
             let Some((buf, _)) = self.ring.slot_mut(i).parts_mut() else {
                 self.free.pop();
                 continue;

@@ -323,6 +323,9 @@ pub struct Endpoint {
     local_ip: Option<IpAddr>,
     /// The latest `now` the driver has given.
     last_now: Instant,
+    /// Reused by every ACK: the CSNs it delivered and declared lost, and
+    /// what the delivered ones carried (empty between ACKs).
+    ack_scratch: (Vec<u32>, Vec<u32>, Vec<crate::connection::CsnKind>),
     /// Connections in the `Established` state.
     established: usize,
     /// The receiver's grant to its senders.
@@ -356,6 +359,7 @@ impl Endpoint {
             stats: EndpointStats::default(),
             local_ip: None,
             last_now: Instant::ZERO,
+            ack_scratch: Default::default(),
             established: 0,
             rcc: crate::cc::ReceiverCc::new(rcc_config.0, rcc_config.1),
         })

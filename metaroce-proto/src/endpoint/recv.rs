@@ -716,8 +716,7 @@ impl Endpoint {
             c.rtt.sample(rtt);
         }
         let base = c.rtt.min_rtt().unwrap_or(rtt);
-        let mut delivered = Vec::new();
-        let mut lost = Vec::new();
+        let (mut delivered, mut lost, mut kinds) = std::mem::take(&mut self.ack_scratch);
         let mut bogus = false;
         let mut released = 0u64;
         for e in ack.paths() {
@@ -774,8 +773,7 @@ impl Endpoint {
         } else {
             bogus = true;
         }
-        let mut kinds = Vec::with_capacity(delivered.len());
-        for csn in delivered {
+        for &csn in &delivered {
             if let Some(k) = c.ack_csn(csn) {
                 kinds.push(k);
             }
@@ -787,7 +785,7 @@ impl Endpoint {
         }
         c.last_ack_at = now;
         c.stats.packets_lost += lost.len() as u64;
-        for csn in lost {
+        for &csn in &lost {
             if c.queue_retransmit(csn) {
                 c.stats.fast_retransmits += 1;
             }
@@ -795,9 +793,13 @@ impl Endpoint {
         if bogus {
             self.stats.rejects.bump(RejectReason::BogusAck);
         }
-        for k in kinds {
+        for &k in &kinds {
             self.csn_delivered(k);
         }
+        delivered.clear();
+        lost.clear();
+        kinds.clear();
+        self.ack_scratch = (delivered, lost, kinds);
         // Stream progress: requests executed by the peer.
         for s in ack.streams() {
             let Some(idx) = self.qp_index(Qpn(s.qpn)) else {
