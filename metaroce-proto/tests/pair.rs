@@ -1359,6 +1359,122 @@ fn gso_batches_run_across_message_boundaries() {
     assert!(spanning >= 3, "{spanning} batches span two WRITEs");
 }
 
+/// A WRITE of 5 segments, a WRITE_IMM of 40,000 B, a WRITE of 34 segments
+/// and a SEND: in batches of 8, the WRITE_IMM and the SEND start inside a
+/// batch of WRITE segments.
+fn mixed_work(p: &mut Pair, v: &Verbs, data: &[u8]) -> (MrInfo, MrInfo) {
+    let src = reg(&mut p.a, v.pda, data.to_vec(), 0, AccessFlags::NONE);
+    let win = reg(
+        &mut p.b,
+        v.pdb,
+        vec![0; data.len()],
+        0,
+        AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
+    );
+    let rbuf = reg(
+        &mut p.b,
+        v.pdb,
+        vec![0; 50_000],
+        0,
+        AccessFlags::LOCAL_WRITE,
+    );
+    for (id, addr, len) in [(1u64, 0u64, 16u32), (2, 16, 50_000 - 16)] {
+        let sge = Sge {
+            lkey: rbuf.lkey,
+            addr,
+            len,
+        };
+        p.b.post_recv(v.qb, RecvWr { wr_id: id, sge }).unwrap();
+    }
+    let at = |addr: u64| RemoteAddr {
+        rkey: win.rkey,
+        addr,
+    };
+    let sge = |addr: u64, len: u32| Sge {
+        lkey: src.lkey,
+        addr,
+        len,
+    };
+    let work = [
+        SendWr::new(10, SendOp::Write(at(0)), sge(0, 20_480)),
+        SendWr::new(11, SendOp::WriteImm(at(20_480), 9), sge(20_480, 40_000)),
+        SendWr::new(12, SendOp::Write(at(60_480)), sge(60_480, 34 * 4096)),
+        SendWr::new(13, SendOp::Send, sge(0, 49_984)),
+    ];
+    for wr in work {
+        p.a.post_send(p.now, v.qa, wr).unwrap();
+    }
+    (win, rbuf)
+}
+
+/// Different opcodes have different header lengths: a WRITE_IMM or SEND
+/// segment that joins a batch begun by WRITE segments is cut to the batch's
+/// segment size, so that every datagram of every batch is one whole packet.
+#[test]
+fn mixed_opcodes_share_gso_batches_packet_by_packet() {
+    let cfg = EndpointConfig {
+        max_gso_segments: 8,
+        initial_window: 1 << 20,
+        first_flight_bytes: 1 << 20,
+        ..EndpointConfig::default()
+    };
+    let mut p = Pair::new(cfg.clone(), cfg, 27, LinkConfig::perfect());
+    p.connect();
+    let v = Verbs::setup(&mut p);
+    let data = pattern(27, 199_744);
+    mixed_work(&mut p, &v, &data);
+    let mut buf = vec![0u8; 65536];
+    let (mut bytes, mut mixed) = (0, 0);
+    while let Some(t) = p.a.poll_transmit(p.now, &mut buf) {
+        let seg = t.segment_size.unwrap_or(t.size);
+        let mut opcodes = Vec::new();
+        for c in buf[..t.size].chunks(seg) {
+            let (h, payload) = metaroce_proto::wire::DataHeader::parse(c).unwrap();
+            assert_eq!(h.header_len() + payload.len(), c.len(), "one whole packet");
+            opcodes.push(h.opcode);
+            bytes += payload.len();
+        }
+        opcodes.dedup();
+        mixed += usize::from(opcodes.len() > 1);
+    }
+    assert_eq!(bytes, 199_744 + 49_984, "every byte went out once");
+    assert!(mixed >= 2, "{mixed} batches mix opcodes");
+}
+
+/// The same work over a lossy link, in GSO batches, arrives intact and
+/// nothing is refused as malformed.
+#[test]
+fn mixed_opcodes_in_gso_batches_arrive_intact_at_2_percent_loss() {
+    let cfg = EndpointConfig {
+        max_gso_segments: 8,
+        ..EndpointConfig::default()
+    };
+    let mut p = Pair::new(cfg.clone(), cfg, 28, LinkConfig::lossy(0.02));
+    p.connect();
+    let v = Verbs::setup(&mut p);
+    let data = pattern(28, 199_744);
+    let (win, rbuf) = mixed_work(&mut p, &v, &data);
+    let wa = wait_cq(&mut p, true, v.cqa, 4, Duration::from_secs(5));
+    assert!(wa.iter().all(|w| w.status == WcStatus::Success), "{wa:?}");
+    assert!(p.b.mr(win.lkey).unwrap() == &data[..], "WRITE data differs");
+    assert!(
+        p.b.mr(rbuf.lkey).unwrap()[16..] == data[..49_984],
+        "SEND data differs"
+    );
+    let wb = drain_cq(&mut p.b, v.cqb);
+    assert_eq!(
+        wb.iter().map(|w| (w.wr_id, w.imm)).collect::<Vec<_>>(),
+        vec![(1, Some(9)), (2, None)]
+    );
+    let r = &p.b.stats().rejects;
+    assert_eq!(
+        r.total() - r.duplicate,
+        0,
+        "only lost-and-resent duplicates refused: {r:?}"
+    );
+    assert!(p.dropped > 0, "the link lost packets");
+}
+
 #[test]
 fn remote_qp_in_error_is_remote_operation_error() {
     let (mut p, v) = pair(25, LinkConfig::perfect());
