@@ -107,7 +107,8 @@ pub struct SimConfig {
     /// Switches mark CE above the threshold (`--ecn on|off`); off, no
     /// packet is ever marked.
     pub ecn_marking: bool,
-    /// Maximum transport payload per packet.
+    /// Maximum transport payload per packet (metaroce's full segments carry
+    /// it rounded down to a multiple of 64 bytes).
     pub mtu: u32,
     /// Random loss probability (`--loss`) on `loss_links`.
     pub loss: f64,
