@@ -1715,6 +1715,60 @@ fn gathered_transmits_are_the_copied_ones_byte_for_byte() {
     }
 }
 
+/// A GSO batch of one region's payloads pins that region once, however many
+/// segments it has (that one pin keeps it from being deregistered, as
+/// `a_region_being_sent_from_does_not_deregister` shows).
+#[test]
+fn a_gathered_batch_pins_its_region_once() {
+    let cfg = EndpointConfig {
+        max_gso_segments: 15,
+        initial_window: 1 << 20,
+        first_flight_bytes: 1 << 20,
+        ..EndpointConfig::default()
+    };
+    let mut p = Pair::new(cfg.clone(), cfg, 29, LinkConfig::perfect());
+    p.connect();
+    let v = Verbs::setup(&mut p);
+    let src = reg(&mut p.a, v.pda, pattern(29, 1 << 17), 0, AccessFlags::NONE);
+    let win = reg(
+        &mut p.b,
+        v.pdb,
+        vec![0; 1 << 17],
+        0,
+        AccessFlags::REMOTE_WRITE,
+    );
+    let r = RemoteAddr {
+        rkey: win.rkey,
+        addr: 0,
+    };
+    let sge = Sge {
+        lkey: src.lkey,
+        addr: 0,
+        len: 1 << 17,
+    };
+    p.a.post_send(p.now, v.qa, SendWr::new(1, SendOp::Write(r), sge))
+        .unwrap();
+    let mut buf = vec![0u8; 65536];
+    let mut g = Gather::new(1024);
+    let (mut pins, mut batches) = (Vec::new(), 0);
+    while let Some(t) = p.a.poll_transmit_gather(p.now, &mut buf, &mut g) {
+        let regions = g
+            .chunks()
+            .iter()
+            .filter(|c| matches!(c, Chunk::Region { .. }))
+            .count();
+        assert_eq!(regions, t.size / t.segment_size.unwrap_or(t.size));
+        let before = pins.len();
+        g.take_pins(&mut pins);
+        assert_eq!(pins.len() - before, 1, "one pin for {regions} payloads");
+        batches += 1;
+    }
+    assert_eq!(batches, 3, "32 segments: 15, 15 and 2");
+    assert_eq!(pins.len(), 3);
+    p.a.release_pins(&mut pins);
+    assert!(pins.is_empty());
+}
+
 #[test]
 fn a_region_being_sent_from_does_not_deregister() {
     let (mut p, v) = pair(12, LinkConfig::perfect());

@@ -113,8 +113,11 @@ pub enum Chunk {
 #[derive(Debug, Default)]
 pub struct Gather {
     chunks: Vec<Chunk>,
-    /// One per region chunk handed out and not yet taken by the driver.
+    /// Not yet taken by the driver: one per region each transmit reads
+    /// (a GSO batch of one message's segments pins its region once).
     pins: Vec<RegionPin>,
+    /// Where the current transmit's pins begin in `pins`.
+    pins_from: usize,
     min_payload: usize,
     /// Bytes of the buffer the current transmit uses so far.
     at: usize,
@@ -142,6 +145,7 @@ impl Gather {
         Gather {
             chunks: Vec::new(),
             pins: Vec::new(),
+            pins_from: 0,
             min_payload: min_payload.max(1),
             at: 0,
         }
@@ -158,6 +162,7 @@ impl Gather {
     /// driver to keep until the kernel is done with their bytes.
     pub fn take_pins(&mut self, into: &mut Vec<RegionPin>) {
         into.append(&mut self.pins);
+        self.pins_from = 0;
     }
 
     /// Whether any payload of the last transmit is in a region.
@@ -182,6 +187,18 @@ impl Gather {
     fn start(&mut self) {
         self.chunks.clear();
         self.at = 0;
+        self.pins_from = self.pins.len();
+    }
+
+    /// Pins region `lkey` of `mrs` for the current transmit, unless it
+    /// already holds it.
+    pub(crate) fn pin(&mut self, mrs: &mut MrTable, lkey: u32) {
+        if self.pins[self.pins_from..].iter().any(|p| p.lkey == lkey) {
+            return;
+        }
+        if let Some(pin) = mrs.pin(lkey) {
+            self.pins.push(pin);
+        }
     }
 }
 

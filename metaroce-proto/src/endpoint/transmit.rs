@@ -622,9 +622,7 @@ impl Endpoint {
             (Some((mr, range)), Some(g)) if plen >= g.min_payload => {
                 let lkey = mr.info.lkey;
                 g.push_buf(hlen);
-                if let Some(pin) = mrs.pin(lkey) {
-                    g.pins.push(pin);
-                }
+                g.pin(mrs, lkey);
                 g.chunks.push(Chunk::Region { lkey, range });
             }
             (found, g) => {
