@@ -1293,20 +1293,28 @@ fn gso_batches_carry_full_segments_on_one_path() {
     assert!(p.b.mr(win.lkey).unwrap() == &data[..]);
 }
 
+/// A connected pair over a perfect link whose sender batches up to `gso`
+/// segments and may put 1 MiB in flight before its first ACK, so that the
+/// transmits can be inspected straight from `poll_transmit`.
+fn batching_pair(gso: usize, seed: u64) -> (Pair, Verbs) {
+    let cfg = EndpointConfig {
+        max_gso_segments: gso,
+        initial_window: 1 << 20,
+        first_flight_bytes: 1 << 20,
+        ..EndpointConfig::default()
+    };
+    let mut p = Pair::new(cfg.clone(), cfg, seed, LinkConfig::perfect());
+    p.connect();
+    let v = Verbs::setup(&mut p);
+    (p, v)
+}
+
 /// Messages of a multiple of the segment payload split into full segments
 /// only, so one GSO batch runs on from one WRITE into the next: 64 KiB
 /// WRITEs (16 segments each) go out in batches of 15, not as 15 + 1.
 #[test]
 fn gso_batches_run_across_message_boundaries() {
-    let cfg = EndpointConfig {
-        max_gso_segments: 15,
-        initial_window: 1 << 20,
-        first_flight_bytes: 1 << 20,
-        ..EndpointConfig::default()
-    };
-    let mut p = Pair::new(cfg.clone(), cfg, 26, LinkConfig::perfect());
-    p.connect();
-    let v = Verbs::setup(&mut p);
+    let (mut p, v) = batching_pair(15, 26);
     let (size, count) = (64usize << 10, 4);
     let src = reg(
         &mut p.a,
@@ -1412,15 +1420,7 @@ fn mixed_work(p: &mut Pair, v: &Verbs, data: &[u8]) -> (MrInfo, MrInfo) {
 /// segment size, so that every datagram of every batch is one whole packet.
 #[test]
 fn mixed_opcodes_share_gso_batches_packet_by_packet() {
-    let cfg = EndpointConfig {
-        max_gso_segments: 8,
-        initial_window: 1 << 20,
-        first_flight_bytes: 1 << 20,
-        ..EndpointConfig::default()
-    };
-    let mut p = Pair::new(cfg.clone(), cfg, 27, LinkConfig::perfect());
-    p.connect();
-    let v = Verbs::setup(&mut p);
+    let (mut p, v) = batching_pair(8, 27);
     let data = pattern(27, 199_744);
     mixed_work(&mut p, &v, &data);
     let mut buf = vec![0u8; 65536];
@@ -1720,15 +1720,7 @@ fn gathered_transmits_are_the_copied_ones_byte_for_byte() {
 /// `a_region_being_sent_from_does_not_deregister` shows).
 #[test]
 fn a_gathered_batch_pins_its_region_once() {
-    let cfg = EndpointConfig {
-        max_gso_segments: 15,
-        initial_window: 1 << 20,
-        first_flight_bytes: 1 << 20,
-        ..EndpointConfig::default()
-    };
-    let mut p = Pair::new(cfg.clone(), cfg, 29, LinkConfig::perfect());
-    p.connect();
-    let v = Verbs::setup(&mut p);
+    let (mut p, v) = batching_pair(15, 29);
     let src = reg(&mut p.a, v.pda, pattern(29, 1 << 17), 0, AccessFlags::NONE);
     let win = reg(
         &mut p.b,
