@@ -927,7 +927,7 @@ impl SimTransport for Metaroce {
     }
 
     fn poll_timeout(&mut self) -> Option<Nanos> {
-        self.ep.borrow().poll_timeout().map(|t| t.as_nanos())
+        self.ep.borrow_mut().poll_timeout().map(|t| t.as_nanos())
     }
 
     fn handle_timeout(&mut self, now: Nanos) {

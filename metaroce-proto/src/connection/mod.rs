@@ -239,6 +239,10 @@ pub(crate) struct Connection {
 
     // Endpoint bookkeeping.
     pub(crate) timer_key: Option<Instant>,
+    /// Something changed since `timer_key` was computed: it is recomputed
+    /// before anyone reads the timers (the connection is in the
+    /// endpoint's stale list).
+    pub(crate) timer_stale: bool,
     pub(crate) in_ready: bool,
     pub(crate) stats: ConnectionStats,
 }
@@ -340,6 +344,7 @@ impl Connection {
             qps: Vec::new(),
             qp_rr: 0,
             timer_key: None,
+            timer_stale: false,
             in_ready: false,
             stats: ConnectionStats::default(),
         }

@@ -334,6 +334,10 @@ pub struct Endpoint {
     qp_gens: Vec<u32>,
     events: VecDeque<Event>,
     timers: BTreeSet<(Instant, usize)>,
+    /// Connections whose timer must be recomputed before the timers are
+    /// read ([`Connection::timer_stale`]): a burst of sends and ACKs costs
+    /// one recomputation, not one each.
+    stale: Vec<usize>,
     ready: VecDeque<usize>,
     stateless: VecDeque<StatelessReply>,
     stats: EndpointStats,
@@ -371,6 +375,7 @@ impl Endpoint {
             qp_gens: Vec::new(),
             events: VecDeque::new(),
             timers: BTreeSet::new(),
+            stale: Vec::new(),
             ready: VecDeque::new(),
             stateless: VecDeque::new(),
             stats: EndpointStats::default(),
@@ -951,13 +956,15 @@ impl Endpoint {
     }
 
     /// When [`handle_timeout`](Self::handle_timeout) must be called next.
-    pub fn poll_timeout(&self) -> Option<Instant> {
+    pub fn poll_timeout(&mut self) -> Option<Instant> {
+        self.refresh_timers();
         self.timers.iter().next().map(|&(t, _)| t)
     }
 
     /// Runs every timer due at `now`.
     pub fn handle_timeout(&mut self, now: Instant) {
         self.last_now = self.last_now.max(now);
+        self.refresh_timers();
         // Each due connection runs once per call.
         let due: Vec<(Instant, usize)> = self
             .timers
@@ -975,19 +982,53 @@ impl Endpoint {
         }
     }
 
-    /// Recomputes a connection's timer and readiness after anything changed it.
+    /// After anything changed a connection: updates its readiness to send,
+    /// and marks its timer for recomputation (done once, when the timers
+    /// are next read, however many touches come before).
     pub(crate) fn touch(&mut self, ci: usize, now: Option<Instant>) {
-        let next = self.conn_deadline(ci);
-        self.set_timer(ci, next);
         if let Some(n) = now {
             self.last_now = self.last_now.max(n);
         }
+        self.mark_stale(ci);
+        self.update_ready(ci);
+    }
+
+    /// Queues `ci` for sending if it has something to send now.
+    fn update_ready(&mut self, ci: usize) {
         let wants = self.wants_send(ci, self.last_now);
         if let Some(c) = self.conns[ci].as_mut() {
             if wants && !c.in_ready {
                 c.in_ready = true;
                 self.ready.push_back(ci);
             }
+        }
+    }
+
+    /// Marks a connection's timer for recomputation.
+    pub(crate) fn mark_stale(&mut self, ci: usize) {
+        if let Some(c) = self.conns[ci].as_mut() {
+            if !c.timer_stale {
+                c.timer_stale = true;
+                self.stale.push(ci);
+            }
+        }
+    }
+
+    /// Recomputes the timer of every connection marked stale, and its
+    /// readiness (a pacing debt paid off since the touch needs no timer, but
+    /// then the connection may send).
+    fn refresh_timers(&mut self) {
+        while let Some(ci) = self.stale.pop() {
+            let Some(c) = self.conns.get_mut(ci).and_then(|c| c.as_mut()) else {
+                continue;
+            };
+            if !c.timer_stale {
+                continue;
+            }
+            c.timer_stale = false;
+            let next = self.conn_deadline(ci);
+            self.set_timer(ci, next);
+            self.update_ready(ci);
         }
     }
 }

@@ -143,8 +143,7 @@ impl Endpoint {
                 None => {
                     // Nothing after all: refresh the timer, but do not requeue
                     // unless a masked plane was what stopped it.
-                    let next = self.conn_deadline(ci);
-                    self.set_timer(ci, next);
+                    self.mark_stale(ci);
                     let masked = self.conns[ci]
                         .as_ref()
                         .is_some_and(|c| planes | !plane_bits(c.planes()) != u64::MAX);
