@@ -384,10 +384,24 @@ impl Endpoint {
     /// The next new segment of `qpn`, as what its CSN will carry, and
     /// whether it is a full one.
     fn take_segment(&mut self, qpn: Qpn, now: Instant, limit: SegLimit) -> Option<(CsnKind, bool)> {
-        let q = self.qp_mut(qpn)?;
-        if !q.has_send_work(now) {
+        // `next_segment` clears an RNR wait that has passed even when it
+        // then has nothing to send; the check keeps that wait (and the timer
+        // it sets) until there is something to send.
+        if !self.qp_mut(qpn)?.has_send_work(now) {
             return None;
         }
+        self.next_segment_of(qpn, now, limit)
+    }
+
+    /// [`take_segment`](Self::take_segment) without its check, for a QP that
+    /// has just produced a segment.
+    fn next_segment_of(
+        &mut self,
+        qpn: Qpn,
+        now: Instant,
+        limit: SegLimit,
+    ) -> Option<(CsnKind, bool)> {
+        let q = self.qp_mut(qpn)?;
         let (seg, full) = q.next_segment(now, limit)?;
         let kind = match seg {
             Segment::Request {
@@ -448,7 +462,9 @@ impl Endpoint {
             {
                 break;
             }
-            let Some((kind, _)) = self.take_segment(qpn, now, limit) else {
+            // The QP just produced a segment (no RNR wait is pending), so
+            // `next_segment` alone says whether it has another.
+            let Some((kind, _)) = self.next_segment_of(qpn, now, limit) else {
                 break;
             };
             let Some(c) = self.conns[ci].as_mut() else {
@@ -457,7 +473,7 @@ impl Endpoint {
             let csn = c.new_csn(kind);
             // Gathered, the buffer holds only what is not in a region.
             let at = gather.as_ref().map_or(t.size, |g| g.at);
-            match self.emit_data(
+            match self.encode_data(
                 ci,
                 path,
                 csn,
@@ -468,8 +484,8 @@ impl Endpoint {
                 None,
                 gather.as_deref_mut(),
             ) {
-                Some(next) => {
-                    t.size += next.size;
+                Some(size) => {
+                    t.size += size;
                     n += 1;
                 }
                 None => break,
@@ -497,9 +513,8 @@ impl Endpoint {
         self.emit_data(ci, path, csn, CsnKind::Nop, now, buf, false, probe, gather)
     }
 
-    /// Encodes one DATA packet for `csn` on `path` and records it. With a
-    /// gather, a large enough payload stays in its region and only the
-    /// header goes into `buf`.
+    /// Encodes one DATA packet for `csn` on `path` and records it (see
+    /// [`encode_data`](Self::encode_data)), as a transmit of its own.
     #[allow(clippy::too_many_arguments)]
     fn emit_data(
         &mut self,
@@ -513,6 +528,35 @@ impl Endpoint {
         probe: Option<(u32, u32)>,
         gather: Option<&mut Gather>,
     ) -> Option<Transmit> {
+        let size = self.encode_data(ci, path, csn, kind, now, buf, retransmit, probe, gather)?;
+        let c = self.conns[ci].as_ref()?;
+        let p = &c.paths_tx[path];
+        Some(Transmit {
+            dst: c.plane_dst(p.plane),
+            src_ip: c.plane_src(p.plane),
+            src_port: p.src_port,
+            ecn: Ecn::Ect0,
+            size,
+            segment_size: None,
+        })
+    }
+
+    /// Encodes one DATA packet for `csn` on `path` and records it; returns
+    /// its size. With a gather, a large enough payload stays in its region
+    /// and only the header goes into `buf`.
+    #[allow(clippy::too_many_arguments)]
+    fn encode_data(
+        &mut self,
+        ci: usize,
+        path: usize,
+        csn: u32,
+        kind: CsnKind,
+        now: Instant,
+        buf: &mut [u8],
+        retransmit: bool,
+        probe: Option<(u32, u32)>,
+        gather: Option<&mut Gather>,
+    ) -> Option<usize> {
         let Endpoint {
             conns, qps, mrs, ..
         } = self;
@@ -635,7 +679,6 @@ impl Endpoint {
         }
         let p = &mut c.paths_tx[path];
         p.record_send(csn, now, size as u32, retransmit);
-        let src_port = p.src_port;
         let path_id = p.id;
         c.in_flight += size as u64;
         c.pacer.sent(now, size as u64 + c.datagram_overhead);
@@ -647,15 +690,7 @@ impl Endpoint {
             r.last_path = path_id;
             r.transmissions = r.transmissions.saturating_add(1);
         }
-        let plane = c.paths_tx[path].plane;
-        Some(Transmit {
-            dst: c.plane_dst(plane),
-            src_ip: c.plane_src(plane),
-            src_port,
-            ecn: Ecn::Ect0,
-            size,
-            segment_size: None,
-        })
+        Some(size)
     }
 
     /// The receiver's grant for each sender: its inbound capacity shared by
