@@ -344,14 +344,23 @@ pub struct Endpoint {
     local_ip: Option<IpAddr>,
     /// The latest `now` the driver has given.
     last_now: Instant,
-    /// Reused by every ACK: the CSNs it delivered and declared lost, and
-    /// what the delivered ones carried (empty between ACKs).
-    ack_scratch: (Vec<u32>, Vec<u32>, Vec<crate::connection::CsnKind>),
+    /// Reused by every ACK: the CSNs it delivered and declared lost, what
+    /// the delivered ones carried (request segments as a count per run of
+    /// one QP, the rest one by one); empty between ACKs.
+    ack_scratch: AckScratch,
     /// Connections in the `Established` state.
     established: usize,
     /// The receiver's grant to its senders.
     rcc: crate::cc::ReceiverCc,
 }
+
+/// See `Endpoint::ack_scratch`.
+type AckScratch = (
+    Vec<u32>,
+    Vec<u32>,
+    Vec<crate::connection::CsnKind>,
+    Vec<(Qpn, u32)>,
+);
 
 impl Endpoint {
     /// A new endpoint. `seed` drives every random choice (connection ids,

@@ -2,7 +2,7 @@
 //! bookkeeping → stream (QP) placement → completions and ACK state.
 
 use super::{cookie, qp_ops::rnr_us, Endpoint, Event, StatelessReply, MAX_STATELESS_QUEUE};
-use crate::connection::{ConnectionError, ConnectionState, Ctrl, PathEvent};
+use crate::connection::{ConnectionError, ConnectionState, CsnKind, Ctrl, PathEvent};
 use crate::consts::HELLO_LEN;
 use crate::reliability::SeqAccept;
 use crate::stats::RejectReason;
@@ -716,7 +716,8 @@ impl Endpoint {
             c.rtt.sample(rtt);
         }
         let base = c.rtt.min_rtt().unwrap_or(rtt);
-        let (mut delivered, mut lost, mut kinds) = std::mem::take(&mut self.ack_scratch);
+        let (mut delivered, mut lost, mut kinds, mut requests) =
+            std::mem::take(&mut self.ack_scratch);
         let mut bogus = false;
         let mut released = 0u64;
         for e in ack.paths() {
@@ -773,12 +774,21 @@ impl Endpoint {
         } else {
             bogus = true;
         }
+        // What the delivered CSNs carried. A request segment only lowers
+        // its QP's count of unacknowledged segments, so those are counted
+        // per run of one QP instead of being listed one by one.
+        let mut progress = false;
         for &csn in &delivered {
-            if let Some(k) = c.ack_csn(csn) {
-                kinds.push(k);
+            match c.ack_csn(csn) {
+                Some(CsnKind::Request { qp, .. }) => match requests.last_mut() {
+                    Some((q, n)) if *q == qp => *n += 1,
+                    _ => requests.push((qp, 1)),
+                },
+                Some(k) => kinds.push(k),
+                None => continue,
             }
+            progress = true;
         }
-        let progress = !kinds.is_empty();
         if progress {
             c.consecutive_rto = 0;
             c.last_progress = now;
@@ -793,13 +803,19 @@ impl Endpoint {
         if bogus {
             self.stats.rejects.bump(RejectReason::BogusAck);
         }
+        for &(qp, n) in &requests {
+            if let Some(q) = self.qp_mut(qp) {
+                q.unacked = q.unacked.saturating_sub(n);
+            }
+        }
         for &k in &kinds {
             self.csn_delivered(k);
         }
         delivered.clear();
         lost.clear();
         kinds.clear();
-        self.ack_scratch = (delivered, lost, kinds);
+        requests.clear();
+        self.ack_scratch = (delivered, lost, kinds, requests);
         // Stream progress: requests executed by the peer.
         for s in ack.streams() {
             let Some(idx) = self.qp_index(Qpn(s.qpn)) else {
