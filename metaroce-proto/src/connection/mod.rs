@@ -505,8 +505,9 @@ impl Connection {
         let n = self.paths_tx.len();
         let mut best: Option<(usize, f64, Duration)> = None;
         let mut fallback = None;
-        for k in 0..n {
-            let i = (self.path_rr + k) % n;
+        // Round robin from `path_rr`.
+        let start = self.path_rr % n.max(1);
+        for i in (start..n).chain(0..start) {
             let p = &self.paths_tx[i];
             // A failed path carries NOP probes only (`probe_path`) until it
             // delivers again: data sent into a dead route (a failed plane
