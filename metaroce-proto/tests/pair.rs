@@ -1816,3 +1816,74 @@ fn a_region_being_sent_from_does_not_deregister() {
     assert!(pins.is_empty());
     assert!(p.a.dereg_mr(src.lkey).is_ok());
 }
+
+/// The timer is right whenever it is read, however many sends and ACKs
+/// changed it since (the endpoint recomputes a connection's timer only
+/// when `poll_timeout` or `handle_timeout` asks): after a burst of sends
+/// into a cut link it is the burst's retransmission timeout, which fires
+/// and resends; once everything is acknowledged it is never in the past.
+#[test]
+fn the_timer_is_right_whenever_it_is_read() {
+    let (mut p, v) = pair(21, LinkConfig::perfect());
+    let len = 256 << 10;
+    let data = pattern(21, len);
+    let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
+    let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+    let conn = p.conn_a.unwrap();
+    // A quiet connection owes nothing soon.
+    p.run_for(Duration::from_millis(5));
+    let t0 = p.now;
+    assert!(p.a.poll_timeout().is_none_or(|t| t > t0));
+    let wr = SendWr::new(
+        1,
+        SendOp::Write(RemoteAddr {
+            rkey: win.rkey,
+            addr: win.addr,
+        }),
+        Sge {
+            lkey: src.lkey,
+            addr: 0,
+            len: len as u32,
+        },
+    );
+    p.a.post_send(t0, v.qa, wr).unwrap();
+    // Everything the window lets out leaves at t0 and is lost.
+    let mut buf = vec![0u8; 65536];
+    let mut sent = 0;
+    while p.a.poll_transmit(t0, &mut buf).is_some() {
+        sent += 1;
+    }
+    assert!(sent > 4, "{sent} transmits");
+    let before = p.a.connection_stats(conn).unwrap();
+    let deadline =
+        p.a.poll_timeout()
+            .expect("a timer for the packets in flight");
+    assert!(deadline > t0, "{deadline:?} not after {t0:?}");
+    let max_rto = Duration::from_nanos(before.rto_ns) * 2;
+    assert!(
+        deadline <= t0 + max_rto,
+        "{deadline:?} later than twice the RTO after {t0:?}"
+    );
+    // Just before it nothing is due; at it the oldest packets are resent.
+    p.a.handle_timeout(Instant::from_nanos(deadline.as_nanos() - 1));
+    assert_eq!(
+        p.a.connection_stats(conn).unwrap().retransmits,
+        before.retransmits
+    );
+    p.a.handle_timeout(deadline);
+    let mut resent = 0;
+    while p.a.poll_transmit(deadline, &mut buf).is_some() {
+        resent += 1;
+    }
+    let after = p.a.connection_stats(conn).unwrap();
+    assert!(after.rto_fires > before.rto_fires);
+    assert!(resent > 0 && after.retransmits > before.retransmits);
+    // Delivered in the end; then no deadline is already past.
+    p.now = deadline;
+    let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(2));
+    assert_eq!(wa.len(), 1);
+    assert_eq!(wa[0].status, WcStatus::Success);
+    assert_eq!(p.b.mr(win.lkey).unwrap(), &data[..]);
+    let now = p.now;
+    assert!(p.a.poll_timeout().is_none_or(|t| t >= now));
+}
