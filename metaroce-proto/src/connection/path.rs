@@ -411,8 +411,18 @@ impl PathTx {
         self.late_arrivals(e, now, &mut out);
         let mut highest: Option<u32> = None;
         let mut delivered_any = false;
+        // Nothing from the first PSN past the entry's reach on can be
+        // acknowledged by it (every PSN before `ack_psn`, and those its SACK
+        // bits name, up to the last non-zero byte): the walk stops there
+        // instead of visiting every packet in flight.
+        let sack_bits = e.sack_len() as u32 * 8;
+        let reach = if sack_bits == 0 {
+            e.ack_psn
+        } else {
+            e.ack_psn.wrapping_add(sack_bits + 1)
+        };
         let mut psn = self.una;
-        while psn != self.next_psn {
+        while psn != self.next_psn && seq_lt(psn, reach) {
             let acked = seq_lt(psn, e.ack_psn)
                 || (psn != e.ack_psn && e.sack_bit(seq_dist(e.ack_psn, psn) - 1));
             if acked {
@@ -598,6 +608,58 @@ mod tests {
             ),
             SenderCc::new(1 << 20, 1024, 1 << 24, 1000, Duration::from_micros(100)),
         )
+    }
+
+    /// Packets past what an ACK entry reaches (its `ack_psn`, or its last
+    /// SACK bit) are neither acknowledged nor declared lost by it, however
+    /// many are in flight; those before an acknowledged one that are
+    /// missing are lost.
+    #[test]
+    fn an_ack_touches_nothing_past_its_reach() {
+        let mut t = tx();
+        for csn in 0..200 {
+            t.record_send(1000 + csn, Instant::ZERO, 100, false);
+        }
+        let events = |t: &mut PathTx, e: &AckPathEntry| {
+            let mut ev = Vec::new();
+            t.on_ack(e, Instant::ZERO, |x| ev.push(x)).unwrap();
+            let acked: Vec<u32> = ev
+                .iter()
+                .filter_map(|x| match x {
+                    PathEvent::Acked { csn, .. } => Some(*csn),
+                    _ => None,
+                })
+                .collect();
+            let lost: Vec<u32> = ev
+                .iter()
+                .filter_map(|x| match x {
+                    PathEvent::Lost { csn } => Some(*csn),
+                    _ => None,
+                })
+                .collect();
+            (acked, lost)
+        };
+        // In order up to PSN 10, no SACK: ten acknowledged, nothing lost.
+        let mut r = PathRx::new();
+        for psn in 0..10 {
+            r.on_packet(psn, false);
+        }
+        let (acked, lost) = events(&mut t, &r.entry(0));
+        assert_eq!(acked, (1000..1010).collect::<Vec<_>>());
+        assert!(lost.is_empty());
+        assert_eq!(t.in_flight, 190 * 100);
+        // PSN 60 arrives alone: 10..60 are lost, 60 acknowledged, and the
+        // 139 packets after it stay in flight, untouched.
+        r.on_packet(60, false);
+        let (acked, lost) = events(&mut t, &r.entry(0));
+        assert_eq!(acked, vec![1060]);
+        assert_eq!(lost, (1010..1060).collect::<Vec<_>>());
+        assert_eq!(t.oldest_outstanding(), Some(Instant::ZERO));
+        assert_eq!(
+            t.in_flight,
+            139 * 100,
+            "only PSN 60 left the flight; the lost ones are no longer counted"
+        );
     }
 
     #[test]
