@@ -764,30 +764,38 @@ impl Endpoint {
                 (c.ack_batch * 7 + released) / 8
             };
         }
-        // The connection-level point covers whatever path a CSN went on.
+        // What the delivered CSNs carried. A request segment only lowers
+        // its QP's count of unacknowledged segments, so those are counted
+        // per run of one QP instead of being listed one by one.
+        let mut note = |kind: Option<CsnKind>| match kind {
+            Some(CsnKind::Request { qp, .. }) => {
+                match requests.last_mut() {
+                    Some((q, n)) if *q == qp => *n += 1,
+                    _ => requests.push((qp, 1)),
+                }
+                true
+            }
+            Some(k) => {
+                kinds.push(k);
+                true
+            }
+            None => false,
+        };
+        let mut progress = false;
+        for &csn in &delivered {
+            progress |= note(c.ack_csn(csn));
+        }
+        // The connection-level point covers whatever path a CSN went on:
+        // what is still unacknowledged below it (the paths' own entries,
+        // just applied, moved `csn_una` past what they delivered).
         if seq_le(h.cum_csn, c.next_csn) {
             let mut csn = c.csn_una;
             while seq_lt(csn, h.cum_csn) {
-                delivered.push(csn);
+                progress |= note(c.ack_csn(csn));
                 csn = csn.wrapping_add(1);
             }
         } else {
             bogus = true;
-        }
-        // What the delivered CSNs carried. A request segment only lowers
-        // its QP's count of unacknowledged segments, so those are counted
-        // per run of one QP instead of being listed one by one.
-        let mut progress = false;
-        for &csn in &delivered {
-            match c.ack_csn(csn) {
-                Some(CsnKind::Request { qp, .. }) => match requests.last_mut() {
-                    Some((q, n)) if *q == qp => *n += 1,
-                    _ => requests.push((qp, 1)),
-                },
-                Some(k) => kinds.push(k),
-                None => continue,
-            }
-            progress = true;
         }
         if progress {
             c.consecutive_rto = 0;
