@@ -50,6 +50,22 @@ fn reg(
         .unwrap()
 }
 
+/// A WRITE of the first `len` bytes of `src` to the start of `win`.
+fn write_whole(wr_id: u64, src: &MrInfo, win: &MrInfo, len: usize) -> SendWr {
+    SendWr::new(
+        wr_id,
+        SendOp::Write(RemoteAddr {
+            rkey: win.rkey,
+            addr: win.addr,
+        }),
+        Sge {
+            lkey: src.lkey,
+            addr: 0,
+            len: len as u32,
+        },
+    )
+}
+
 #[test]
 fn send_recv_and_immediate() {
     let (mut p, v) = pair(1, LinkConfig::perfect());
@@ -162,23 +178,8 @@ fn acks_of_in_order_data_are_short() {
     );
     let before = p.sent[1];
     let now = p.now;
-    p.a.post_send(
-        now,
-        v.qa,
-        SendWr::new(
-            1,
-            SendOp::Write(RemoteAddr {
-                rkey: win.rkey,
-                addr: win.addr,
-            }),
-            Sge {
-                lkey: src.lkey,
-                addr: 0,
-                len: len as u32,
-            },
-        ),
-    )
-    .unwrap();
+    p.a.post_send(now, v.qa, write_whole(1, &src, &win, len))
+        .unwrap();
     let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_millis(500));
     assert_eq!(wa.len(), 1);
     assert_eq!(wa[0].status, WcStatus::Success);
@@ -1834,19 +1835,8 @@ fn the_timer_is_right_whenever_it_is_read() {
     p.run_for(Duration::from_millis(5));
     let t0 = p.now;
     assert!(p.a.poll_timeout().is_none_or(|t| t > t0));
-    let wr = SendWr::new(
-        1,
-        SendOp::Write(RemoteAddr {
-            rkey: win.rkey,
-            addr: win.addr,
-        }),
-        Sge {
-            lkey: src.lkey,
-            addr: 0,
-            len: len as u32,
-        },
-    );
-    p.a.post_send(t0, v.qa, wr).unwrap();
+    p.a.post_send(t0, v.qa, write_whole(1, &src, &win, len))
+        .unwrap();
     // Everything the window lets out leaves at t0 and is lost.
     let mut buf = vec![0u8; 65536];
     let mut sent = 0;
