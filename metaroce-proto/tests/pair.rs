@@ -11,15 +11,23 @@ use metaroce_proto::{Chunk, ConnectionError, EndpointConfig, Event, Gather, Inst
 use std::time::Duration;
 
 fn pair(seed: u64, link: LinkConfig) -> (Pair, Verbs) {
-    let mut p = Pair::new(
-        EndpointConfig::default(),
-        EndpointConfig::default(),
-        seed,
-        link,
-    );
+    pair_with(EndpointConfig::default(), seed, link)
+}
+
+/// Two connected endpoints configured alike, with one QP pair.
+fn pair_with(cfg: EndpointConfig, seed: u64, link: LinkConfig) -> (Pair, Verbs) {
+    let mut p = Pair::new(cfg.clone(), cfg, seed, link);
     p.connect();
     let v = Verbs::setup(&mut p);
     (p, v)
+}
+
+/// Endpoints that batch up to 8 segments per GSO send.
+fn gso8() -> EndpointConfig {
+    EndpointConfig {
+        max_gso_segments: 8,
+        ..EndpointConfig::default()
+    }
 }
 
 fn wait_cq(
@@ -1238,13 +1246,7 @@ fn lost_acks_are_recovered_by_probes() {
 
 #[test]
 fn gso_batches_carry_full_segments_on_one_path() {
-    let cfg = EndpointConfig {
-        max_gso_segments: 8,
-        ..EndpointConfig::default()
-    };
-    let mut p = Pair::new(cfg.clone(), cfg, 24, LinkConfig::lossy(0.01));
-    p.connect();
-    let v = Verbs::setup(&mut p);
+    let (mut p, v) = pair_with(gso8(), 24, LinkConfig::lossy(0.01));
     let len = 1 << 20;
     let data = pattern(24, len);
     let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
@@ -1304,10 +1306,7 @@ fn batching_pair(gso: usize, seed: u64) -> (Pair, Verbs) {
         first_flight_bytes: 1 << 20,
         ..EndpointConfig::default()
     };
-    let mut p = Pair::new(cfg.clone(), cfg, seed, LinkConfig::perfect());
-    p.connect();
-    let v = Verbs::setup(&mut p);
-    (p, v)
+    pair_with(cfg, seed, LinkConfig::perfect())
 }
 
 /// Messages of a multiple of the segment payload split into full segments
@@ -1446,13 +1445,7 @@ fn mixed_opcodes_share_gso_batches_packet_by_packet() {
 /// nothing is refused as malformed.
 #[test]
 fn mixed_opcodes_in_gso_batches_arrive_intact_at_2_percent_loss() {
-    let cfg = EndpointConfig {
-        max_gso_segments: 8,
-        ..EndpointConfig::default()
-    };
-    let mut p = Pair::new(cfg.clone(), cfg, 28, LinkConfig::lossy(0.02));
-    p.connect();
-    let v = Verbs::setup(&mut p);
+    let (mut p, v) = pair_with(gso8(), 28, LinkConfig::lossy(0.02));
     let data = pattern(28, 199_744);
     let (win, rbuf) = mixed_work(&mut p, &v, &data);
     let wa = wait_cq(&mut p, true, v.cqa, 4, Duration::from_secs(5));
@@ -1634,10 +1627,7 @@ type GatherRun = ([u64; 2], [(u64, u64); 2], Vec<u8>, Vec<u8>, u64);
 /// responder's region by rkey), copied or gathered; returns what went on
 /// the wire, what landed, and how many payloads were referenced.
 fn gather_run(seed: u64, loss: f64, gather: Option<usize>) -> GatherRun {
-    let ca = EndpointConfig {
-        max_gso_segments: 8,
-        ..EndpointConfig::default()
-    };
+    let ca = gso8();
     let mut p = Pair::new(ca.clone(), ca, seed, LinkConfig::lossy(loss));
     p.gather = gather.map(Gather::new);
     p.connect();
