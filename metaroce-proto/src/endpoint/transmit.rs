@@ -290,7 +290,7 @@ impl Endpoint {
                 return None;
             };
             c.stats.retransmits += 1;
-            return self.emit_data(
+            let size = self.encode_data(
                 ci,
                 path,
                 csn,
@@ -300,7 +300,8 @@ impl Endpoint {
                 true,
                 None,
                 gather,
-            );
+            )?;
+            return self.data_transmit(ci, path, size);
         }
         // A failed path probes its new route with a NOP (no message waits
         // on it); a delivered probe makes the path active again.
@@ -362,7 +363,7 @@ impl Endpoint {
             // A path has room (checked above), so the segment always goes out.
             let path = c.pick_path(None, mtu as u64)?;
             let csn = c.new_csn(kind);
-            let first = self.emit_data(
+            let size = self.encode_data(
                 ci,
                 path,
                 csn,
@@ -373,6 +374,7 @@ impl Endpoint {
                 None,
                 gather.as_deref_mut(),
             )?;
+            let first = self.data_transmit(ci, path, size)?;
             if !full {
                 return Some(first);
             }
@@ -510,25 +512,13 @@ impl Endpoint {
         let c = self.conns[ci].as_mut()?;
         c.stats.probes_sent += 1;
         let csn = c.new_csn(CsnKind::Nop);
-        self.emit_data(ci, path, csn, CsnKind::Nop, now, buf, false, probe, gather)
+        let size = self.encode_data(ci, path, csn, CsnKind::Nop, now, buf, false, probe, gather)?;
+        self.data_transmit(ci, path, size)
     }
 
-    /// Encodes one DATA packet for `csn` on `path` and records it (see
-    /// [`encode_data`](Self::encode_data)), as a transmit of its own.
-    #[allow(clippy::too_many_arguments)]
-    fn emit_data(
-        &mut self,
-        ci: usize,
-        path: usize,
-        csn: u32,
-        kind: CsnKind,
-        now: Instant,
-        buf: &mut [u8],
-        retransmit: bool,
-        probe: Option<(u32, u32)>,
-        gather: Option<&mut Gather>,
-    ) -> Option<Transmit> {
-        let size = self.encode_data(ci, path, csn, kind, now, buf, retransmit, probe, gather)?;
+    /// The transmit of a DATA packet of `size` bytes that
+    /// [`encode_data`](Self::encode_data) put out on `path`, on its own.
+    fn data_transmit(&self, ci: usize, path: usize, size: usize) -> Option<Transmit> {
         let c = self.conns[ci].as_ref()?;
         let p = &c.paths_tx[path];
         Some(Transmit {
