@@ -63,6 +63,9 @@ impl FromStr for Backend {
     }
 }
 
+/// Default of [`DriverConfig::turn_send_bytes`]: two full GSO batches.
+pub const DEFAULT_TURN_SEND_BYTES: usize = 128 << 10;
+
 /// Settings only the io_uring backend reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UringConfig {
@@ -130,6 +133,14 @@ pub struct DriverConfig {
     pub socket_buffer: usize,
     /// Most datagrams per GSO send (the kernel's limit applies too; 1 disables GSO).
     pub max_gso_segments: usize,
+    /// Bytes one turn of the loop hands the kernel before it goes back to
+    /// read what came in (at least one transmit always goes). A turn that
+    /// sends a whole window at once keeps the thread in the kernel, copying,
+    /// for hundreds of microseconds, during which no ACK is read, no request
+    /// completes and the application posts nothing: on loopback with 16
+    /// 64 KiB WRITEs outstanding, no bound gave about two thirds of the
+    /// throughput that 128 KiB (two GSO batches) gives (`docs/BENCHMARKS.md`).
+    pub turn_send_bytes: usize,
     /// Which backend [`Driver::bind`](crate::Driver::bind) picks.
     pub backend: Backend,
     /// io_uring settings.
@@ -151,6 +162,7 @@ impl DriverConfig {
             seed: 0,
             socket_buffer: 8 << 20,
             max_gso_segments: 16,
+            turn_send_bytes: DEFAULT_TURN_SEND_BYTES,
             backend: Backend::Auto,
             uring: UringConfig::default(),
             faults: FaultConfig::default(),

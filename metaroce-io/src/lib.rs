@@ -59,7 +59,9 @@ mod uring;
 mod waker;
 
 pub use clock::Clock;
-pub use config::{Backend, DriverConfig, DriverStats, UnknownBackend, UringConfig};
+pub use config::{
+    Backend, DriverConfig, DriverStats, UnknownBackend, UringConfig, DEFAULT_TURN_SEND_BYTES,
+};
 pub use device::{
     ApiError, CompletionQueue, Connection, Device, MemoryRegion, OobDecodeError, ProtectionDomain,
     QpEndpoint, QueuePair, RemoteMr, WorkRequest,

@@ -39,6 +39,8 @@ pub struct PortableDriver {
     local: SocketAddr,
     rx_buf: Vec<u8>,
     tx_buf: Vec<u8>,
+    /// Bytes a turn sends before it reads ([`DriverConfig::turn_send_bytes`]).
+    turn_send_bytes: usize,
     stats: DriverStats,
     faults: Option<Box<Faults>>,
     wake: Option<WakeReceiver>,
@@ -109,6 +111,7 @@ impl PortableDriver {
             local,
             rx_buf: vec![0u8; 65_536 * gro.min(64)],
             tx_buf: vec![0u8; 65_536],
+            turn_send_bytes: cfg.turn_send_bytes,
             stats: DriverStats::default(),
             faults,
             wake: None,
@@ -175,15 +178,18 @@ impl PortableDriver {
         Ok(())
     }
 
-    /// Sends every datagram the core has. Returns whether any went out.
+    /// Sends what the core has, up to the turn's budget of bytes
+    /// ([`DriverConfig::turn_send_bytes`]). Returns whether any went out.
     fn flush(&mut self) -> Result<bool, DriverError> {
         let mut any = false;
-        loop {
+        let mut budget = self.turn_send_bytes;
+        while !any || budget > 0 {
             let now = self.clock.now();
             let Some(t) = self.ep.poll_transmit(now, &mut self.tx_buf) else {
                 break;
             };
             any = true;
+            budget = budget.saturating_sub(t.size);
             let q = QTransmit {
                 destination: t.dst,
                 ecn: to_quinn_ecn(t.ecn),

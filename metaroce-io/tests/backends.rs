@@ -352,6 +352,78 @@ fn answers_leave_within_the_same_poll<D: IoDriver + Send + 'static>(name: &str) 
     drop(srv.join().unwrap());
 }
 
+/// A turn hands the kernel at most `turn_send_bytes` (and at least one
+/// transmit) before it goes back to read: with the budget used up by the
+/// first GSO batch, one `poll` sends a batch per flush (the portable
+/// backend flushes twice a turn); without a budget it sends what the
+/// initial window allows.
+fn turn_budget<D: IoDriver>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    let sent_in_one_poll = |budget: usize| {
+        let mut cfg = config(16);
+        cfg.turn_send_bytes = budget;
+        let mut p = Pair::<D>::connect(cfg, LIMIT);
+        let len = 1usize << 20;
+        let src =
+            p.a.endpoint()
+                .reg_mr(
+                    p.pda,
+                    vec![5u8; len].into_boxed_slice(),
+                    0,
+                    AccessFlags::NONE,
+                )
+                .unwrap();
+        let dst =
+            p.b.endpoint()
+                .reg_mr(
+                    p.pdb,
+                    vec![0u8; len].into_boxed_slice(),
+                    0,
+                    AccessFlags::REMOTE_WRITE,
+                )
+                .unwrap();
+        let now = p.a.now();
+        let wr = SendWr::new(
+            1,
+            SendOp::Write(RemoteAddr {
+                rkey: dst.rkey,
+                addr: dst.addr,
+            }),
+            Sge {
+                lkey: src.lkey,
+                addr: src.addr,
+                len: len as u32,
+            },
+        );
+        p.a.endpoint().post_send(now, p.qa, wr).unwrap();
+        p.a.poll(Duration::ZERO).unwrap();
+        let sent =
+            p.a.endpoint()
+                .connection_stats(p.conn_a)
+                .unwrap()
+                .data_packets_sent;
+        let gso = p.a.endpoint().config().max_gso_segments as u64;
+        // The WRITE still completes, every byte in place.
+        let (wa, _) = p.complete(1, 0);
+        assert_eq!(wa.len(), 1);
+        assert!(p.b.endpoint().mr(dst.lkey).unwrap().iter().all(|&x| x == 5));
+        (sent, gso)
+    };
+    let (limited, gso) = sent_in_one_poll(1);
+    let (unlimited, _) = sent_in_one_poll(usize::MAX);
+    assert!(gso > 1, "{name}: the kernel has GSO");
+    assert!(
+        limited >= 1 && limited <= 2 * gso,
+        "{name}: {limited} datagrams left in one poll with a budget of 1 byte"
+    );
+    assert!(
+        unlimited > 2 * gso,
+        "{name}: without a budget one poll sends the initial window ({unlimited} datagrams)"
+    );
+}
+
 macro_rules! suite {
     ($($test:ident),*) => {
         mod portable {
@@ -366,6 +438,7 @@ macro_rules! suite {
 suite!(
     write,
     write_gso,
+    turn_budget,
     send_recv,
     read,
     timers_wake_the_wait,
@@ -527,7 +600,10 @@ fn zero_copy_sends_complete_and_are_counted() {
         println!("skipped: no IORING_OP_SENDMSG_ZC");
         return;
     }
-    let p = write_several_mib::<UringDriver>("io_uring", 16);
+    // Batches of 4 segments (16.6 KB): above the 16 KiB zero-copy
+    // threshold, and few enough pages for one socket buffer (a full batch
+    // of 15 has more than MAX_SKB_FRAGS and is sent with a copy).
+    let p = write_several_mib::<UringDriver>("io_uring", 4);
     let s = p.a.stats();
     println!("zero copy: {s:?}");
     assert!(

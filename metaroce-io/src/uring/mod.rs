@@ -136,6 +136,8 @@ pub struct UringDriver {
     pinned: Vec<Vec<RegionPin>>,
     /// GSO segments the core batches.
     segments: usize,
+    /// Wire bytes a turn queues before it submits ([`DriverConfig::turn_send_bytes`]).
+    turn_send_bytes: usize,
     /// GSO still works (downgraded on EIO/EINVAL).
     gso: bool,
     /// Zero copy enabled and still working.
@@ -241,6 +243,7 @@ impl UringDriver {
             gathering: u.gather_threshold > 0,
             pinned: (0..n).map(|_| Vec::new()).collect(),
             segments,
+            turn_send_bytes: cfg.turn_send_bytes,
             gso,
             zc,
             zc_threshold: u.zero_copy_threshold,
@@ -547,10 +550,15 @@ impl UringDriver {
     }
 
     /// Queues a send for every transmit the core has, while send slots are
-    /// free. Returns whether any was queued.
+    /// free and the turn's budget of bytes lasts. Returns whether any was
+    /// queued.
     fn flush(&mut self, now: Instant) -> Result<bool, DriverError> {
         let mut any = false;
+        let mut budget = self.turn_send_bytes;
         while let Some(&i) = self.free.last() {
+            if any && budget == 0 {
+                break;
+            }
             let Some((buf, _)) = self.ring.slot_mut(i).parts_mut() else {
                 self.free.pop();
                 continue;
@@ -568,6 +576,8 @@ impl UringDriver {
             };
             self.free.pop();
             any = true;
+            // `size` counts the payloads left in their regions too.
+            budget = budget.saturating_sub(t.size);
             // The pins are the slot's from here on, whatever happens next.
             self.gather.take_pins(&mut self.pinned[i]);
             let queued = if gather && self.gather.has_regions() {
