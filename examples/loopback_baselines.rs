@@ -11,6 +11,12 @@
 //! per byte (process CPU time × the nominal clock, both ends), round by
 //! round, then the median ratios. The machine is shared and noisy: compare
 //! ratios, not absolute numbers.
+//!
+//! One core per side: in every throughput test the sending thread runs on
+//! the first CPU this process may use and the receiving thread on the
+//! second (when there are two), and each reports how busy it was (its CPU
+//! time over the run's wall time), which tells a side that ran out of CPU
+//! from one that waited for the other.
 
 use metaroce_io::{connect_pair, Driver, DriverConfig};
 use metaroce_proto::verbs::*;
@@ -23,11 +29,73 @@ use std::time::{Duration, Instant};
 
 const DATAGRAM: usize = 4160;
 
-fn tcp_gbps(secs: f64) -> f64 {
+/// The two sides of a throughput test.
+#[derive(Clone, Copy)]
+enum Side {
+    Sender = 0,
+    Receiver = 1,
+}
+
+/// Pins the calling thread to its side's core (the first or second CPU
+/// this process may use), where there are at least two. Left to the
+/// scheduler, both sides now and then share one core for a while, and a
+/// run's throughput halves.
+fn pin(side: Side) {
+    if let Some(ids) = core_affinity::get_core_ids() {
+        if ids.len() >= 2 {
+            core_affinity::set_for_current(ids[side as usize]);
+        }
+    }
+}
+
+/// CPU time the calling thread has used so far, from
+/// `/proc/thread-self/schedstat` (nanoseconds on a CPU; zero if unknown).
+fn thread_cpu() -> Duration {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
+    let ns = s.split_whitespace().next().and_then(|x| x.parse().ok());
+    Duration::from_nanos(ns.unwrap_or(0))
+}
+
+/// Runs `f` on a thread of its own (which `f` may pin), so that the
+/// latency tests on this thread run where the scheduler puts them, as
+/// before.
+fn on_own_thread<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| s.spawn(f).join().unwrap())
+}
+
+/// How busy a thread was from `start`: CPU time over wall time.
+struct Busy {
+    cpu: Duration,
+    wall: Instant,
+}
+
+impl Busy {
+    fn start() -> Self {
+        Busy {
+            cpu: thread_cpu(),
+            wall: Instant::now(),
+        }
+    }
+
+    fn fraction(&self) -> f64 {
+        (thread_cpu() - self.cpu).as_secs_f64() / self.wall.elapsed().as_secs_f64()
+    }
+}
+
+/// A throughput run: Gbit/s, and how busy the sender and the receiver were.
+#[derive(Clone, Copy)]
+struct Run {
+    gbps: f64,
+    busy: [f64; 2],
+}
+
+fn tcp_gbps(secs: f64) -> Run {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let reader = std::thread::spawn(move || {
+        pin(Side::Receiver);
         let (mut s, _) = l.accept().unwrap();
+        let busy = Busy::start();
         let mut buf = vec![0u8; 1 << 20];
         let mut n = 0u64;
         while let Ok(k) = s.read(&mut buf) {
@@ -36,20 +104,26 @@ fn tcp_gbps(secs: f64) -> f64 {
             }
             n += k as u64;
         }
-        n
+        (n, busy.fraction())
     });
+    pin(Side::Sender);
     let mut s = TcpStream::connect(addr).unwrap();
     let buf = vec![7u8; 64 << 10];
+    let busy = Busy::start();
     let t0 = Instant::now();
     while t0.elapsed().as_secs_f64() < secs {
         s.write_all(&buf).unwrap();
     }
     drop(s);
-    let n = reader.join().unwrap();
-    n as f64 * 8.0 / t0.elapsed().as_secs_f64() / 1e9
+    let tx_busy = busy.fraction();
+    let (n, rx_busy) = reader.join().unwrap();
+    Run {
+        gbps: n as f64 * 8.0 / t0.elapsed().as_secs_f64() / 1e9,
+        busy: [tx_busy, rx_busy],
+    }
 }
 
-fn udp_gso_gbps(secs: f64) -> f64 {
+fn udp_gso_gbps(secs: f64) -> Run {
     let rx = UdpSocket::bind("127.0.0.1:0").unwrap();
     let socket2 = socket2::SockRef::from(&rx);
     let _ = socket2.set_recv_buffer_size(8 << 20);
@@ -60,6 +134,8 @@ fn udp_gso_gbps(secs: f64) -> f64 {
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = stop.clone();
     let reader = std::thread::spawn(move || {
+        pin(Side::Receiver);
+        let busy = Busy::start();
         let mut buf = vec![0u8; 64 * 65536];
         let mut n = 0u64;
         while !stop2.load(Ordering::Relaxed) {
@@ -69,13 +145,15 @@ fn udp_gso_gbps(secs: f64) -> f64 {
                 n += meta[..k].iter().map(|m| m.len as u64).sum::<u64>();
             }
         }
-        n
+        (n, busy.fraction())
     });
+    pin(Side::Sender);
     let tx = UdpSocket::bind("127.0.0.1:0").unwrap();
     let tx_state = UdpSocketState::new(UdpSockRef::from(&tx)).unwrap();
     // A GSO send is at most one 64 KiB UDP payload.
     let segs = tx_state.max_gso_segments().clamp(1, 65_507 / DATAGRAM);
     let payload = vec![9u8; DATAGRAM * segs];
+    let busy = Busy::start();
     let t0 = Instant::now();
     while t0.elapsed().as_secs_f64() < secs {
         let t = Transmit {
@@ -88,9 +166,14 @@ fn udp_gso_gbps(secs: f64) -> f64 {
         let _ = tx_state.try_send(UdpSockRef::from(&tx), &t);
     }
     let elapsed = t0.elapsed().as_secs_f64();
+    let tx_busy = busy.fraction();
     std::thread::sleep(Duration::from_millis(100));
     stop.store(true, Ordering::Relaxed);
-    reader.join().unwrap() as f64 * 8.0 / elapsed / 1e9
+    let (n, rx_busy) = reader.join().unwrap();
+    Run {
+        gbps: n as f64 * 8.0 / elapsed / 1e9,
+        busy: [tx_busy, rx_busy],
+    }
 }
 
 fn udp_ping_pong_us(rounds: usize) -> (f64, f64) {
@@ -170,7 +253,7 @@ fn pair_with(gather: bool) -> Pair {
 /// 64 KiB WRITEs, 16 outstanding, both endpoints driven from one thread
 /// each (server on its own thread), for `secs`; payloads gathered from
 /// their region or copied by the driver.
-fn metaroce_write_gbps(secs: f64, gather: bool) -> f64 {
+fn metaroce_write_gbps(secs: f64, gather: bool) -> Run {
     let Pair {
         mut a,
         mut b,
@@ -202,12 +285,17 @@ fn metaroce_write_gbps(secs: f64, gather: bool) -> f64 {
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = stop.clone();
     let server = std::thread::spawn(move || {
+        pin(Side::Receiver);
+        let busy = Busy::start();
         while !stop2.load(Ordering::Relaxed) {
             b.poll(Duration::from_micros(200)).unwrap();
         }
+        busy.fraction()
     });
+    pin(Side::Sender);
     let (mut posted, mut done) = (0u64, 0u64);
     let mut wcs = Vec::new();
+    let busy = Busy::start();
     let t0 = Instant::now();
     loop {
         let sending = t0.elapsed().as_secs_f64() < secs;
@@ -237,9 +325,13 @@ fn metaroce_write_gbps(secs: f64, gather: bool) -> f64 {
         a.poll(Duration::from_micros(200)).unwrap();
     }
     let elapsed = t0.elapsed().as_secs_f64();
+    let tx_busy = busy.fraction();
     stop.store(true, Ordering::Relaxed);
-    server.join().unwrap();
-    done as f64 * size as f64 * 8.0 / elapsed / 1e9
+    let rx_busy = server.join().unwrap();
+    Run {
+        gbps: done as f64 * size as f64 * 8.0 / elapsed / 1e9,
+        busy: [tx_busy, rx_busy],
+    }
 }
 
 /// 8-byte SEND/RECV round trips, both endpoints polled from this thread.
@@ -358,14 +450,14 @@ fn cpu_hz() -> f64 {
         .map_or(0.0, |mhz| mhz * 1e6)
 }
 
-/// Runs a throughput measurement: its Gbit/s and the CPU cycles it spent
-/// per byte moved (both ends, user + kernel).
-fn measured(f: impl FnOnce() -> f64) -> (f64, f64) {
+/// Runs a throughput measurement: the run and the CPU cycles it spent per
+/// byte moved (both ends, user + kernel).
+fn measured(f: impl FnOnce() -> Run) -> (Run, f64) {
     let (c0, t0) = (cpu_seconds(), Instant::now());
-    let gbps = f();
+    let run = f();
     let (cpu, wall) = (cpu_seconds() - c0, t0.elapsed().as_secs_f64());
-    let bytes = gbps * 1e9 / 8.0 * wall;
-    (gbps, cpu * cpu_hz() / bytes)
+    let bytes = run.gbps * 1e9 / 8.0 * wall;
+    (run, cpu * cpu_hz() / bytes)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -385,10 +477,11 @@ fn main() {
     let (mut r_udp, mut r_tcp, mut r_cyc, mut r_lat) = (vec![], vec![], vec![], vec![]);
     let mut r_gather = vec![];
     for round in 1..=rounds {
-        let (tcp, tcp_c) = measured(|| tcp_gbps(secs));
-        let (udp, udp_c) = measured(|| udp_gso_gbps(secs));
-        let (mr, mr_c) = measured(|| metaroce_write_gbps(secs, true));
-        let (mc, mc_c) = measured(|| metaroce_write_gbps(secs, false));
+        let (tcp_run, tcp_c) = measured(|| on_own_thread(|| tcp_gbps(secs)));
+        let (udp_run, udp_c) = measured(|| on_own_thread(|| udp_gso_gbps(secs)));
+        let (mr_run, mr_c) = measured(|| on_own_thread(|| metaroce_write_gbps(secs, true)));
+        let (mc_run, mc_c) = measured(|| on_own_thread(|| metaroce_write_gbps(secs, false)));
+        let (tcp, udp, mr, mc) = (tcp_run.gbps, udp_run.gbps, mr_run.gbps, mc_run.gbps);
         println!("round {round}");
         println!("  throughput (Gbit/s): metaroce WRITE 64 KiB {mr:.2} (payloads copied by the driver: {mc:.2}) | raw UDP GSO/GRO {udp:.2} | TCP {tcp:.2}");
         println!(
@@ -398,6 +491,14 @@ fn main() {
             mr / mc
         );
         println!("  CPU cycles per byte (both ends): metaroce {mr_c:.2} (copied {mc_c:.2}) | raw UDP {udp_c:.2} | TCP {tcp_c:.2}");
+        let busy = |r: Run| format!("{:.2}/{:.2}", r.busy[0], r.busy[1]);
+        println!(
+            "  busy, sender/receiver (CPU time / wall time): metaroce {} (copied {}) | raw UDP {} | TCP {}",
+            busy(mr_run),
+            busy(mc_run),
+            busy(udp_run),
+            busy(tcp_run)
+        );
         let (up50, up99) = udp_ping_pong_us(20_000);
         let (mp50, mp99) = metaroce_ping_pong_us(20_000);
         println!("  8 B round trip (us): metaroce SEND p50 {mp50:.1} p99 {mp99:.1} | raw UDP p50 {up50:.1} p99 {up99:.1}");
