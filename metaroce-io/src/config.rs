@@ -66,6 +66,9 @@ impl FromStr for Backend {
 /// Default of [`DriverConfig::turn_send_bytes`]: two full GSO batches.
 pub const DEFAULT_TURN_SEND_BYTES: usize = 128 << 10;
 
+/// Default of [`DriverConfig::turn_recv_bytes`]: four GSO batches.
+pub const DEFAULT_TURN_RECV_BYTES: usize = 256 << 10;
+
 /// Settings only the io_uring backend reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UringConfig {
@@ -74,6 +77,16 @@ pub struct UringConfig {
     /// Buffers in the provided-buffer ring the multishot receive fills (a
     /// power of two, at most 32768). Each holds one receive, a GRO batch of
     /// up to 64 KiB included.
+    ///
+    /// This is also the io_uring backend's bound on the receive work of a
+    /// turn (what [`DriverConfig::turn_recv_bytes`] is to the portable
+    /// one): the kernel copies into every free buffer each time the thread
+    /// enters it, before the thread sees any of them. With 64 buffers a
+    /// turn took up to 4 MiB at once while its ACKs waited, and the sender
+    /// ran out of window; with 4, a loopback WRITE stream ran 1.5-1.9x as
+    /// fast (`docs/BENCHMARKS.md`). When all are in use the receive ends
+    /// (ENOBUFS) and the datagrams wait in the socket until the next turn
+    /// re-arms it.
     pub recv_buffers: u16,
     /// Send buffers (each up to 64 KiB). A transmit waits in the core while
     /// all are with the kernel.
@@ -97,7 +110,7 @@ impl Default for UringConfig {
     fn default() -> Self {
         UringConfig {
             entries: 256,
-            recv_buffers: 64,
+            recv_buffers: 4,
             send_slots: 32,
             zero_copy: true,
             zero_copy_threshold: 16 << 10,
@@ -141,6 +154,13 @@ pub struct DriverConfig {
     /// 64 KiB WRITEs outstanding, no bound gave about two thirds of the
     /// throughput that 128 KiB (two GSO batches) gives (`docs/BENCHMARKS.md`).
     pub turn_send_bytes: usize,
+    /// Bytes the portable backend reads from a receive socket in one turn
+    /// before it answers them (at least one datagram or GRO batch): ACKs
+    /// and completions for what was read leave at the end of the turn, so
+    /// a turn that drains megabytes holds them back and starves the
+    /// sender. The io_uring backend's bound is its number of receive
+    /// buffers ([`UringConfig::recv_buffers`]).
+    pub turn_recv_bytes: usize,
     /// Which backend [`Driver::bind`](crate::Driver::bind) picks.
     pub backend: Backend,
     /// io_uring settings.
@@ -163,6 +183,7 @@ impl DriverConfig {
             socket_buffer: 8 << 20,
             max_gso_segments: 16,
             turn_send_bytes: DEFAULT_TURN_SEND_BYTES,
+            turn_recv_bytes: DEFAULT_TURN_RECV_BYTES,
             backend: Backend::Auto,
             uring: UringConfig::default(),
             faults: FaultConfig::default(),

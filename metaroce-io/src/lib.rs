@@ -60,7 +60,8 @@ mod waker;
 
 pub use clock::Clock;
 pub use config::{
-    Backend, DriverConfig, DriverStats, UnknownBackend, UringConfig, DEFAULT_TURN_SEND_BYTES,
+    Backend, DriverConfig, DriverStats, UnknownBackend, UringConfig, DEFAULT_TURN_RECV_BYTES,
+    DEFAULT_TURN_SEND_BYTES,
 };
 pub use device::{
     ApiError, CompletionQueue, Connection, Device, MemoryRegion, OobDecodeError, ProtectionDomain,

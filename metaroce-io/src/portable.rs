@@ -41,6 +41,8 @@ pub struct PortableDriver {
     tx_buf: Vec<u8>,
     /// Bytes a turn sends before it reads ([`DriverConfig::turn_send_bytes`]).
     turn_send_bytes: usize,
+    /// Bytes a turn reads from a socket ([`DriverConfig::turn_recv_bytes`]).
+    turn_recv_bytes: usize,
     stats: DriverStats,
     faults: Option<Box<Faults>>,
     wake: Option<WakeReceiver>,
@@ -112,6 +114,7 @@ impl PortableDriver {
             rx_buf: vec![0u8; 65_536 * gro.min(64)],
             tx_buf: vec![0u8; 65_536],
             turn_send_bytes: cfg.turn_send_bytes,
+            turn_recv_bytes: cfg.turn_recv_bytes,
             stats: DriverStats::default(),
             faults,
             wake: None,
@@ -221,8 +224,8 @@ impl PortableDriver {
         Ok(any)
     }
 
-    /// Reads every datagram waiting (bounded per turn, so that sending is
-    /// not starved). Timers run only after this: an ACK that is already here
+    /// Reads what every receive socket has, up to the turn's budget (so
+    /// that answers and sending are not held back). Timers run only after this: an ACK that is already here
     /// must not lose the race against a retransmission timeout.
     fn receive(&mut self) -> Result<bool, DriverError> {
         let mut any = false;
@@ -232,10 +235,16 @@ impl PortableDriver {
         Ok(any)
     }
 
-    /// Reads what plane `k`'s receive socket has (bounded per turn).
+    /// Reads what plane `k`'s receive socket has, up to the turn's budget
+    /// of bytes ([`DriverConfig::turn_recv_bytes`]).
     fn receive_on(&mut self, k: usize) -> Result<bool, DriverError> {
         let mut any = false;
+        let mut budget = self.turn_recv_bytes;
+        // 4096 calls at most, whatever they return.
         for _ in 0..4096 {
+            if any && budget == 0 {
+                break;
+            }
             let mut meta = [RecvMeta::default()];
             let n = {
                 let mut bufs = [IoSliceMut::new(&mut self.rx_buf)];
@@ -253,6 +262,7 @@ impl PortableDriver {
             let now = self.clock.now();
             for m in &meta[..n] {
                 any = true;
+                budget = budget.saturating_sub(m.len);
                 let ecn = m.ecn.map_or(Ecn::NotEct, |e| Ecn::from_bits(e as u8));
                 let stride = if m.stride == 0 { m.len } else { m.stride };
                 if m.len > stride {
