@@ -45,7 +45,19 @@ struct Run {
 }
 
 /// Streams WRITEs of `msg` bytes for `secs` and returns the throughput.
+/// Pins the calling thread to the first (`0`) or second (`1`) CPU this
+/// process may use, where there are two: one core per side, so that the
+/// scheduler does not now and then put both on one core and halve a run.
+fn pin(side: usize) {
+    if let Some(ids) = core_affinity::get_core_ids() {
+        if ids.len() >= 2 {
+            core_affinity::set_for_current(ids[side]);
+        }
+    }
+}
+
 fn stream(backend: Backend, msg: usize, secs: f64, zero_copy: bool) -> Result<Run> {
+    pin(0);
     let server = Driver::bind(config(backend, zero_copy))?;
     let mut client = Driver::bind(config(backend, zero_copy))?;
     let server_addr = server.local_addr();
@@ -54,6 +66,7 @@ fn stream(backend: Backend, msg: usize, secs: f64, zero_copy: bool) -> Result<Ru
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = stop.clone();
     let srv = std::thread::spawn(move || -> Result<()> {
+        pin(1);
         let mut d = server;
         let t0 = Instant::now();
         let conn = loop {
