@@ -352,53 +352,6 @@ fn answers_leave_within_the_same_poll<D: IoDriver + Send + 'static>(name: &str) 
     drop(srv.join().unwrap());
 }
 
-/// Two connected ends with `cfg`, `a` holding a posted 1 MiB WRITE of
-/// 5s into a 1 MiB region of `b`; returns the pair and `b`'s region key.
-fn pair_with_write<D: IoDriver>(cfg: DriverConfig) -> (Pair<D>, u32) {
-    let mut p = Pair::<D>::connect(cfg, LIMIT);
-    let len = 1usize << 20;
-    let src =
-        p.a.endpoint()
-            .reg_mr(
-                p.pda,
-                vec![5u8; len].into_boxed_slice(),
-                0,
-                AccessFlags::NONE,
-            )
-            .unwrap();
-    let dst =
-        p.b.endpoint()
-            .reg_mr(
-                p.pdb,
-                vec![0u8; len].into_boxed_slice(),
-                0,
-                AccessFlags::REMOTE_WRITE,
-            )
-            .unwrap();
-    let now = p.a.now();
-    let wr = SendWr::new(
-        1,
-        SendOp::Write(RemoteAddr {
-            rkey: dst.rkey,
-            addr: dst.addr,
-        }),
-        Sge {
-            lkey: src.lkey,
-            addr: src.addr,
-            len: len as u32,
-        },
-    );
-    p.a.endpoint().post_send(now, p.qa, wr).unwrap();
-    (p, dst.lkey)
-}
-
-/// Runs the WRITE of [`pair_with_write`] to its end and checks every byte.
-fn finish_write<D: IoDriver>(p: &mut Pair<D>, dst: u32) {
-    let (wa, _) = p.complete(1, 0);
-    assert_eq!(wa.len(), 1);
-    assert!(p.b.endpoint().mr(dst).unwrap().iter().all(|&x| x == 5));
-}
-
 /// A turn hands the kernel at most `turn_send_bytes` (and at least one
 /// transmit) before it goes back to read: with the budget used up by the
 /// first GSO batch, one `poll` sends a batch per flush (the portable
@@ -411,15 +364,12 @@ fn turn_budget<D: IoDriver>(name: &str) {
     let sent_in_one_poll = |budget: usize| {
         let mut cfg = config(16);
         cfg.turn_send_bytes = budget;
-        let (mut p, dst) = pair_with_write::<D>(cfg);
+        let mut p = pair::<D>(cfg);
+        let w = p.post_write(1 << 20, 1);
         p.a.poll(Duration::ZERO).unwrap();
-        let sent =
-            p.a.endpoint()
-                .connection_stats(p.conn_a)
-                .unwrap()
-                .data_packets_sent;
+        let (sent, _) = p.data_packets();
         let gso = p.a.endpoint().config().max_gso_segments as u64;
-        finish_write(&mut p, dst);
+        p.finish_write(name, w);
         (sent, gso)
     };
     let (limited, gso) = sent_in_one_poll(1);
@@ -448,25 +398,18 @@ fn turn_recv_budget<D: IoDriver>(name: &str) {
         let mut cfg = config(16);
         cfg.turn_recv_bytes = bytes;
         cfg.uring.recv_buffers = buffers;
-        let (mut p, dst) = pair_with_write::<D>(cfg);
+        let mut p = pair::<D>(cfg);
+        let w = p.post_write(1 << 20, 1);
         // The sender puts its initial window into the receiver's socket.
         for _ in 0..16 {
             p.a.poll(Duration::ZERO).unwrap();
         }
-        let window =
-            p.a.endpoint()
-                .connection_stats(p.conn_a)
-                .unwrap()
-                .data_packets_sent;
+        let (window, _) = p.data_packets();
         p.b.poll(Duration::ZERO).unwrap();
         p.b.poll(Duration::ZERO).unwrap();
-        let got =
-            p.b.endpoint()
-                .connection_stats(p.conn_b)
-                .unwrap()
-                .data_packets_received;
+        let (_, got) = p.data_packets();
         let gso = p.a.endpoint().config().max_gso_segments as u64;
-        finish_write(&mut p, dst);
+        p.finish_write(name, w);
         (got, window, gso)
     };
     let (bounded, window, gso) = received_in_two_polls(1, 1);

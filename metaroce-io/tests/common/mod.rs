@@ -47,6 +47,14 @@ pub struct Pair<D> {
     pub limit: Duration,
 }
 
+/// WRITEs posted by [`Pair::post_write`], to be finished by
+/// [`Pair::finish_write`].
+pub struct PostedWrite {
+    dst: u32,
+    data: Vec<u8>,
+    parts: u64,
+}
+
 impl<D: IoDriver> Pair<D> {
     /// Binds both ends with `cfg` and connects them (handshake within
     /// `limit`, at most 10 s).
@@ -112,9 +120,26 @@ impl<D: IoDriver> Pair<D> {
         (wa, wb)
     }
 
+    /// Data packets `a` has sent and `b` has received on their connection.
+    pub fn data_packets(&mut self) -> (u64, u64) {
+        let sent = self.a.endpoint().connection_stats(self.conn_a);
+        let received = self.b.endpoint().connection_stats(self.conn_b);
+        (
+            sent.map_or(0, |s| s.data_packets_sent),
+            received.map_or(0, |s| s.data_packets_received),
+        )
+    }
+
     /// WRITEs `len` pattern bytes from `a` to `b` in `parts` requests and
     /// checks every byte at `b`.
     pub fn write_checked(&mut self, name: &str, len: usize, parts: u64) {
+        let w = self.post_write(len, parts);
+        self.finish_write(name, w);
+    }
+
+    /// Posts, on `a`, `parts` WRITEs of `len` pattern bytes in all into a
+    /// fresh region of `b`; nothing is polled yet.
+    pub fn post_write(&mut self, len: usize, parts: u64) -> PostedWrite {
         let data = pattern(1, len);
         let src = self
             .a
@@ -154,10 +179,20 @@ impl<D: IoDriver> Pair<D> {
                 .post_send(now, self.qa, SendWr::new(k, SendOp::Write(remote), local))
                 .unwrap();
         }
-        let (wa, _) = self.complete(parts as usize, 0);
-        assert_eq!(wa.len(), parts as usize);
-        let got = self.b.endpoint().mr(dst.lkey).unwrap();
-        let bad = got.iter().zip(&data).filter(|(x, y)| x != y).count();
+        PostedWrite {
+            dst: dst.lkey,
+            data,
+            parts,
+        }
+    }
+
+    /// Polls both sides until the WRITEs of `w` complete, and checks every
+    /// byte at `b`.
+    pub fn finish_write(&mut self, name: &str, w: PostedWrite) {
+        let (wa, _) = self.complete(w.parts as usize, 0);
+        assert_eq!(wa.len(), w.parts as usize);
+        let got = self.b.endpoint().mr(w.dst).unwrap();
+        let bad = got.iter().zip(&w.data).filter(|(x, y)| x != y).count();
         assert_eq!(bad, 0, "{name}: {bad} bytes differ");
     }
 }
