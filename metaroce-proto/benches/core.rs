@@ -16,7 +16,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use metaroce_proto::consts::SACK_BYTES;
 use metaroce_proto::verbs::*;
 use metaroce_proto::wire::{AckBuilder, AckHeader, AckPacket, AckPathEntry, DataHeader, OpcodeExt};
-use metaroce_proto::{Ecn, Endpoint, EndpointConfig, Event, Instant};
+use metaroce_proto::{Chunk, Ecn, Endpoint, EndpointConfig, Event, Gather, Instant, RegionPin};
 use std::hint::black_box;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -128,11 +128,17 @@ struct Transfer {
     dst: MrInfo,
     next_wr: u64,
     outstanding: u32,
-    /// Datagrams A produced this round (buffers reused).
+    /// Transmits A produced this round (buffers reused): each one's size,
+    /// ECN, source port and GSO segment size.
     bufs: Vec<Vec<u8>>,
-    sizes: Vec<(usize, Ecn, u16)>,
+    sizes: Vec<(usize, Ecn, u16, Option<usize>)>,
     scratch: Vec<u8>,
     wcs: Vec<WorkCompletion>,
+    /// Gathered transmits (as the io_uring driver sends): the gather, the
+    /// chunks of each transmit of the round and the pins to release.
+    gather: Option<Gather>,
+    chunks: Vec<Vec<Chunk>>,
+    pins: Vec<RegionPin>,
 }
 
 const BIG: usize = 64 << 20;
@@ -140,10 +146,17 @@ const BIG: usize = 64 << 20;
 const ROUND: usize = 256;
 
 impl Transfer {
-    fn new() -> Transfer {
+    /// A connected pair with two big WRITEs posted; `gso`: A batches up to
+    /// 15 segments per transmit and gathers payloads from their region
+    /// (threshold 1 KiB), as the io_uring driver has it do, else one copied
+    /// datagram per transmit.
+    fn new(gso: bool) -> Transfer {
         let a_addr: SocketAddr = "10.0.0.1:4792".parse().unwrap();
         let b_addr: SocketAddr = "10.0.0.2:4792".parse().unwrap();
-        let cfg = EndpointConfig::default();
+        let cfg = EndpointConfig {
+            max_gso_segments: if gso { 15 } else { 1 },
+            ..EndpointConfig::default()
+        };
         let mut a = Endpoint::new(cfg.clone(), 1).unwrap();
         let mut b = Endpoint::new(cfg, 2).unwrap();
         let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
@@ -175,10 +188,13 @@ impl Transfer {
             dst,
             next_wr: 0,
             outstanding: 0,
-            bufs: vec![vec![0u8; 9000]; ROUND],
+            bufs: vec![vec![0u8; if gso { 65_536 } else { 9000 }]; ROUND],
             sizes: Vec::with_capacity(ROUND),
-            scratch: vec![0u8; 9000],
+            scratch: vec![0u8; 65_536],
             wcs: Vec::new(),
+            gather: gso.then(|| Gather::new(1024)),
+            chunks: vec![Vec::new(); ROUND],
+            pins: Vec::new(),
         };
         let mut conn_b = None;
         for _ in 0..100 {
@@ -246,24 +262,65 @@ impl Transfer {
         }
     }
 
-    /// Timed part 1: up to `max` datagrams out of the sender into `bufs`.
+    /// Timed part 1: transmits of up to `max` datagrams in all out of the
+    /// sender into `bufs`; returns the number of datagrams.
     fn produce(&mut self, max: usize) -> usize {
         self.sizes.clear();
-        for i in 0..max.min(ROUND) {
-            match self.a.poll_transmit(self.now, &mut self.bufs[i]) {
-                Some(x) => self.sizes.push((x.size, x.ecn, x.src_port)),
-                None => break,
+        let mut datagrams = 0;
+        for i in 0..ROUND {
+            if datagrams >= max {
+                break;
             }
+            let t = match &mut self.gather {
+                Some(g) => {
+                    let t = self.a.poll_transmit_gather(self.now, &mut self.bufs[i], g);
+                    if t.is_some() {
+                        g.take_pins(&mut self.pins);
+                        self.chunks[i].clone_from(&g.chunks().to_vec());
+                    }
+                    t
+                }
+                None => self.a.poll_transmit(self.now, &mut self.bufs[i]),
+            };
+            let Some(x) = t else { break };
+            datagrams += x.segment_size.map_or(1, |s| x.size.div_ceil(s));
+            self.sizes.push((x.size, x.ecn, x.src_port, x.segment_size));
         }
-        self.sizes.len()
+        datagrams
     }
 
-    /// Timed part 2: the receiver consumes what was produced.
+    /// Untimed, for gathered transmits: puts each one's bytes together in
+    /// its buffer (what the kernel does with the `iovec`s) and gives the
+    /// regions' pins back.
+    fn assemble(&mut self) {
+        if self.gather.is_none() {
+            return;
+        }
+        for i in 0..self.sizes.len() {
+            let mut k = 0;
+            for c in &self.chunks[i] {
+                let bytes = match c {
+                    Chunk::Buf(r) => &self.bufs[i][r.clone()],
+                    Chunk::Region { lkey, range } => &self.a.mr(*lkey).unwrap()[range.clone()],
+                };
+                self.scratch[k..k + bytes.len()].copy_from_slice(bytes);
+                k += bytes.len();
+            }
+            if !self.chunks[i].is_empty() {
+                self.bufs[i][..k].copy_from_slice(&self.scratch[..k]);
+            }
+        }
+        self.a.release_pins(&mut self.pins);
+    }
+
+    /// Timed part 2: the receiver consumes what was produced, datagram by
+    /// datagram.
     fn consume(&mut self) {
-        for (i, &(size, ecn, port)) in self.sizes.iter().enumerate() {
+        for (i, &(size, ecn, port, seg)) in self.sizes.iter().enumerate() {
             let from = SocketAddr::new(self.a_addr.ip(), port);
-            self.b
-                .handle_datagram(self.now, from, ecn, &self.bufs[i][..size]);
+            for dg in self.bufs[i][..size].chunks(seg.unwrap_or(size).max(1)) {
+                self.b.handle_datagram(self.now, from, ecn, dg);
+            }
         }
     }
 
@@ -295,9 +352,11 @@ fn run_timed(t: &mut Transfer, iters: u64, time_sender: bool) -> Duration {
         let start = std::time::Instant::now();
         let n = t.produce(want);
         let mid = std::time::Instant::now();
+        t.assemble();
+        let mid2 = std::time::Instant::now();
         t.consume();
         let end = std::time::Instant::now();
-        total += if time_sender { mid - start } else { end - mid };
+        total += if time_sender { mid - start } else { end - mid2 };
         done += n as u64;
         idle_rounds = if n == 0 { idle_rounds + 1 } else { 0 };
         assert!(idle_rounds < 100_000, "the transfer stalled");
@@ -309,25 +368,35 @@ fn run_timed(t: &mut Transfer, iters: u64, time_sender: bool) -> Duration {
 fn core(c: &mut Criterion) {
     let mut g = c.benchmark_group("core");
     g.throughput(Throughput::Elements(1));
-    let mut t = Transfer::new();
-    // Warm the congestion window up.
-    run_timed(&mut t, 20_000, true);
-    let check = t.sizes.first().map(|s| s.0).unwrap_or(0);
-    assert!(
-        check > PAYLOAD,
-        "sender datagrams should be full 4 KiB WRITEs, got {check} bytes"
-    );
-    g.bench_function("poll_transmit_write_4k", |b| {
-        b.iter_custom(|iters| run_timed(&mut t, iters, true))
-    });
-    g.bench_function("handle_datagram_write_4k", |b| {
-        b.iter_custom(|iters| run_timed(&mut t, iters, false))
-    });
+    for gso in [false, true] {
+        let mut t = Transfer::new(gso);
+        // Warm the congestion window up.
+        run_timed(&mut t, 20_000, true);
+        let (size, seg) = t.sizes.first().map_or((0, None), |s| (s.0, s.3));
+        assert!(
+            seg.unwrap_or(size) > PAYLOAD,
+            "sender datagrams should be full 4 KiB WRITEs, got {size} bytes ({seg:?} per segment)"
+        );
+        if gso {
+            assert!(
+                seg.is_some_and(|s| size >= 8 * s),
+                "GSO batches of full segments, got {size} bytes ({seg:?} per segment)"
+            );
+        }
+        // Per datagram, both ways.
+        let suffix = if gso { "_gso_gathered" } else { "" };
+        g.bench_function(format!("poll_transmit_write_4k{suffix}"), |b| {
+            b.iter_custom(|iters| run_timed(&mut t, iters, true))
+        });
+        g.bench_function(format!("handle_datagram_write_4k{suffix}"), |b| {
+            b.iter_custom(|iters| run_timed(&mut t, iters, false))
+        });
+        // The transfer really delivered bytes.
+        assert!(t.b.mr(t.dst.lkey).unwrap()[..1 << 20]
+            .iter()
+            .all(|&x| x == 7));
+    }
     g.finish();
-    // The transfer really delivered bytes.
-    assert!(t.b.mr(t.dst.lkey).unwrap()[..1 << 20]
-        .iter()
-        .all(|&x| x == 7));
 }
 
 criterion_group! {
