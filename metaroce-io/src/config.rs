@@ -83,8 +83,8 @@ pub struct UringConfig {
     /// one): the kernel copies into every free buffer each time the thread
     /// enters it, before the thread sees any of them. With 64 buffers a
     /// turn took up to 4 MiB at once while its ACKs waited, and the sender
-    /// ran out of window; with 4, a loopback WRITE stream ran 1.5-1.9x as
-    /// fast (`docs/BENCHMARKS.md`). When all are in use the receive ends
+    /// ran out of window; with 4, a loopback WRITE stream ran 1.4x as fast
+    /// (`docs/BENCHMARKS.md`). When all are in use the receive ends
     /// (ENOBUFS) and the datagrams wait in the socket until the next turn
     /// re-arms it.
     pub recv_buffers: u16,

@@ -225,8 +225,9 @@ impl PortableDriver {
     }
 
     /// Reads what every receive socket has, up to the turn's budget (so
-    /// that answers and sending are not held back). Timers run only after this: an ACK that is already here
-    /// must not lose the race against a retransmission timeout.
+    /// that answers and sending are not held back). Timers run only after
+    /// this: an ACK that is already here must not lose the race against a
+    /// retransmission timeout.
     fn receive(&mut self) -> Result<bool, DriverError> {
         let mut any = false;
         for k in 0..self.recv.len() {
