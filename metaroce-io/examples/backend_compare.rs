@@ -44,7 +44,6 @@ struct Run {
     retransmits: u64,
 }
 
-/// Streams WRITEs of `msg` bytes for `secs` and returns the throughput.
 /// Pins the calling thread to the first (`0`) or second (`1`) CPU this
 /// process may use, where there are two: one core per side, so that the
 /// scheduler does not now and then put both on one core and halve a run.
@@ -56,6 +55,7 @@ fn pin(side: usize) {
     }
 }
 
+/// Streams WRITEs of `msg` bytes for `secs` and returns the throughput.
 fn stream(backend: Backend, msg: usize, secs: f64, zero_copy: bool) -> Result<Run> {
     pin(0);
     let server = Driver::bind(config(backend, zero_copy))?;
