@@ -276,7 +276,8 @@ impl Transfer {
                     let t = self.a.poll_transmit_gather(self.now, &mut self.bufs[i], g);
                     if t.is_some() {
                         g.take_pins(&mut self.pins);
-                        self.chunks[i].clone_from(&g.chunks().to_vec());
+                        self.chunks[i].clear();
+                        self.chunks[i].extend_from_slice(g.chunks());
                     }
                     t
                 }
