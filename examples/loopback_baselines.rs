@@ -17,6 +17,11 @@
 //! second (when there are two), and each reports how busy it was (its CPU
 //! time over the run's wall time), which tells a side that ran out of CPU
 //! from one that waited for the other.
+//!
+//! The metaroce stream also reports what its sender's loss recovery did.
+//! Loopback drops nothing, so every loss it declares is spurious: a
+//! packet or its ACK was held up on the host (a thread off its core for a
+//! few milliseconds) past the loss timers.
 
 use metaroce_io::{connect_pair, Driver, DriverConfig};
 use metaroce_proto::verbs::*;
@@ -87,6 +92,29 @@ impl Busy {
 struct Run {
     gbps: f64,
     busy: [f64; 2],
+    /// metaroce runs: what its loss recovery did (none is lost on loopback).
+    recovery: Option<Recovery>,
+}
+
+/// The sender's loss-recovery counters after a metaroce run. Loopback drops
+/// nothing, so every declared loss is spurious (the packet or its ACK was
+/// held up on the host longer than the loss timers allow).
+#[derive(Clone, Copy)]
+struct Recovery {
+    lost: u64,
+    spurious: u64,
+    rto_fires: u64,
+    path_failures: u64,
+}
+
+impl std::fmt::Display for Recovery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} declared lost ({} of them arrived after all), {} RTO fires, {} paths declared failed",
+            self.lost, self.spurious, self.rto_fires, self.path_failures
+        )
+    }
 }
 
 fn tcp_gbps(secs: f64) -> Run {
@@ -120,6 +148,7 @@ fn tcp_gbps(secs: f64) -> Run {
     Run {
         gbps: n as f64 * 8.0 / t0.elapsed().as_secs_f64() / 1e9,
         busy: [tx_busy, rx_busy],
+        recovery: None,
     }
 }
 
@@ -173,6 +202,7 @@ fn udp_gso_gbps(secs: f64) -> Run {
     Run {
         gbps: n as f64 * 8.0 / elapsed / 1e9,
         busy: [tx_busy, rx_busy],
+        recovery: None,
     }
 }
 
@@ -206,6 +236,8 @@ fn udp_ping_pong_us(rounds: usize) -> (f64, f64) {
 struct Pair {
     a: Driver,
     b: Driver,
+    /// `a`'s connection to `b`.
+    ca: ConnectionHandle,
     qa: Qpn,
     qb: Qpn,
     cqa: CqHandle,
@@ -241,6 +273,7 @@ fn pair_with(gather: bool) -> Pair {
     Pair {
         a,
         b,
+        ca,
         qa,
         qb,
         cqa,
@@ -257,6 +290,7 @@ fn metaroce_write_gbps(secs: f64, gather: bool) -> Run {
     let Pair {
         mut a,
         mut b,
+        ca,
         qa,
         cqa,
         pda,
@@ -328,9 +362,16 @@ fn metaroce_write_gbps(secs: f64, gather: bool) -> Run {
     let tx_busy = busy.fraction();
     stop.store(true, Ordering::Relaxed);
     let rx_busy = server.join().unwrap();
+    let recovery = a.endpoint().connection_stats(ca).map(|s| Recovery {
+        lost: s.packets_lost,
+        spurious: s.paths.iter().map(|p| p.spurious_losses).sum(),
+        rto_fires: s.rto_fires,
+        path_failures: s.path_failures,
+    });
     Run {
         gbps: done as f64 * size as f64 * 8.0 / elapsed / 1e9,
         busy: [tx_busy, rx_busy],
+        recovery,
     }
 }
 
@@ -345,6 +386,7 @@ fn metaroce_ping_pong_us(rounds: usize) -> (f64, f64) {
         cqb,
         pda,
         pdb,
+        ..
     } = pair();
     let ma = a
         .endpoint()
@@ -499,6 +541,9 @@ fn main() {
             busy(udp_run),
             busy(tcp_run)
         );
+        if let Some(r) = mr_run.recovery {
+            println!("  metaroce stream's loss recovery (sender): {r}");
+        }
         let (up50, up99) = udp_ping_pong_us(20_000);
         let (mp50, mp99) = metaroce_ping_pong_us(20_000);
         println!("  8 B round trip (us): metaroce SEND p50 {mp50:.1} p99 {mp99:.1} | raw UDP p50 {up50:.1} p99 {up99:.1}");
