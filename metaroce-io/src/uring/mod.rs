@@ -37,6 +37,9 @@ use sys::{SendCqe, TAG_CTRL, TAG_MASK, TAG_RECV, TAG_SEND, TAG_TIMER, TAG_WAKE};
 
 /// The kernel's `UDP_MAX_SEGMENTS` on every kernel with GSO (newer ones allow 128).
 const KERNEL_GSO_SEGMENTS: usize = 64;
+/// Pieces of a gathered send kept on the stack (a header and a payload per
+/// segment; a GSO batch of 4 KiB segments has at most 15).
+const GATHER_PIECES: usize = 32;
 /// Largest UDP payload of one send (IPv4; a GSO batch included).
 const MAX_SEND: usize = 65_507;
 /// Largest GRO receive the kernel builds.
@@ -610,7 +613,9 @@ impl UringDriver {
     fn queue_gathered(&mut self, i: usize, t: &Transmit) -> std::io::Result<()> {
         let fd = self.send_fd(t);
         let (seg, datagrams) = segments(t);
-        let mut pieces = Vec::with_capacity(self.gather.chunks().len());
+        // On the stack (a full batch of 4 KiB segments has 30 pieces); more
+        // spill to the heap.
+        let mut pieces: smallvec::SmallVec<[sys::Piece; GATHER_PIECES]> = smallvec::SmallVec::new();
         for c in self.gather.chunks() {
             pieces.push(match c {
                 Chunk::Buf(r) => sys::Piece::Buf(r.clone()),
