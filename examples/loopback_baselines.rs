@@ -19,9 +19,10 @@
 //! from one that waited for the other.
 //!
 //! The metaroce stream also reports what its sender's loss recovery did.
-//! Loopback drops nothing, so every loss it declares is spurious: a
-//! packet or its ACK was held up on the host (a thread off its core for a
-//! few milliseconds) past the loss timers.
+//! Loopback loses a datagram only when a socket's receive queue overflows;
+//! a declared loss whose packet arrived after all was spurious: the packet
+//! or its ACK was held up on the host (a thread off its core for a few
+//! milliseconds) past the loss timers.
 
 use metaroce_io::{connect_pair, Driver, DriverConfig};
 use metaroce_proto::verbs::*;
@@ -92,13 +93,11 @@ impl Busy {
 struct Run {
     gbps: f64,
     busy: [f64; 2],
-    /// metaroce runs: what its loss recovery did (none is lost on loopback).
+    /// metaroce runs: what its sender's loss recovery did.
     recovery: Option<Recovery>,
 }
 
-/// The sender's loss-recovery counters after a metaroce run. Loopback drops
-/// nothing, so every declared loss is spurious (the packet or its ACK was
-/// held up on the host longer than the loss timers allow).
+/// The sender's loss-recovery counters after a metaroce run.
 #[derive(Clone, Copy)]
 struct Recovery {
     lost: u64,
