@@ -16,7 +16,10 @@
 //! the first CPU this process may use and the receiving thread on the
 //! second (when there are two), and each reports how busy it was (its CPU
 //! time over the run's wall time), which tells a side that ran out of CPU
-//! from one that waited for the other.
+//! from one that waited for the other. Each side's CPU cycles per byte,
+//! against the same side of raw UDP, say which side holds metaroce back:
+//! raw UDP keeps both its threads busy, so a side that spends 1.25 times
+//! its cycles per byte cannot move more than 0.8 of its bytes on one core.
 //!
 //! The metaroce stream also reports what its sender's loss recovery did.
 //! Loopback loses a datagram only when a socket's receive queue overflows;
@@ -95,6 +98,15 @@ struct Run {
     busy: [f64; 2],
     /// metaroce runs: what its sender's loss recovery did.
     recovery: Option<Recovery>,
+}
+
+impl Run {
+    /// CPU cycles each side spent per byte moved (sender, receiver): its
+    /// thread's CPU time (user + kernel) × the nominal clock over the bytes.
+    fn cycles_per_byte(&self, hz: f64) -> [f64; 2] {
+        let bytes_per_s = self.gbps * 1e9 / 8.0;
+        self.busy.map(|b| b * hz / bytes_per_s)
+    }
 }
 
 /// The sender's loss-recovery counters after a metaroce run.
@@ -517,6 +529,7 @@ fn main() {
     // alike; the ratios are medians over the rounds' own ratios.
     let (mut r_udp, mut r_tcp, mut r_cyc, mut r_lat) = (vec![], vec![], vec![], vec![]);
     let mut r_gather = vec![];
+    let mut r_side = [vec![], vec![]];
     for round in 1..=rounds {
         let (tcp_run, tcp_c) = measured(|| on_own_thread(|| tcp_gbps(secs)));
         let (udp_run, udp_c) = measured(|| on_own_thread(|| udp_gso_gbps(secs)));
@@ -540,6 +553,19 @@ fn main() {
             busy(udp_run),
             busy(tcp_run)
         );
+        let hz = cpu_hz();
+        let (m, u) = (mr_run.cycles_per_byte(hz), udp_run.cycles_per_byte(hz));
+        println!(
+            "  CPU cycles per byte, sender/receiver thread: metaroce {:.2}/{:.2} | raw UDP {:.2}/{:.2} | metaroce/raw UDP: sender {:.2}, receiver {:.2}",
+            m[0],
+            m[1],
+            u[0],
+            u[1],
+            m[0] / u[0],
+            m[1] / u[1]
+        );
+        r_side[0].push(m[0] / u[0]);
+        r_side[1].push(m[1] / u[1]);
         if let Some(r) = mr_run.recovery {
             println!("  metaroce stream's loss recovery (sender): {r}");
         }
@@ -564,5 +590,11 @@ fn main() {
         median(r_cyc),
         median(r_lat),
         median(r_gather)
+    );
+    let [rs, rr] = r_side;
+    println!(
+        "  per side, cycles per byte metaroce/raw UDP: sender {:.2}, receiver {:.2} (a side at 1.25 or more holds metaroce under 0.8 of raw UDP)",
+        median(rs),
+        median(rr)
     );
 }
