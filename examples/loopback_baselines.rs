@@ -4,8 +4,11 @@
 //! small-message latency.
 //!
 //! ```sh
-//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS]]
+//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|udp]]]
 //! ```
+//!
+//! With `metaroce` or `udp` after the rounds, only that throughput test
+//! runs, round after round (what `scripts/cost-per-gbit.sh` profiles).
 //!
 //! Prints each figure, metaroce's ratio to it and the CPU cycles each spent
 //! per byte (process CPU time × the nominal clock, both ends), round by
@@ -48,8 +51,16 @@ enum Side {
 /// Pins the calling thread to its side's core (the first or second CPU
 /// this process may use), where there are at least two. Left to the
 /// scheduler, both sides now and then share one core for a while, and a
-/// run's throughput halves.
+/// run's throughput halves. Also names the thread after its side
+/// (`sender`, `receiver`), which is what profilers show
+/// (`scripts/cost-per-gbit.sh` sorts samples by it).
 fn pin(side: Side) {
+    let name = match side {
+        Side::Sender => "sender",
+        Side::Receiver => "receiver",
+    };
+    // Best effort: a thread's name is only a label.
+    let _ = std::fs::write("/proc/thread-self/comm", name);
     if let Some(ids) = core_affinity::get_core_ids() {
         if ids.len() >= 2 {
             core_affinity::set_for_current(ids[side as usize]);
@@ -518,6 +529,24 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Runs one throughput test alone, `rounds` times: `metaroce` (64 KiB
+/// WRITEs, payloads gathered) or `udp` (raw UDP with GSO/GRO).
+fn only_throughput(which: &str, secs: f64, rounds: usize) {
+    let hz = cpu_hz();
+    for round in 1..=rounds {
+        let run = match which {
+            "metaroce" => on_own_thread(|| metaroce_write_gbps(secs, true)),
+            "udp" => on_own_thread(|| udp_gso_gbps(secs)),
+            other => panic!("unknown test {other:?}: metaroce or udp"),
+        };
+        let c = run.cycles_per_byte(hz);
+        println!(
+            "round {round}: {which} {:.2} Gbit/s, busy sender/receiver {:.2}/{:.2}, cycles per byte {:.2}/{:.2}",
+            run.gbps, run.busy[0], run.busy[1], c[0], c[1]
+        );
+    }
+}
+
 fn main() {
     let secs: f64 = std::env::args()
         .nth(1)
@@ -525,6 +554,9 @@ fn main() {
     let rounds: usize = std::env::args()
         .nth(2)
         .map_or(3, |a| a.parse().expect("rounds"));
+    if let Some(only) = std::env::args().nth(3) {
+        return only_throughput(&only, secs, rounds);
+    }
     // Alternating rounds, so that a noisy shared machine disturbs all
     // alike; the ratios are medians over the rounds' own ratios.
     let (mut r_udp, mut r_tcp, mut r_cyc, mut r_lat) = (vec![], vec![], vec![], vec![]);
