@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use metaroce_proto::consts::DATA_HEADER_LEN;
 use metaroce_proto::verbs::*;
-use metaroce_proto::wire::{segment_payload, Opcode};
+use metaroce_proto::wire::{segment_payload, Opcode, OpcodeExt};
 use metaroce_proto::{Chunk, ConnectionError, EndpointConfig, Event, Gather, Instant};
 use std::time::Duration;
 
@@ -1316,13 +1316,8 @@ fn batching_pair(gso: usize, seed: u64) -> (Pair, Verbs) {
 fn gso_batches_run_across_message_boundaries() {
     let (mut p, v) = batching_pair(15, 26);
     let (size, count) = (64usize << 10, 4);
-    let src = reg(
-        &mut p.a,
-        v.pda,
-        pattern(26, size * count),
-        0,
-        AccessFlags::NONE,
-    );
+    let data = pattern(26, size * count);
+    let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
     let win = reg(
         &mut p.b,
         v.pdb,
@@ -1345,16 +1340,41 @@ fn gso_batches_run_across_message_boundaries() {
     }
     let mut buf = vec![0u8; 65536];
     let (mut batches, mut segments, mut spanning) = (Vec::new(), 0, 0);
+    let (mut next_csn, mut msn0) = (None, None);
     while segments < count * size / 4096 {
         let t =
             p.a.poll_transmit(p.now, &mut buf)
                 .expect("window room for all");
         let seg = t.segment_size.unwrap_or(t.size);
+        let mut psn = None;
         let msns: Vec<u32> = buf[..t.size]
             .chunks(seg)
             .map(|c| {
                 let (h, payload) = metaroce_proto::wire::DataHeader::parse(c).unwrap();
                 assert_eq!(payload.len(), 4096);
+                // Every header is its own segment's, whether encoded or
+                // patched from the one before: one path, consecutive PSNs
+                // and CSNs, and the payload, offset and remote address of
+                // that piece of that WRITE.
+                assert_eq!(h.opcode, Opcode::Write);
+                assert_eq!(h.flags, metaroce_proto::wire::data_flags::ECT);
+                assert_eq!(h.msg_len as usize, size);
+                assert_eq!(psn.map_or(h.psn, |x: u32| x.wrapping_add(1)), h.psn);
+                psn = Some(h.psn);
+                assert_eq!(next_csn.unwrap_or(h.csn), h.csn);
+                next_csn = Some(h.csn.wrapping_add(1));
+                // The i-th WRITE goes from and to offset i * size.
+                let base = match h.ext {
+                    OpcodeExt::Write { rkey, remote_addr } => {
+                        assert_eq!(rkey, win.rkey);
+                        remote_addr as usize
+                    }
+                    other => panic!("not a WRITE's extension: {other:?}"),
+                };
+                let first_msn = *msn0.get_or_insert(h.msn);
+                assert_eq!(base, h.msn.wrapping_sub(first_msn) as usize * size);
+                let at = base + h.msg_offset as usize;
+                assert_eq!(payload, &data[at..at + 4096]);
                 h.msn
             })
             .collect();

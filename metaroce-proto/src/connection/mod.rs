@@ -549,6 +549,33 @@ impl Connection {
         csn
     }
 
+    /// Books a DATA packet of `size` bytes (`payload` of them its payload)
+    /// just put out on `path` for `csn`: the path's record, bytes in flight,
+    /// pacing, counters, and the CSN's last path and transmissions.
+    pub(crate) fn note_data_sent(
+        &mut self,
+        path: usize,
+        csn: u32,
+        now: Instant,
+        size: usize,
+        payload: usize,
+        retransmit: bool,
+    ) {
+        let p = &mut self.paths_tx[path];
+        p.record_send(csn, now, size as u32, retransmit);
+        let path_id = p.id;
+        self.in_flight += size as u64;
+        self.pacer.sent(now, size as u64 + self.datagram_overhead);
+        self.stats.data_packets_sent += 1;
+        if !retransmit {
+            self.stats.payload_bytes_sent += payload as u64;
+        }
+        if let Some(r) = self.record_mut(csn) {
+            r.last_path = path_id;
+            r.transmissions = r.transmissions.saturating_add(1);
+        }
+    }
+
     pub(crate) fn record_mut(&mut self, csn: u32) -> Option<&mut CsnRecord> {
         if seq_lt(csn, self.csn_una) {
             return None;

@@ -17,14 +17,36 @@ use crate::verbs::{
     QpInit, QpState, Qpn, RecvWr, SendOp, SendWr, VerbsError, WcStatus, WorkCompletion,
 };
 use crate::wire::CloseCode;
-use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::hash::BuildHasherDefault;
 use std::net::{IpAddr, SocketAddr};
 
-/// A deterministic hasher for the lookup tables (iteration order never leaks
-/// into behaviour, but determinism is cheap to keep).
-type Map<K, V> = HashMap<K, V, BuildHasherDefault<DefaultHasher>>;
+/// The connection table's map, by our own CIDs, with a fixed
+/// (deterministic) hasher: iteration order never leaks into behaviour, but
+/// determinism is cheap to keep.
+///
+/// Fx, not SipHash: every data packet looks its connection up by CID, and
+/// SipHash cost about 100 instructions of that (a sixth of the receiver's
+/// per-packet protocol work, `scripts/packet-cost.sh`). A keyed hash buys
+/// nothing here: the keys are CIDs this endpoint drew at random, so no
+/// sender can fill the table with colliding keys, and a CID it makes up
+/// costs one probe sequence among well-spread ones.
+type CidMap<V> = HashMap<u32, V, rustc_hash::FxBuildHasher>;
+
+/// The handshake's map, by what the peer chose (its address, port and
+/// CID): keyed SipHash, with a secret drawn with the endpoint's, so that a
+/// peer cannot pick keys that collide.
+type PeerMap<K, V> = HashMap<K, V, KeyedSip>;
+
+/// SipHash-1-3 under a secret key.
+#[derive(Debug, Clone, Copy)]
+struct KeyedSip(u64, u64);
+
+impl std::hash::BuildHasher for KeyedSip {
+    type Hasher = siphasher::sip::SipHasher13;
+    fn build_hasher(&self) -> Self::Hasher {
+        siphasher::sip::SipHasher13::new_with_keys(self.0, self.1)
+    }
+}
 
 /// ECN codepoint of an IP packet (RFC 3168).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -325,8 +347,8 @@ pub struct Endpoint {
     rng: Rng,
     cookie_key: (u64, u64),
     conns: Vec<Option<Connection>>,
-    by_cid: Map<u32, usize>,
-    by_peer: Map<(IpAddr, u16, u32), usize>,
+    by_cid: CidMap<usize>,
+    by_peer: PeerMap<(IpAddr, u16, u32), usize>,
     pds: Vec<bool>,
     mrs: MrTable,
     cqs: Vec<CompletionQueue>,
@@ -375,8 +397,12 @@ impl Endpoint {
             rng,
             cookie_key,
             conns: Vec::new(),
-            by_cid: Map::default(),
-            by_peer: Map::default(),
+            by_cid: CidMap::default(),
+            // Not the cookie secret itself: a key of its own, derived from it.
+            by_peer: PeerMap::with_hasher(KeyedSip(
+                cookie_key.0 ^ 0x7065_6572_5f6d_6170,
+                cookie_key.1.rotate_left(29) ^ 0x6279_5f70_6565_7221,
+            )),
             pds: Vec::new(),
             mrs: MrTable::new(),
             cqs: Vec::new(),
@@ -1004,9 +1030,12 @@ impl Endpoint {
 
     /// Queues `ci` for sending if it has something to send now.
     fn update_ready(&mut self, ci: usize) {
-        let wants = self.wants_send(ci, self.last_now);
-        if let Some(c) = self.conns[ci].as_mut() {
-            if wants && !c.in_ready {
+        // Queued already: `poll_transmit` asks again when its turn comes.
+        if self.conns[ci].as_ref().is_none_or(|c| c.in_ready) {
+            return;
+        }
+        if self.wants_send(ci, self.last_now) {
+            if let Some(c) = self.conns[ci].as_mut() {
                 c.in_ready = true;
                 self.ready.push_back(ci);
             }

@@ -306,11 +306,10 @@ impl Endpoint {
         // the CSN, not the PSN, decides whether its contents are new.
         let fresh = c.accept_csn(hdr.csn) == SeqAccept::New;
         // ACKs go back over the plane data last arrived on: it works.
-        c.last_rx_plane = c
-            .peer_planes
-            .iter()
-            .position(|&ip| ip == from.ip())
-            .unwrap_or(0) as u8;
+        let ip = from.ip();
+        if c.peer_planes.get(usize::from(c.last_rx_plane)) != Some(&ip) {
+            c.last_rx_plane = c.peer_planes.iter().position(|&p| p == ip).unwrap_or(0) as u8;
+        }
         c.note_rx(
             now,
             hdr.path_id,

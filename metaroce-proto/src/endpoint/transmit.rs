@@ -10,6 +10,24 @@ use crate::connection::{CsnKind, Ctrl};
 /// ACKs after the first that repeat a stream's progress (all of them lost
 /// at 10% loss: 1 in 1,000).
 const STREAM_REPEATS: u8 = 2;
+
+/// A request packet [`encode_data`](Endpoint::encode_data) put out with its
+/// payload, as a template for the next segments of the same message in the
+/// same GSO batch: their headers differ only in PSN, CSN and offset, and
+/// their payloads come from the same region.
+#[derive(Debug, Clone, Copy)]
+struct Template {
+    qp: Qpn,
+    msn: u32,
+    gen: u8,
+    /// Header length.
+    hlen: usize,
+    /// The payload's region: found by lkey (else by rkey), and its key.
+    local: bool,
+    key: u32,
+    /// Address of the message's first byte in that region.
+    base: u64,
+}
 use crate::time::Instant;
 use crate::verbs::qp::{SegLimit, Segment};
 use crate::verbs::Qpn;
@@ -290,17 +308,19 @@ impl Endpoint {
                 return None;
             };
             c.stats.retransmits += 1;
-            let size = self.encode_data(
-                ci,
-                path,
-                csn,
-                kind,
-                now,
-                &mut buf[..mtu],
-                true,
-                None,
-                gather,
-            )?;
+            let size = self
+                .encode_data(
+                    ci,
+                    path,
+                    csn,
+                    kind,
+                    now,
+                    &mut buf[..mtu],
+                    true,
+                    None,
+                    gather,
+                )?
+                .0;
             return self.data_transmit(ci, path, size);
         }
         // A failed path probes its new route with a NOP (no message waits
@@ -363,7 +383,7 @@ impl Endpoint {
             // A path has room (checked above), so the segment always goes out.
             let path = c.pick_path(None, mtu as u64)?;
             let csn = c.new_csn(kind);
-            let size = self.encode_data(
+            let (size, template) = self.encode_data(
                 ci,
                 path,
                 csn,
@@ -378,7 +398,9 @@ impl Endpoint {
             if !full {
                 return Some(first);
             }
-            return Some(self.extend_batch(ci, qpn, path, first, now, buf, limit, gather));
+            return Some(
+                self.extend_batch(ci, qpn, path, first, template, now, buf, limit, gather),
+            );
         }
         None
     }
@@ -435,7 +457,8 @@ impl Endpoint {
     /// first segment, for one UDP GSO send: every segment but the last is
     /// exactly as long as the first (a segment whose opcode has a longer
     /// header carries that much less payload), so the batch ends after the
-    /// first shorter one.
+    /// first shorter one. A segment of the message before it copies that
+    /// one's header and patches it ([`Template`]).
     #[allow(clippy::too_many_arguments)]
     fn extend_batch(
         &mut self,
@@ -443,6 +466,7 @@ impl Endpoint {
         qpn: Qpn,
         path: usize,
         first: Transmit,
+        mut template: Option<Template>,
         now: Instant,
         buf: &mut [u8],
         limit: SegLimit,
@@ -453,6 +477,8 @@ impl Endpoint {
         let limit = limit.within(seg);
         let mut t = first;
         let mut n = 1;
+        // Where the template's header is in `buf`.
+        let mut template_at = 0;
         while n < max && t.size == n * seg && buf.len() >= t.size + seg {
             let Some(c) = self.conns[ci].as_ref() else {
                 break;
@@ -475,17 +501,51 @@ impl Endpoint {
             let csn = c.new_csn(kind);
             // Gathered, the buffer holds only what is not in a region.
             let at = gather.as_ref().map_or(t.size, |g| g.at);
-            match self.encode_data(
-                ci,
-                path,
-                csn,
-                kind,
-                now,
-                &mut buf[at..at + seg],
-                false,
-                None,
-                gather.as_deref_mut(),
-            ) {
+            let follow_on = match (template, kind) {
+                (
+                    Some(tp),
+                    CsnKind::Request {
+                        qp,
+                        msn,
+                        gen,
+                        offset,
+                        len,
+                    },
+                ) if tp.qp == qp && tp.msn == msn && tp.gen == gen && len > 0 => self
+                    .encode_follow_on(
+                        ci,
+                        path,
+                        csn,
+                        now,
+                        &tp,
+                        (offset, len),
+                        buf,
+                        (template_at, at),
+                        gather.as_deref_mut(),
+                    ),
+                _ => None,
+            };
+            let size = match follow_on {
+                Some(size) => Some(size),
+                None => self
+                    .encode_data(
+                        ci,
+                        path,
+                        csn,
+                        kind,
+                        now,
+                        &mut buf[at..at + seg],
+                        false,
+                        None,
+                        gather.as_deref_mut(),
+                    )
+                    .map(|(size, tp)| {
+                        template = tp;
+                        template_at = at;
+                        size
+                    }),
+            };
+            match size {
                 Some(size) => {
                     t.size += size;
                     n += 1;
@@ -497,6 +557,60 @@ impl Endpoint {
             t.segment_size = Some(seg);
         }
         t
+    }
+
+    /// The segment `(offset, len)` of the message `tp` describes, for CSN
+    /// `csn` on `path`: its header is the template's (at `at.0` in `buf`)
+    /// with PSN, CSN and offset patched, written at `at.1`, and its payload
+    /// comes from the same region. Returns its size, or `None` (nothing
+    /// written, nothing recorded) if the payload is no longer in the region:
+    /// [`encode_data`](Self::encode_data) then deals with it.
+    #[allow(clippy::too_many_arguments)]
+    fn encode_follow_on(
+        &mut self,
+        ci: usize,
+        path: usize,
+        csn: u32,
+        now: Instant,
+        tp: &Template,
+        (offset, len): (u32, u32),
+        buf: &mut [u8],
+        (template_at, at): (usize, usize),
+        gather: Option<&mut Gather>,
+    ) -> Option<usize> {
+        let Endpoint { conns, mrs, .. } = self;
+        let c = conns[ci].as_mut()?;
+        let mr = if tp.local {
+            mrs.by_lkey(tp.key)
+        } else {
+            mrs.by_rkey(tp.key)
+        }?;
+        let range = mr.range(tp.base.wrapping_add(u64::from(offset)), u64::from(len))?;
+        let (hlen, plen) = (tp.hlen, range.len());
+        let size = hlen + plen;
+        let gathered = gather.as_ref().is_some_and(|g| plen >= g.min_payload);
+        let end = if gathered { at + hlen } else { at + size };
+        if end > buf.len() || template_at + hlen > buf.len() {
+            return None;
+        }
+        buf.copy_within(template_at..template_at + hlen, at);
+        DataHeader::patch_segment(&mut buf[at..], c.paths_tx[path].next_psn, csn, offset);
+        match gather {
+            Some(g) if gathered => {
+                let lkey = mr.info.lkey;
+                g.push_buf(hlen);
+                g.pin(mrs, lkey);
+                g.chunks.push(Chunk::Region { lkey, range });
+            }
+            g => {
+                buf[at + hlen..end].copy_from_slice(&mr.buf[range]);
+                if let Some(g) = g {
+                    g.push_buf(size);
+                }
+            }
+        }
+        c.note_data_sent(path, csn, now, size, plen, false);
+        Some(size)
     }
 
     /// A NOP probe on `path` (asking for one QP's state if `probe`).
@@ -512,7 +626,8 @@ impl Endpoint {
         let c = self.conns[ci].as_mut()?;
         c.stats.probes_sent += 1;
         let csn = c.new_csn(CsnKind::Nop);
-        let size = self.encode_data(ci, path, csn, CsnKind::Nop, now, buf, false, probe, gather)?;
+        let (size, _) =
+            self.encode_data(ci, path, csn, CsnKind::Nop, now, buf, false, probe, gather)?;
         self.data_transmit(ci, path, size)
     }
 
@@ -532,8 +647,9 @@ impl Endpoint {
     }
 
     /// Encodes one DATA packet for `csn` on `path` and records it; returns
-    /// its size. With a gather, a large enough payload stays in its region
-    /// and only the header goes into `buf`.
+    /// its size, and for a request's payload the [`Template`] its message's
+    /// next segments may follow. With a gather, a large enough payload stays
+    /// in its region and only the header goes into `buf`.
     #[allow(clippy::too_many_arguments)]
     fn encode_data(
         &mut self,
@@ -546,7 +662,7 @@ impl Endpoint {
         retransmit: bool,
         probe: Option<(u32, u32)>,
         gather: Option<&mut Gather>,
-    ) -> Option<usize> {
+    ) -> Option<(usize, Option<Template>)> {
         let Endpoint {
             conns, qps, mrs, ..
         } = self;
@@ -651,6 +767,22 @@ impl Endpoint {
         let plen = found.as_ref().map_or(0, |(_, r)| r.len());
         let hlen = hdr.emit_header(buf, plen).ok()?;
         let size = hlen + plen;
+        let template = match (kind, source) {
+            (CsnKind::Request { qp, msn, gen, .. }, Some((local, key, addr, _)))
+                if found.is_some() && !retransmit && probe.is_none() =>
+            {
+                Some(Template {
+                    qp,
+                    msn,
+                    gen,
+                    hlen,
+                    local,
+                    key,
+                    base: addr.wrapping_sub(u64::from(hdr.msg_offset)),
+                })
+            }
+            _ => None,
+        };
         match (found, gather) {
             (Some((mr, range)), Some(g)) if plen >= g.min_payload => {
                 let lkey = mr.info.lkey;
@@ -667,20 +799,8 @@ impl Endpoint {
                 }
             }
         }
-        let p = &mut c.paths_tx[path];
-        p.record_send(csn, now, size as u32, retransmit);
-        let path_id = p.id;
-        c.in_flight += size as u64;
-        c.pacer.sent(now, size as u64 + c.datagram_overhead);
-        c.stats.data_packets_sent += 1;
-        if !retransmit {
-            c.stats.payload_bytes_sent += plen as u64;
-        }
-        if let Some(r) = c.record_mut(csn) {
-            r.last_path = path_id;
-            r.transmissions = r.transmissions.saturating_add(1);
-        }
-        Some(size)
+        c.note_data_sent(path, csn, now, size, plen, retransmit);
+        Some((size, template))
     }
 
     /// The receiver's grant for each sender: its inbound capacity shared by

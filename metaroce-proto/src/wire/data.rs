@@ -349,6 +349,18 @@ impl DataHeader {
         }
         Ok(hlen)
     }
+
+    /// Rewrites a DATA header already in `buf` (by
+    /// [`emit_header`](Self::emit_header)) into the header of another
+    /// segment of the same message on the same path: only the fields that
+    /// differ from segment to segment (`psn`, `csn`, `msg_offset`) change.
+    /// How a GSO batch's follow-on headers are made without encoding each
+    /// from scratch. `buf` must hold at least the fixed part.
+    pub(crate) fn patch_segment(buf: &mut [u8], psn: u32, csn: u32, msg_offset: u32) {
+        put_u32(buf, 16, psn);
+        put_u32(buf, 20, csn);
+        put_u32(buf, 36, msg_offset);
+    }
 }
 
 #[cfg(test)]
@@ -370,6 +382,38 @@ mod tests {
             msg_len: len,
             msg_offset: 0,
             ext,
+        }
+    }
+
+    #[test]
+    fn a_patched_header_is_the_header_of_that_segment() {
+        for ext in [
+            OpcodeExt::Write {
+                rkey: 7,
+                remote_addr: 1 << 40,
+            },
+            OpcodeExt::WriteImm {
+                rkey: 7,
+                remote_addr: 9,
+                recv_seq: 3,
+                imm: 4,
+            },
+            OpcodeExt::Send { recv_seq: 11 },
+            OpcodeExt::ReadResp,
+        ] {
+            let first = sample(ext, 1 << 20);
+            let mut buf = [0u8; 4200];
+            let hlen = first.emit_header(&mut buf, 4096).unwrap();
+            DataHeader::patch_segment(&mut buf, 0x0102_0304, 0xa0b0_c0d0, 8192);
+            let want = DataHeader {
+                psn: 0x0102_0304,
+                csn: 0xa0b0_c0d0,
+                msg_offset: 8192,
+                ..first
+            };
+            let mut direct = [0u8; 4200];
+            assert_eq!(want.emit_header(&mut direct, 4096).unwrap(), hlen);
+            assert_eq!(buf[..hlen], direct[..hlen], "{ext:?}");
         }
     }
 
