@@ -1772,6 +1772,39 @@ fn a_gathered_batch_pins_its_region_once() {
     assert!(pins.is_empty());
 }
 
+/// A gathered batch, whose payloads are not in the buffer, is still no
+/// larger than the buffer: that is what keeps it within one UDP datagram
+/// (the kernel refuses a GSO send of more than 64 KiB).
+#[test]
+fn a_gathered_batch_is_no_larger_than_the_buffer() {
+    // 16 segments of 4,148 bytes would be 66,368.
+    let (mut p, v) = batching_pair(16, 30);
+    let len = 1 << 18;
+    let src = reg(&mut p.a, v.pda, pattern(30, len), 0, AccessFlags::NONE);
+    let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+    let r = RemoteAddr {
+        rkey: win.rkey,
+        addr: 0,
+    };
+    let sge = Sge {
+        lkey: src.lkey,
+        addr: 0,
+        len: len as u32,
+    };
+    p.a.post_send(p.now, v.qa, SendWr::new(1, SendOp::Write(r), sge))
+        .unwrap();
+    let mut buf = vec![0u8; 65_507];
+    let mut g = Gather::new(1024);
+    let (mut pins, mut sizes) = (Vec::new(), Vec::new());
+    while let Some(t) = p.a.poll_transmit_gather(p.now, &mut buf, &mut g) {
+        g.take_pins(&mut pins);
+        sizes.push(t.size);
+        assert!(t.size <= buf.len(), "a batch of {} bytes", t.size);
+    }
+    assert!(sizes.len() > 1 && sizes[0] == 15 * 4148, "{sizes:?}");
+    p.a.release_pins(&mut pins);
+}
+
 #[test]
 fn a_region_being_sent_from_does_not_deregister() {
     let (mut p, v) = pair(12, LinkConfig::perfect());

@@ -496,6 +496,27 @@ impl Connection {
             .any(|p| self.path_open(p) && p.state == PathState::Active && p.can_send(bytes))
     }
 
+    /// [`cwnd_room`](Self::cwnd_room), asking `path` first: the same
+    /// answer, cheaper while that path has room (as when a GSO batch grows
+    /// on it).
+    pub(crate) fn cwnd_room_on(&self, path: usize, bytes: u64) -> bool {
+        let first = self.paths_tx.get(path).is_some_and(|p| {
+            self.path_open(p) && p.state == PathState::Active && p.can_send(bytes)
+        });
+        let capped = self.peer_grants
+            && self.stats.acks_received == 0
+            && self.in_flight > 0
+            && self.in_flight + bytes > self.first_flight
+            || self
+                .rate_cap()
+                .is_some_and(|cap| self.in_flight > 0 && self.in_flight + bytes > cap);
+        if first {
+            !capped
+        } else {
+            self.cwnd_room(bytes)
+        }
+    }
+
     /// The scheduler: among the paths whose window has room for `bytes`,
     /// the least loaded (bytes in flight over window: a path the network
     /// marks, delays or loses gets a smaller window and so fewer packets),
@@ -536,6 +557,22 @@ impl Connection {
     }
 
     /// Assigns the next CSN to `kind`.
+    /// [`new_csn`](Self::new_csn) for a packet going out on `path` now:
+    /// its record says so from the start ([`note_data_sent`](Self::note_data_sent)
+    /// with `recorded` then leaves it alone).
+    pub(crate) fn new_csn_sent(&mut self, kind: CsnKind, path: usize) -> u32 {
+        let csn = self.next_csn;
+        self.next_csn = csn.wrapping_add(1);
+        self.sent.push_back(CsnRecord {
+            kind,
+            acked: false,
+            queued: false,
+            last_path: self.paths_tx.get(path).map_or(0, |p| p.id),
+            transmissions: 1,
+        });
+        csn
+    }
+
     pub(crate) fn new_csn(&mut self, kind: CsnKind) -> u32 {
         let csn = self.next_csn;
         self.next_csn = csn.wrapping_add(1);
@@ -551,7 +588,9 @@ impl Connection {
 
     /// Books a DATA packet of `size` bytes (`payload` of them its payload)
     /// just put out on `path` for `csn`: the path's record, bytes in flight,
-    /// pacing, counters, and the CSN's last path and transmissions.
+    /// pacing, counters, and the CSN's last path and transmissions (unless
+    /// `recorded`: [`new_csn_sent`](Self::new_csn_sent) wrote them).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn note_data_sent(
         &mut self,
         path: usize,
@@ -560,6 +599,7 @@ impl Connection {
         size: usize,
         payload: usize,
         retransmit: bool,
+        recorded: bool,
     ) {
         let p = &mut self.paths_tx[path];
         p.record_send(csn, now, size as u32, retransmit);
@@ -570,9 +610,11 @@ impl Connection {
         if !retransmit {
             self.stats.payload_bytes_sent += payload as u64;
         }
-        if let Some(r) = self.record_mut(csn) {
-            r.last_path = path_id;
-            r.transmissions = r.transmissions.saturating_add(1);
+        if !recorded {
+            if let Some(r) = self.record_mut(csn) {
+                r.last_path = path_id;
+                r.transmissions = r.transmissions.saturating_add(1);
+            }
         }
     }
 

@@ -421,10 +421,19 @@ impl PathTx {
         } else {
             e.ack_psn.wrapping_add(sack_bits + 1)
         };
+        // The first packet the walk leaves outstanding: only from there on
+        // can anything before the highest acknowledged one be missing.
+        let mut hole: Option<u32> = None;
         let mut psn = self.una;
         while psn != self.next_psn && seq_lt(psn, reach) {
             let acked = seq_lt(psn, e.ack_psn)
                 || (psn != e.ack_psn && e.sack_bit(seq_dist(e.ack_psn, psn) - 1));
+            if !acked && hole.is_none() {
+                let p = &self.ring[Self::slot(psn)];
+                if !p.acked && !p.lost {
+                    hole = Some(psn);
+                }
+            }
             if acked {
                 highest = Some(psn);
                 let p = &mut self.ring[Self::slot(psn)];
@@ -446,9 +455,9 @@ impl PathTx {
         }
         // A path delivers in order: anything before an acknowledged packet that
         // is still missing was lost.
-        if let Some(h) = highest {
-            let mut psn = self.una;
-            while psn != h {
+        if let (Some(h), Some(from)) = (highest, hole) {
+            let mut psn = from;
+            while seq_lt(psn, h) {
                 let p = &self.ring[Self::slot(psn)];
                 if !p.acked && !p.lost {
                     let csn = self.mark_lost(psn);

@@ -480,6 +480,24 @@ impl Endpoint {
         // Where the template's header is in `buf`.
         let mut template_at = 0;
         while n < max && t.size == n * seg && buf.len() >= t.size + seg {
+            if let Some(tp) = template {
+                let k = self.extend_run(
+                    ci,
+                    path,
+                    &tp,
+                    template_at,
+                    now,
+                    buf,
+                    &mut t,
+                    (seg, max - n),
+                    limit,
+                    gather.as_deref_mut(),
+                );
+                n += k;
+                if k > 0 {
+                    continue;
+                }
+            }
             let Some(c) = self.conns[ci].as_ref() else {
                 break;
             };
@@ -501,50 +519,23 @@ impl Endpoint {
             let csn = c.new_csn(kind);
             // Gathered, the buffer holds only what is not in a region.
             let at = gather.as_ref().map_or(t.size, |g| g.at);
-            let follow_on = match (template, kind) {
-                (
-                    Some(tp),
-                    CsnKind::Request {
-                        qp,
-                        msn,
-                        gen,
-                        offset,
-                        len,
-                    },
-                ) if tp.qp == qp && tp.msn == msn && tp.gen == gen && len > 0 => self
-                    .encode_follow_on(
-                        ci,
-                        path,
-                        csn,
-                        now,
-                        &tp,
-                        (offset, len),
-                        buf,
-                        (template_at, at),
-                        gather.as_deref_mut(),
-                    ),
-                _ => None,
-            };
-            let size = match follow_on {
-                Some(size) => Some(size),
-                None => self
-                    .encode_data(
-                        ci,
-                        path,
-                        csn,
-                        kind,
-                        now,
-                        &mut buf[at..at + seg],
-                        false,
-                        None,
-                        gather.as_deref_mut(),
-                    )
-                    .map(|(size, tp)| {
-                        template = tp;
-                        template_at = at;
-                        size
-                    }),
-            };
+            let size = self
+                .encode_data(
+                    ci,
+                    path,
+                    csn,
+                    kind,
+                    now,
+                    &mut buf[at..at + seg],
+                    false,
+                    None,
+                    gather.as_deref_mut(),
+                )
+                .map(|(size, tp)| {
+                    template = tp;
+                    template_at = at;
+                    size
+                });
             match size {
                 Some(size) => {
                     t.size += size;
@@ -559,58 +550,127 @@ impl Endpoint {
         t
     }
 
-    /// The segment `(offset, len)` of the message `tp` describes, for CSN
-    /// `csn` on `path`: its header is the template's (at `at.0` in `buf`)
-    /// with PSN, CSN and offset patched, written at `at.1`, and its payload
-    /// comes from the same region. Returns its size, or `None` (nothing
-    /// written, nothing recorded) if the payload is no longer in the region:
-    /// [`encode_data`](Self::encode_data) then deals with it.
+    /// Appends to the batch `t` the next segments of the request whose
+    /// first segment `tp` describes (its header at `template_at` in `buf`),
+    /// as many as the batch (`room` more of `seg` bytes each), the path's
+    /// and the connection's windows and the pacer allow, with the checks
+    /// and records of [`extend_batch`](Self::extend_batch) for each: the
+    /// same packets, in fewer steps. Each header is the template's with
+    /// PSN, CSN and offset patched; the region is looked up and
+    /// range-checked once. Returns how many it appended: none when that
+    /// request is not the QP's next (it ended, or something comes first),
+    /// its region is gone or no window has room, which the caller then
+    /// sorts out the general way.
     #[allow(clippy::too_many_arguments)]
-    fn encode_follow_on(
+    fn extend_run(
         &mut self,
         ci: usize,
         path: usize,
-        csn: u32,
-        now: Instant,
         tp: &Template,
-        (offset, len): (u32, u32),
+        template_at: usize,
+        now: Instant,
         buf: &mut [u8],
-        (template_at, at): (usize, usize),
-        gather: Option<&mut Gather>,
-    ) -> Option<usize> {
-        let Endpoint { conns, mrs, .. } = self;
-        let c = conns[ci].as_mut()?;
+        t: &mut Transmit,
+        (seg, room): (usize, usize),
+        limit: SegLimit,
+        mut gather: Option<&mut Gather>,
+    ) -> usize {
+        let Some(idx) = self.qp_index(tp.qp) else {
+            return 0;
+        };
+        let Endpoint {
+            conns, qps, mrs, ..
+        } = self;
+        let (Some(c), Some(q)) = (
+            conns.get_mut(ci).and_then(|c| c.as_mut()),
+            qps.get_mut(idx).and_then(|q| q.as_mut()),
+        ) else {
+            return 0;
+        };
+        let Some((msn, gen, start, total, opcode)) = q.request_under_way(now) else {
+            return 0;
+        };
+        if (msn, gen) != (tp.msn, tp.gen) {
+            return 0;
+        }
         let mr = if tp.local {
             mrs.by_lkey(tp.key)
         } else {
             mrs.by_rkey(tp.key)
-        }?;
-        let range = mr.range(tp.base.wrapping_add(u64::from(offset)), u64::from(len))?;
-        let (hlen, plen) = (tp.hlen, range.len());
-        let size = hlen + plen;
-        let gathered = gather.as_ref().is_some_and(|g| plen >= g.min_payload);
-        let end = if gathered { at + hlen } else { at + size };
-        if end > buf.len() || template_at + hlen > buf.len() {
-            return None;
-        }
-        buf.copy_within(template_at..template_at + hlen, at);
-        DataHeader::patch_segment(&mut buf[at..], c.paths_tx[path].next_psn, csn, offset);
-        match gather {
-            Some(g) if gathered => {
-                let lkey = mr.info.lkey;
-                g.push_buf(hlen);
-                g.pin(mrs, lkey);
-                g.chunks.push(Chunk::Region { lkey, range });
+        };
+        // The rest of the request, in its region: checked once.
+        let rest = u64::from(total - start);
+        let Some(rest_range) =
+            mr.and_then(|m| m.range(tp.base.wrapping_add(u64::from(start)), rest))
+        else {
+            return 0;
+        };
+        let lkey = mr.map_or(0, |m| m.info.lkey);
+        let max_payload = limit.payload(opcode);
+        let hlen = tp.hlen;
+        let qp = tp.qp;
+        let mut offset = start;
+        let mut k = 0;
+        // The batch stays within the buffer's size even where the payloads
+        // are not in it (as `extend_batch` has it): that is what keeps a
+        // gathered batch within one UDP datagram's 64 KiB.
+        while k < room && offset < total && buf.len() >= t.size + seg {
+            if !c.paths_tx[path].has_room()
+                || !c.cwnd_room_on(path, seg as u64)
+                || !c.csn_room()
+                || !c.pacer.ready(now)
+            {
+                break;
             }
-            g => {
-                buf[at + hlen..end].copy_from_slice(&mr.buf[range]);
-                if let Some(g) = g {
-                    g.push_buf(size);
+            let len = (total - offset).min(max_payload);
+            let size = hlen + len as usize;
+            let gathered = gather
+                .as_ref()
+                .is_some_and(|g| len as usize >= g.min_payload);
+            let at = gather.as_ref().map_or(t.size, |g| g.at);
+            let end = if gathered { at + hlen } else { at + size };
+            if size > seg || end > buf.len() {
+                break;
+            }
+            let csn = c.new_csn_sent(
+                CsnKind::Request {
+                    qp,
+                    msn,
+                    gen,
+                    offset,
+                    len,
+                },
+                path,
+            );
+            buf.copy_within(template_at..template_at + hlen, at);
+            DataHeader::patch_segment(&mut buf[at..], c.paths_tx[path].next_psn, csn, offset);
+            let from = rest_range.start + (offset - start) as usize;
+            let range = from..from + len as usize;
+            match gather.as_deref_mut() {
+                Some(g) if gathered => {
+                    g.push_buf(hlen);
+                    g.pin(mrs, lkey);
+                    g.chunks.push(Chunk::Region { lkey, range });
+                }
+                g => {
+                    let Some(m) = mrs.by_lkey(lkey) else { break };
+                    buf[at + hlen..end].copy_from_slice(&m.buf[range]);
+                    if let Some(g) = g {
+                        g.push_buf(size);
+                    }
                 }
             }
+            c.note_data_sent(path, csn, now, size, len as usize, false, true);
+            q.advance_request(now, len, total);
+            offset += len;
+            t.size += size;
+            k += 1;
+            if size < seg {
+                // A shorter segment ends the batch.
+                break;
+            }
         }
-        c.note_data_sent(path, csn, now, size, plen, false);
-        Some(size)
+        k
     }
 
     /// A NOP probe on `path` (asking for one QP's state if `probe`).
@@ -799,7 +859,7 @@ impl Endpoint {
                 }
             }
         }
-        c.note_data_sent(path, csn, now, size, plen, retransmit);
+        c.note_data_sent(path, csn, now, size, plen, retransmit, false);
         Some((size, template))
     }
 

@@ -576,6 +576,41 @@ impl Qp {
         Some((seg, len == max))
     }
 
+    /// The request under way, when its next segment is what
+    /// [`next_segment`](Self::next_segment) would pick (its first segment
+    /// has gone, no READ response or resend comes before it, no RNR wait):
+    /// its MSN, generation, the offset of that next segment, its length and
+    /// its opcode. For the rest of a GSO batch, taken with
+    /// [`advance_request`](Self::advance_request).
+    pub(crate) fn request_under_way(&self, now: Instant) -> Option<(u32, u8, u32, u32, Opcode)> {
+        let waiting = self.rnr_wait_until.is_some_and(|t| now < t);
+        if self.send_offset == 0
+            || !self.state.takes_send()
+            || waiting
+            || !self.resend.is_empty()
+            || self.state.responds() && self.read_resps.iter().any(|r| !r.sent_all)
+        {
+            return None;
+        }
+        let w = self.sq.get(self.send_idx)?;
+        Some((w.msn, w.gen, self.send_offset, w.request_len(), w.opcode()))
+    }
+
+    /// Takes `len` more bytes of the request under way (see
+    /// [`request_under_way`](Self::request_under_way)) as one segment, as
+    /// [`next_segment`](Self::next_segment) would, and counts it
+    /// unacknowledged.
+    pub(crate) fn advance_request(&mut self, now: Instant, len: u32, total: u32) {
+        self.rnr_wait_until = None;
+        self.last_progress = self.last_progress.max(now);
+        self.unacked += 1;
+        self.send_offset += len;
+        if self.send_offset >= total {
+            self.send_idx += 1;
+            self.send_offset = 0;
+        }
+    }
+
     /// Responder: the record of message `msn`, creating empty slots up to it.
     /// `None` if `msn` is before `msn_done` (duplicate) or beyond the window.
     pub(crate) fn incoming_slot(&mut self, msn: u32) -> Result<&mut Incoming, IncomingReject> {
