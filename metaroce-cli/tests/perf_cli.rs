@@ -13,7 +13,7 @@ fn perf(args: &[&str]) -> serde_json::Value {
         .arg("--json")
         .output()
         .expect("run metaroce perf");
-    assert_success(&out, "metaroce perf failed: ");
+    assert_success(&out, format!("metaroce perf {args:?} failed: "));
     serde_json::from_slice(&out.stdout).expect("one JSON object")
 }
 

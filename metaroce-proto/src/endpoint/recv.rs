@@ -547,7 +547,13 @@ impl Endpoint {
     ) -> Option<Accepted> {
         let q = self.qps[idx].as_ref()?;
         let (remote_qpn, qp_access, pd, rq_base) = (q.remote_qpn, q.access, q.pd, q.rq_base_seq);
-        let pending_reads = q.read_resps.len()
+        // READs still being executed: admitted, or with response packets
+        // still to send. A response sent in full but not yet acknowledged
+        // stays held for retransmission without counting: the requester saw
+        // that READ complete and may already have sent the next one, which
+        // can overtake the ACK. (What it holds is bounded by the send
+        // window, in which those packets are.)
+        let pending_reads = q.read_resps.iter().filter(|r| !r.sent_all).count()
             + q.incoming
                 .iter()
                 .filter(|i| matches!(i, Incoming::Accepted(a) if a.opcode == Opcode::ReadReq))
