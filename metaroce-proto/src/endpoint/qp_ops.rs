@@ -213,9 +213,17 @@ impl Endpoint {
                 // paths' queues are shorter (the kernel fabric at 10% loss:
                 // 1,786 healthy paths declared failed in 6 s, 293 with the
                 // variance counted).
-                let silent = p.rtt.srtt().is_some_and(|s| {
-                    now.saturating_since(p.last_delivery) > (s + p.rtt.rttvar()) * 4
-                });
+                // A path that never delivered has no RTT of its own (a
+                // route dead from the start, or since before its first ACK):
+                // the connection's stands in, else it could never fail, and
+                // once its window of packets is lost the scheduler leaves it
+                // idle, neither used nor probed, with its port unchanged.
+                let rtt = match p.rtt.srtt() {
+                    Some(s) => Some((s, p.rtt.rttvar())),
+                    None => c.rtt.srtt().map(|s| (s, c.rtt.rttvar())),
+                };
+                let silent = rtt
+                    .is_some_and(|(s, var)| now.saturating_since(p.last_delivery) > (s + var) * 4);
                 p.state == crate::connection::PathState::Active
                     && silent
                     && p.consecutive_lost >= crate::consts::PATH_FAIL_LOSSES
