@@ -21,6 +21,41 @@ impl Clock {
         Instant::from_nanos(u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX))
     }
 
+    /// The instant on this clock of a kernel receive timestamp `stamp`
+    /// (`SO_TIMESTAMPNS`: time since the Unix epoch on the system's wall
+    /// clock), given `now` on this clock and `wall` on the wall clock, read
+    /// together: `now` less the stamp's age. A stamp from the wall clock's
+    /// future (a step of it) is `now`.
+    ///
+    /// ```
+    /// use metaroce_io::Clock;
+    /// use metaroce_proto::Instant;
+    /// use std::time::Duration;
+    /// let clock = Clock::new();
+    /// let now = Instant::from_nanos(1_000_000);
+    /// let wall = Duration::from_secs(1_800_000_000);
+    /// let arrived = clock.arrival(now, wall, wall - Duration::from_micros(30));
+    /// assert_eq!(now.saturating_since(arrived), Duration::from_micros(30));
+    /// assert_eq!(clock.arrival(now, wall, wall + Duration::from_secs(1)), now);
+    /// ```
+    pub fn arrival(
+        &self,
+        now: Instant,
+        wall: std::time::Duration,
+        stamp: std::time::Duration,
+    ) -> Instant {
+        let age = u64::try_from(wall.saturating_sub(stamp).as_nanos()).unwrap_or(u64::MAX);
+        Instant::from_nanos(now.as_nanos().saturating_sub(age))
+    }
+
+    /// The wall clock (time since the Unix epoch), to read with
+    /// [`now`](Self::now) for [`arrival`](Self::arrival).
+    pub fn wall() -> std::time::Duration {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+    }
+
     /// How long until `t` (zero if it has passed).
     pub fn until(&self, t: Instant) -> std::time::Duration {
         t.saturating_since(self.now())

@@ -198,6 +198,9 @@ pub struct DriverStats {
     pub datagrams_sent: u64,
     /// Datagrams read from the kernel (GRO segments counted one by one).
     pub datagrams_received: u64,
+    /// Receives that came with the kernel's arrival timestamp
+    /// (`SO_TIMESTAMPNS`; a GRO batch counts once).
+    pub stamped: u64,
     /// Sends that carried several datagrams (UDP GSO).
     pub gso_sends: u64,
     /// Receive calls that returned several datagrams at once (GRO).

@@ -242,9 +242,11 @@ pub(crate) fn replace(
 
 /// Hands a received datagram to the core, through the injector if there is one.
 #[inline]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn deliver(
     faults: &mut Option<Box<Faults>>,
     now: Instant,
+    arrived: Instant,
     from: SocketAddr,
     ecn: Ecn,
     dg: &[u8],
@@ -252,7 +254,9 @@ pub(crate) fn deliver(
     stats: &mut DriverStats,
 ) {
     match faults {
-        None => ep.handle_datagram(now, from, ecn, dg),
+        None => ep.handle_datagram_stamped(now, arrived, from, ecn, dg),
+        // What the injector lets through arrives, for the core, when it
+        // lets it through.
         Some(f) => f.on_datagram(now, from, ecn, dg, ep, stats),
     }
 }

@@ -261,9 +261,19 @@ impl PortableDriver {
                 }
             };
             let now = self.clock.now();
+            let mut wall = None;
             for m in &meta[..n] {
                 any = true;
                 budget = budget.saturating_sub(m.len);
+                // quinn-udp turns SO_TIMESTAMPNS on and reads the stamps.
+                let arrived = match m.timestamp {
+                    Some(stamp) => {
+                        self.stats.stamped += 1;
+                        let wall = *wall.get_or_insert_with(Clock::wall);
+                        self.clock.arrival(now, wall, stamp)
+                    }
+                    None => now,
+                };
                 let ecn = m.ecn.map_or(Ecn::NotEct, |e| Ecn::from_bits(e as u8));
                 let stride = if m.stride == 0 { m.len } else { m.stride };
                 if m.len > stride {
@@ -277,6 +287,7 @@ impl PortableDriver {
                     fault::deliver(
                         &mut self.faults,
                         now,
+                        arrived,
                         m.addr,
                         ecn,
                         dg,

@@ -428,6 +428,27 @@ fn turn_recv_budget<D: IoDriver>(name: &str) {
     );
 }
 
+/// Both drivers read the kernel's arrival stamp of what they receive and
+/// map it onto the core's clock: every RTT sample (data out, ACK back) is
+/// then plausible, which a stamp read in the wrong clock would not give
+/// (its samples would be dropped as implausible, or be seconds long).
+fn arrival_stamps<D: IoDriver>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    let mut p = write_several_mib::<D>(name, 16);
+    let (sa, sb) = (p.a.stats(), p.b.stats());
+    assert!(sa.stamped > 0, "{name}: the ACKs came stamped: {sa:?}");
+    assert!(sb.stamped > 0, "{name}: the data came stamped: {sb:?}");
+    let conn = p.conn_a;
+    let c = p.a.endpoint().connection_stats(conn).unwrap();
+    assert!(
+        c.srtt_ns > 0 && c.srtt_ns < 20_000_000,
+        "{name}: smoothed RTT {} ns over loopback",
+        c.srtt_ns
+    );
+}
+
 macro_rules! suite {
     ($($test:ident),*) => {
         mod portable {
@@ -448,7 +469,8 @@ suite!(
     read,
     timers_wake_the_wait,
     threaded_write,
-    answers_leave_within_the_same_poll
+    answers_leave_within_the_same_poll,
+    arrival_stamps
 );
 
 #[test]

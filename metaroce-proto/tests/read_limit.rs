@@ -12,8 +12,10 @@ use std::time::Duration;
 
 #[test]
 fn a_read_that_overtakes_the_ack_of_the_last_is_not_too_many() {
-    let (a_addr, b_addr): (SocketAddr, SocketAddr) =
-        ("10.0.0.1:4791".parse().unwrap(), "10.0.0.2:4791".parse().unwrap());
+    let (a_addr, b_addr): (SocketAddr, SocketAddr) = (
+        "10.0.0.1:4791".parse().unwrap(),
+        "10.0.0.2:4791".parse().unwrap(),
+    );
     let cfg = EndpointConfig {
         paths: 1,
         ..EndpointConfig::default()

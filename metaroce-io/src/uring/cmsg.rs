@@ -29,6 +29,9 @@ pub(super) struct RecvMeta {
     pub ecn: Ecn,
     /// GRO segment size, if the kernel coalesced datagrams.
     pub stride: Option<usize>,
+    /// When the datagram (the first of a GRO batch) arrived
+    /// (`SCM_TIMESTAMPNS`: since the Unix epoch, wall clock).
+    pub stamp: Option<std::time::Duration>,
 }
 
 /// Parses the control messages of a receive.
@@ -54,6 +57,21 @@ pub(super) fn parse_control(mut c: &[u8]) -> RecvMeta {
             (libc::IPPROTO_IPV6, libc::IPV6_TCLASS) => {
                 if let Some(v) = int() {
                     m.ecn = Ecn::from_bits(v as u8);
+                }
+            }
+            (libc::SOL_SOCKET, libc::SCM_TIMESTAMPNS) => {
+                // struct timespec: two native longs (64-bit Linux).
+                let word = |at: usize| {
+                    data.get(at..at + 8)
+                        .and_then(|b| b.try_into().ok())
+                        .map(i64::from_ne_bytes)
+                };
+                if let (Some(sec), Some(nsec)) = (word(0), word(8)) {
+                    if let (Ok(sec), Ok(nsec)) = (u64::try_from(sec), u32::try_from(nsec)) {
+                        if nsec < 1_000_000_000 {
+                            m.stamp = Some(std::time::Duration::new(sec, nsec));
+                        }
+                    }
                 }
             }
             (libc::SOL_UDP, UDP_GRO) => {
@@ -169,6 +187,25 @@ mod tests {
         let m = parse_control(&b[..n]);
         assert_eq!(m.stride, Some(1400));
         assert_eq!(m.ecn, Ecn::Ce);
+    }
+
+    #[test]
+    fn receive_timestamps_are_read_and_checked() {
+        let stamp = |sec: i64, nsec: i64| {
+            let mut b = [0u8; 64];
+            let mut ts = [0u8; 16];
+            ts[..8].copy_from_slice(&sec.to_ne_bytes());
+            ts[8..].copy_from_slice(&nsec.to_ne_bytes());
+            let n = push(&mut b, 0, libc::SOL_SOCKET, libc::SCM_TIMESTAMPNS, &ts).unwrap();
+            parse_control(&b[..n]).stamp
+        };
+        assert_eq!(
+            stamp(1_800_000_000, 250),
+            Some(std::time::Duration::new(1_800_000_000, 250))
+        );
+        assert_eq!(stamp(-1, 0), None, "before the epoch");
+        assert_eq!(stamp(5, 1_000_000_000), None, "not a nanosecond count");
+        assert_eq!(stamp(5, -1), None);
     }
 
     #[test]

@@ -122,6 +122,9 @@ pub struct UringDriver {
     ring: sys::Ring,
     ep: Endpoint,
     clock: Clock,
+    /// The wall clock, read with the turn's `now` once a receive timestamp
+    /// needs it (see [`Clock::arrival`]).
+    wall: Option<std::time::Duration>,
     /// Receive sockets, one per plane.
     recv: Vec<UdpSocket>,
     send: Vec<UdpSocket>,
@@ -196,6 +199,11 @@ impl UringDriver {
                 tracing::debug!(error = %e, "no ECN on receive");
             }
             gro &= sys::setsockopt_int(rfd, libc::SOL_UDP, cmsg::UDP_GRO, 1).is_ok();
+            // Arrival stamps: RTT samples then leave out the wait for this
+            // thread (`Endpoint::handle_datagram_stamped`).
+            if let Err(e) = sys::setsockopt_int(rfd, libc::SOL_SOCKET, libc::SO_TIMESTAMPNS, 1) {
+                tracing::debug!(error = %e, "no receive timestamps");
+            }
         }
         let send = std::mem::take(&mut sockets.send);
         // Setting a default segment size of 0 (none) tells whether the
@@ -234,6 +242,7 @@ impl UringDriver {
         Ok(UringDriver {
             ep,
             clock: Clock::new(),
+            wall: None,
             recv,
             send,
             sockets,
@@ -355,6 +364,7 @@ impl UringDriver {
         // One clock reading serves the turn: the sends it queues leave
         // together at its submission anyway.
         let now = self.clock.now();
+        self.wall = None;
         let mut progress = self.reap(now);
         if let Some(f) = &mut self.faults {
             progress |= f.release(now, &mut self.ep);
@@ -450,6 +460,16 @@ impl UringDriver {
                 match cmsg::parse_sockaddr(out.name_data()) {
                     Some(from) => {
                         let meta = cmsg::parse_control(out.control_data());
+                        let arrived = match meta.stamp {
+                            Some(stamp) => {
+                                let wall = *self.wall.get_or_insert_with(Clock::wall);
+                                self.clock.arrival(now, wall, stamp)
+                            }
+                            None => now,
+                        };
+                        if meta.stamp.is_some() {
+                            self.stats.stamped += 1;
+                        }
                         let p = out.payload_data();
                         let stride = meta.stride.unwrap_or(p.len()).max(1);
                         if p.len() > stride {
@@ -463,6 +483,7 @@ impl UringDriver {
                             fault::deliver(
                                 &mut self.faults,
                                 now,
+                                arrived,
                                 from,
                                 meta.ecn,
                                 dg,

@@ -652,10 +652,14 @@ impl Connection {
         }
     }
 
-    /// Notes a received DATA packet for the ACK machinery.
+    /// Notes a received DATA packet for the ACK machinery: it came in on
+    /// `path` at `arrived` (its OS receive stamp, or `now`), echoing
+    /// `tx_ts`; an ACK is owed, now or by the ACK delay.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn note_rx(
         &mut self,
         now: Instant,
+        arrived: Instant,
         path: u8,
         tx_ts: u32,
         immediate: bool,
@@ -665,7 +669,9 @@ impl Connection {
         self.rx_seen = true;
         self.last_rx_ts = tx_ts;
         self.last_rx_path = path;
-        self.last_rx_at = now;
+        // The ACK delay the peer is told runs from here: the wait for this
+        // thread is ours, not the network's.
+        self.last_rx_at = arrived;
         self.ack_needed = true;
         self.since_ack += 1;
         if immediate || self.since_ack >= ack_every {

@@ -30,6 +30,38 @@ impl Endpoint {
         ecn: super::Ecn,
         data: &[u8],
     ) {
+        self.handle_datagram_stamped(now, now, from, ecn, data)
+    }
+
+    /// [`handle_datagram`](Self::handle_datagram) for a datagram the OS
+    /// stamped on arrival: `arrived` is its receive timestamp on the core's
+    /// clock (taken as `now` if later). RTT samples, and the ACK delay this
+    /// endpoint reports to the peer, are then measured from that instant:
+    /// the time the datagram waited in the socket for the thread (asleep,
+    /// or busy with a turn) is the host's, and counting it as network delay
+    /// makes the delay signal cut windows that no queue is filling. On a
+    /// host whose threads sleep when idle, a small window lengthens that
+    /// wait, the longer RTT cuts the window further, and a single path's
+    /// window collapsed to a few packets that way (`docs/BENCHMARKS.md`).
+    ///
+    /// ```
+    /// use metaroce_proto::{Ecn, Endpoint, EndpointConfig, Instant};
+    /// let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+    /// let now = Instant::from_nanos(5_000_000);
+    /// let arrived = Instant::from_nanos(4_990_000);
+    /// // A datagram that is no packet of ours: counted and dropped.
+    /// ep.handle_datagram_stamped(now, arrived, "10.0.0.2:4791".parse().unwrap(), Ecn::NotEct, b"junk");
+    /// assert_eq!(ep.stats().datagrams_received, 1);
+    /// ```
+    pub fn handle_datagram_stamped(
+        &mut self,
+        now: Instant,
+        arrived: Instant,
+        from: SocketAddr,
+        ecn: super::Ecn,
+        data: &[u8],
+    ) {
+        let arrived = arrived.min(now);
         self.last_now = self.last_now.max(now);
         self.stats.datagrams_received += 1;
         self.stats.bytes_received += data.len() as u64;
@@ -57,8 +89,8 @@ impl Endpoint {
             Err(e) => return self.reject(e.into(), from),
         };
         match common.ptype {
-            PacketType::Data => self.on_data(now, from, ecn, data),
-            PacketType::Ack => self.on_ack(now, from, data),
+            PacketType::Data => self.on_data(now, arrived, from, ecn, data),
+            PacketType::Ack => self.on_ack(now, arrived, from, data),
             PacketType::Hello => self.on_hello(now, from, data),
             PacketType::Cookie => self.on_cookie(now, from, data),
             PacketType::Accept => self.on_accept(now, from, data),
@@ -274,7 +306,14 @@ impl Endpoint {
     // DATA.
     // ------------------------------------------------------------------
 
-    fn on_data(&mut self, now: Instant, from: SocketAddr, ecn: super::Ecn, data: &[u8]) {
+    fn on_data(
+        &mut self,
+        now: Instant,
+        arrived: Instant,
+        from: SocketAddr,
+        ecn: super::Ecn,
+        data: &[u8],
+    ) {
         let (hdr, payload) = match DataHeader::parse(data) {
             Ok(x) => x,
             Err(e) => return self.reject(e.into(), from),
@@ -312,6 +351,7 @@ impl Endpoint {
         }
         c.note_rx(
             now,
+            arrived,
             hdr.path_id,
             hdr.tx_ts,
             wants_ack || out_of_order || !fresh,
@@ -692,7 +732,7 @@ impl Endpoint {
     // ACK.
     // ------------------------------------------------------------------
 
-    fn on_ack(&mut self, now: Instant, from: SocketAddr, data: &[u8]) {
+    fn on_ack(&mut self, now: Instant, arrived: Instant, from: SocketAddr, data: &[u8]) {
         let ack = match AckPacket::parse(data, |_| false) {
             Ok(a) => a,
             Err(e) => return self.reject(e.into(), from),
@@ -710,8 +750,10 @@ impl Endpoint {
         c.stats.acks_received += 1;
         c.rate_hint_kbps = h.rate_hint_kbps;
         c.pacer.set_rate_kbps(now, h.rate_hint_kbps);
-        // RTT from the timestamp echo: unambiguous, every transmission has its own.
-        let rtt_ns = now
+        // RTT from the timestamp echo: unambiguous, every transmission has
+        // its own. Up to the ACK's arrival: the time it then waited for this
+        // thread is not the network's.
+        let rtt_ns = arrived
             .wire_ts()
             .wrapping_sub(h.ts_echo)
             .saturating_sub(h.ack_delay_ns);
