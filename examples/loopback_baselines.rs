@@ -4,11 +4,17 @@
 //! small-message latency.
 //!
 //! ```sh
-//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|udp]]]
+//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|udp]]]
 //! ```
 //!
-//! With `metaroce` or `udp` after the rounds, only that throughput test
-//! runs, round after round (what `scripts/cost-per-gbit.sh` profiles).
+//! With `metaroce`, `metaroce1` (the same stream over one path) or `udp`
+//! after the rounds, only that throughput test runs, round after round
+//! (what `scripts/cost-per-gbit.sh` profiles).
+//!
+//! Each round also runs the WRITE stream over one path (no spraying: a
+//! fabric without ECMP, or `paths = 1`), which must not fall behind the
+//! sprayed one: its window once collapsed on a host whose threads sleep
+//! (`docs/BENCHMARKS.md`, session 13).
 //!
 //! Prints each figure, metaroce's ratio to it and the CPU cycles each spent
 //! per byte (process CPU time × the nominal clock, both ends), round by
@@ -269,17 +275,22 @@ struct Pair {
 }
 
 fn pair() -> Pair {
-    pair_with(true)
+    pair_with(true, None)
 }
 
 /// Two endpoints; `gather`: the io_uring driver sends payloads straight
 /// from their regions (its default), else it copies them into its send
-/// slots first.
-fn pair_with(gather: bool) -> Pair {
+/// slots first; `paths`: how many paths each connection sprays over
+/// (default: the endpoint's default, 8).
+fn pair_with(gather: bool, paths: Option<u8>) -> Pair {
     let cfg = || {
         let mut c = DriverConfig::new("127.0.0.1:0".parse().unwrap());
         if !gather {
             c.uring.gather_threshold = 0;
+        }
+        if let Some(n) = paths {
+            c.endpoint.paths = n;
+            c.send_sockets = 2 * usize::from(n);
         }
         c
     };
@@ -309,6 +320,11 @@ fn pair_with(gather: bool) -> Pair {
 /// each (server on its own thread), for `secs`; payloads gathered from
 /// their region or copied by the driver.
 fn metaroce_write_gbps(secs: f64, gather: bool) -> Run {
+    metaroce_write_gbps_on(secs, gather, None)
+}
+
+/// [`metaroce_write_gbps`] over `paths` paths.
+fn metaroce_write_gbps_on(secs: f64, gather: bool, paths: Option<u8>) -> Run {
     let Pair {
         mut a,
         mut b,
@@ -318,7 +334,7 @@ fn metaroce_write_gbps(secs: f64, gather: bool) -> Run {
         pda,
         pdb,
         ..
-    } = pair_with(gather);
+    } = pair_with(gather, paths);
     let size = 64usize << 10;
     let src = a
         .endpoint()
@@ -536,8 +552,9 @@ fn only_throughput(which: &str, secs: f64, rounds: usize) {
     for round in 1..=rounds {
         let run = match which {
             "metaroce" => on_own_thread(|| metaroce_write_gbps(secs, true)),
+            "metaroce1" => on_own_thread(|| metaroce_write_gbps_on(secs, true, Some(1))),
             "udp" => on_own_thread(|| udp_gso_gbps(secs)),
-            other => panic!("unknown test {other:?}: metaroce or udp"),
+            other => panic!("unknown test {other:?}: metaroce, metaroce1 (one path) or udp"),
         };
         let c = run.cycles_per_byte(hz);
         println!(
@@ -560,16 +577,17 @@ fn main() {
     // Alternating rounds, so that a noisy shared machine disturbs all
     // alike; the ratios are medians over the rounds' own ratios.
     let (mut r_udp, mut r_tcp, mut r_cyc, mut r_lat) = (vec![], vec![], vec![], vec![]);
-    let mut r_gather = vec![];
+    let (mut r_gather, mut r_one) = (vec![], vec![]);
     let mut r_side = [vec![], vec![]];
     for round in 1..=rounds {
         let (tcp_run, tcp_c) = measured(|| on_own_thread(|| tcp_gbps(secs)));
         let (udp_run, udp_c) = measured(|| on_own_thread(|| udp_gso_gbps(secs)));
         let (mr_run, mr_c) = measured(|| on_own_thread(|| metaroce_write_gbps(secs, true)));
         let (mc_run, mc_c) = measured(|| on_own_thread(|| metaroce_write_gbps(secs, false)));
+        let one = on_own_thread(|| metaroce_write_gbps_on(secs, true, Some(1))).gbps;
         let (tcp, udp, mr, mc) = (tcp_run.gbps, udp_run.gbps, mr_run.gbps, mc_run.gbps);
         println!("round {round}");
-        println!("  throughput (Gbit/s): metaroce WRITE 64 KiB {mr:.2} (payloads copied by the driver: {mc:.2}) | raw UDP GSO/GRO {udp:.2} | TCP {tcp:.2}");
+        println!("  throughput (Gbit/s): metaroce WRITE 64 KiB {mr:.2} (payloads copied by the driver: {mc:.2}; one path: {one:.2}) | raw UDP GSO/GRO {udp:.2} | TCP {tcp:.2}");
         println!(
             "  metaroce / raw UDP = {:.2}   metaroce / TCP = {:.2}   gathered / copied = {:.2}",
             mr / udp,
@@ -614,6 +632,7 @@ fn main() {
         r_cyc.push(mr_c / udp_c);
         r_lat.push(mp50 / up50);
         r_gather.push(mr / mc);
+        r_one.push(one / udp);
     }
     println!(
         "medians over {rounds} rounds: metaroce/raw UDP {:.2}, metaroce/TCP {:.2}, cycles per byte metaroce/raw UDP {:.2}, 8 B RTT p50 metaroce/raw UDP {:.2}, gathered/copied {:.2}",
@@ -622,6 +641,10 @@ fn main() {
         median(r_cyc),
         median(r_lat),
         median(r_gather)
+    );
+    println!(
+        "  one path (no spraying): metaroce/raw UDP {:.2}",
+        median(r_one)
     );
     let [rs, rr] = r_side;
     println!(
