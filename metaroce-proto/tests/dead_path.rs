@@ -2,8 +2,10 @@
 //! never has an RTT of its own) is still declared failed and moved to a new
 //! source port, and the transfer loses nothing.
 
+mod common;
+
 use metaroce_proto::verbs::*;
-use metaroce_proto::{Endpoint, EndpointConfig, Event, Instant};
+use metaroce_proto::{Endpoint, EndpointConfig, Instant};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -38,24 +40,10 @@ fn a_path_dead_from_the_start_fails_and_moves() {
     let qa = a.create_qp(QpInit::new(pa, cqa, cqa)).unwrap();
     let qb = b.create_qp(QpInit::new(pb, cqb, cqb)).unwrap();
     let mut now = Instant::from_nanos(1_000_000);
-    let ca = a.connect(now, b_addr).unwrap();
+    let (ca, cb) = common::handshake(&mut a, &mut b, a_addr, b_addr, now);
     let mut buf = vec![0u8; 65_536];
-    let mut cb = None;
-    for _ in 0..10 {
-        while let Some(t) = a.poll_transmit(now, &mut buf) {
-            b.handle_datagram(now, a_addr, t.ecn, &buf[..t.size]);
-        }
-        while let Some(t) = b.poll_transmit(now, &mut buf) {
-            a.handle_datagram(now, b_addr, t.ecn, &buf[..t.size]);
-        }
-        while let Some(e) = b.poll_event() {
-            if let Event::Incoming { conn, .. } = e {
-                cb = Some(conn);
-            }
-        }
-    }
     a.connect_qp(qa, ca, qb).unwrap();
-    b.connect_qp(qb, cb.expect("handshake"), qa).unwrap();
+    b.connect_qp(qb, cb, qa).unwrap();
     // From here on, nothing from path 0's source port gets through.
     let dead = a.connection_stats(ca).unwrap().paths[0].src_port;
     let wr = SendWr::new(

@@ -3,10 +3,12 @@
 //! a READ the requester saw complete may wait at the responder for its
 //! ACK, and the requester's next READ can get there first.
 
+mod common;
+
 use metaroce_proto::consts::DEFAULT_MAX_RD_ATOMIC;
 use metaroce_proto::verbs::*;
 use metaroce_proto::wire::{peek_common, PacketType};
-use metaroce_proto::{Endpoint, EndpointConfig, Event, Instant};
+use metaroce_proto::{Endpoint, EndpointConfig, Instant};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -45,24 +47,10 @@ fn a_read_that_overtakes_the_ack_of_the_last_is_not_too_many() {
     let qa = a.create_qp(QpInit::new(pa, cqa, cqa)).unwrap();
     let qb = b.create_qp(QpInit::new(pb, cqb, cqb)).unwrap();
     let mut now = Instant::from_nanos(1_000_000);
-    let ca = a.connect(now, b_addr).unwrap();
+    let (ca, cb) = common::handshake(&mut a, &mut b, a_addr, b_addr, now);
     let mut buf = vec![0u8; 65_536];
-    let mut cb = None;
-    for _ in 0..10 {
-        while let Some(t) = a.poll_transmit(now, &mut buf) {
-            b.handle_datagram(now, a_addr, t.ecn, &buf[..t.size]);
-        }
-        while let Some(t) = b.poll_transmit(now, &mut buf) {
-            a.handle_datagram(now, b_addr, t.ecn, &buf[..t.size]);
-        }
-        while let Some(e) = b.poll_event() {
-            if let Event::Incoming { conn, .. } = e {
-                cb = Some(conn);
-            }
-        }
-    }
     a.connect_qp(qa, ca, qb).unwrap();
-    b.connect_qp(qb, cb.expect("handshake"), qa).unwrap();
+    b.connect_qp(qb, cb, qa).unwrap();
     let read = |i: usize| {
         SendWr::new(
             i as u64,

@@ -2,8 +2,10 @@
 //! datagram arrived (the OS's stamp), not from when a busy or sleeping
 //! thread got to it.
 
+mod common;
+
 use metaroce_proto::verbs::*;
-use metaroce_proto::{Ecn, Endpoint, EndpointConfig, Event, Instant};
+use metaroce_proto::{Ecn, Endpoint, EndpointConfig, Instant};
 use std::net::SocketAddr;
 
 const A: &str = "10.0.0.1:4791";
@@ -48,23 +50,7 @@ fn two() -> Two {
     let qa = a.create_qp(QpInit::new(pa, cqa, cqa)).unwrap();
     let qb = b.create_qp(QpInit::new(pb, cqb, cqb)).unwrap();
     let now = us(1000);
-    let ca = a.connect(now, b_addr).unwrap();
-    let mut buf = vec![0u8; 65_536];
-    let mut cb = None;
-    for _ in 0..10 {
-        while let Some(t) = a.poll_transmit(now, &mut buf) {
-            b.handle_datagram(now, a_addr, t.ecn, &buf[..t.size]);
-        }
-        while let Some(t) = b.poll_transmit(now, &mut buf) {
-            a.handle_datagram(now, b_addr, t.ecn, &buf[..t.size]);
-        }
-        while let Some(e) = b.poll_event() {
-            if let Event::Incoming { conn, .. } = e {
-                cb = Some(conn);
-            }
-        }
-    }
-    let cb = cb.expect("handshake");
+    let (ca, cb) = common::handshake(&mut a, &mut b, a_addr, b_addr, now);
     a.connect_qp(qa, ca, qb).unwrap();
     b.connect_qp(qb, cb, qa).unwrap();
     Two {

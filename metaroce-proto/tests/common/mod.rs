@@ -365,3 +365,32 @@ pub fn drain_cq(ep: &mut Endpoint, cq: CqHandle) -> Vec<WorkCompletion> {
     ep.poll_cq(cq, usize::MAX, &mut v).unwrap();
     v
 }
+
+/// Opens a connection from `a` (at `a_addr`) to `b` (at `b_addr`) at `now`,
+/// every datagram delivered at once, for tests that move the datagrams
+/// themselves; returns `a`'s handle and `b`'s.
+pub fn handshake(
+    a: &mut Endpoint,
+    b: &mut Endpoint,
+    a_addr: SocketAddr,
+    b_addr: SocketAddr,
+    now: Instant,
+) -> (ConnectionHandle, ConnectionHandle) {
+    let ca = a.connect(now, b_addr).unwrap();
+    let mut buf = vec![0u8; 65_536];
+    let mut cb = None;
+    for _ in 0..10 {
+        while let Some(t) = a.poll_transmit(now, &mut buf) {
+            b.handle_datagram(now, a_addr, t.ecn, &buf[..t.size]);
+        }
+        while let Some(t) = b.poll_transmit(now, &mut buf) {
+            a.handle_datagram(now, b_addr, t.ecn, &buf[..t.size]);
+        }
+        while let Some(e) = b.poll_event() {
+            if let Event::Incoming { conn, .. } = e {
+                cb = Some(conn);
+            }
+        }
+    }
+    (ca, cb.expect("handshake"))
+}
