@@ -557,31 +557,27 @@ impl Connection {
     }
 
     /// Assigns the next CSN to `kind`.
+    pub(crate) fn new_csn(&mut self, kind: CsnKind) -> u32 {
+        self.push_csn(kind, 0, 0)
+    }
+
     /// [`new_csn`](Self::new_csn) for a packet going out on `path` now:
     /// its record says so from the start ([`note_data_sent`](Self::note_data_sent)
     /// with `recorded` then leaves it alone).
     pub(crate) fn new_csn_sent(&mut self, kind: CsnKind, path: usize) -> u32 {
-        let csn = self.next_csn;
-        self.next_csn = csn.wrapping_add(1);
-        self.sent.push_back(CsnRecord {
-            kind,
-            acked: false,
-            queued: false,
-            last_path: self.paths_tx.get(path).map_or(0, |p| p.id),
-            transmissions: 1,
-        });
-        csn
+        let last_path = self.paths_tx.get(path).map_or(0, |p| p.id);
+        self.push_csn(kind, last_path, 1)
     }
 
-    pub(crate) fn new_csn(&mut self, kind: CsnKind) -> u32 {
+    fn push_csn(&mut self, kind: CsnKind, last_path: u8, transmissions: u16) -> u32 {
         let csn = self.next_csn;
         self.next_csn = csn.wrapping_add(1);
         self.sent.push_back(CsnRecord {
             kind,
             acked: false,
             queued: false,
-            last_path: 0,
-            transmissions: 0,
+            last_path,
+            transmissions,
         });
         csn
     }
