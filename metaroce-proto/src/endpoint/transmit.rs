@@ -629,7 +629,8 @@ impl Endpoint {
                 .is_some_and(|g| len as usize >= g.min_payload);
             let at = gather.as_ref().map_or(t.size, |g| g.at);
             let end = if gathered { at + hlen } else { at + size };
-            if size > seg || end > buf.len() {
+            // Nothing is recorded for a segment that cannot go out whole.
+            if size > seg || end > buf.len() || !gathered && mrs.by_lkey(lkey).is_none() {
                 break;
             }
             let csn = c.new_csn_sent(
@@ -653,8 +654,9 @@ impl Endpoint {
                     g.chunks.push(Chunk::Region { lkey, range });
                 }
                 g => {
-                    let Some(m) = mrs.by_lkey(lkey) else { break };
-                    buf[at + hlen..end].copy_from_slice(&m.buf[range]);
+                    if let Some(m) = mrs.by_lkey(lkey) {
+                        buf[at + hlen..end].copy_from_slice(&m.buf[range]);
+                    }
                     if let Some(g) = g {
                         g.push_buf(size);
                     }
