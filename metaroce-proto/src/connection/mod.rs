@@ -478,43 +478,36 @@ impl Connection {
     /// Whether some path's window (and the receiver's grant) lets `bytes`
     /// more go out.
     pub(crate) fn cwnd_room(&self, bytes: u64) -> bool {
-        if self.peer_grants
-            // No ACK yet, so no grant yet.
-            && self.stats.acks_received == 0
-            && self.in_flight > 0
-            && self.in_flight + bytes > self.first_flight
-        {
-            return false;
-        }
-        if let Some(cap) = self.rate_cap() {
-            if self.in_flight > 0 && self.in_flight + bytes > cap {
-                return false;
-            }
-        }
-        self.paths_tx
-            .iter()
-            .any(|p| self.path_open(p) && p.state == PathState::Active && p.can_send(bytes))
+        !self.capped(bytes) && self.paths_tx.iter().any(|p| self.path_room(p, bytes))
     }
 
     /// [`cwnd_room`](Self::cwnd_room), asking `path` first: the same
     /// answer, cheaper while that path has room (as when a GSO batch grows
     /// on it).
     pub(crate) fn cwnd_room_on(&self, path: usize, bytes: u64) -> bool {
-        let first = self.paths_tx.get(path).is_some_and(|p| {
-            self.path_open(p) && p.state == PathState::Active && p.can_send(bytes)
-        });
-        let capped = self.peer_grants
+        match self.paths_tx.get(path) {
+            Some(p) if self.path_room(p, bytes) => !self.capped(bytes),
+            _ => self.cwnd_room(bytes),
+        }
+    }
+
+    /// Whether the receiver's grant holds `bytes` more back: before the
+    /// first ACK (no grant yet) beyond the first flight, or beyond the cap.
+    fn capped(&self, bytes: u64) -> bool {
+        let first_flight = self.peer_grants
+            // No ACK yet, so no grant yet.
             && self.stats.acks_received == 0
             && self.in_flight > 0
-            && self.in_flight + bytes > self.first_flight
+            && self.in_flight + bytes > self.first_flight;
+        first_flight
             || self
                 .rate_cap()
-                .is_some_and(|cap| self.in_flight > 0 && self.in_flight + bytes > cap);
-        if first {
-            !capped
-        } else {
-            self.cwnd_room(bytes)
-        }
+                .is_some_and(|cap| self.in_flight > 0 && self.in_flight + bytes > cap)
+    }
+
+    /// Whether path `p`'s own window lets `bytes` more go out on it.
+    fn path_room(&self, p: &PathTx, bytes: u64) -> bool {
+        self.path_open(p) && p.state == PathState::Active && p.can_send(bytes)
     }
 
     /// The scheduler: among the paths whose window has room for `bytes`,

@@ -212,6 +212,22 @@ impl Gather {
         self.pins_from = self.pins.len();
     }
 
+    /// Appends a packet whose `hlen` bytes of header are at the current
+    /// position of the buffer and whose payload stays at `range` of region
+    /// `lkey`, pinned for the transmit.
+    #[inline]
+    pub(crate) fn push_region(
+        &mut self,
+        hlen: usize,
+        mrs: &mut MrTable,
+        lkey: u32,
+        range: core::ops::Range<usize>,
+    ) {
+        self.push_buf(hlen);
+        self.pin(mrs, lkey);
+        self.chunks.push(Chunk::Region { lkey, range });
+    }
+
     /// Pins region `lkey` of `mrs` for the current transmit, unless it
     /// already holds it.
     pub(crate) fn pin(&mut self, mrs: &mut MrTable, lkey: u32) {

@@ -4,7 +4,7 @@
 //! retransmissions, a completion probe, then new data from the connection's
 //! QPs in round robin.
 
-use super::{Chunk, Ecn, Endpoint, Gather, RegionPin, Transmit};
+use super::{Ecn, Endpoint, Gather, RegionPin, Transmit};
 use crate::connection::{CsnKind, Ctrl};
 
 /// ACKs after the first that repeat a stream's progress (all of them lost
@@ -62,7 +62,7 @@ impl Endpoint {
     /// [`poll_transmit`](Self::poll_transmit) without copying payloads: the
     /// headers go into `buf` and every payload of at least the gather's
     /// threshold stays in its memory region, named by a
-    /// [`Chunk::Region`]; [`Gather::chunks`] lists the transmit's bytes in
+    /// [`Chunk::Region`](super::Chunk::Region); [`Gather::chunks`] lists the transmit's bytes in
     /// wire order (empty: the first `size` bytes of `buf`, as with
     /// `poll_transmit`). The driver sends them with one scatter-gather send
     /// (`sendmsg` with an `iovec` per chunk, zero copy if it likes) and,
@@ -648,11 +648,7 @@ impl Endpoint {
             let from = rest_range.start + (offset - start) as usize;
             let range = from..from + len as usize;
             match gather.as_deref_mut() {
-                Some(g) if gathered => {
-                    g.push_buf(hlen);
-                    g.pin(mrs, lkey);
-                    g.chunks.push(Chunk::Region { lkey, range });
-                }
+                Some(g) if gathered => g.push_region(hlen, mrs, lkey, range),
                 g => {
                     if let Some(m) = mrs.by_lkey(lkey) {
                         buf[at + hlen..end].copy_from_slice(&m.buf[range]);
@@ -848,9 +844,7 @@ impl Endpoint {
         match (found, gather) {
             (Some((mr, range)), Some(g)) if plen >= g.min_payload => {
                 let lkey = mr.info.lkey;
-                g.push_buf(hlen);
-                g.pin(mrs, lkey);
-                g.chunks.push(Chunk::Region { lkey, range });
+                g.push_region(hlen, mrs, lkey, range);
             }
             (found, g) => {
                 if let Some((mr, range)) = found {
