@@ -48,6 +48,21 @@ impl Clock {
         Instant::from_nanos(now.as_nanos().saturating_sub(age))
     }
 
+    /// When a datagram read at `now` arrived: its kernel receive stamp
+    /// mapped by [`arrival`](Self::arrival), or `now` without one. `wall`
+    /// caches the wall clock for the turn: read once, with the first stamp.
+    pub fn arrived(
+        &self,
+        now: Instant,
+        wall: &mut Option<std::time::Duration>,
+        stamp: Option<std::time::Duration>,
+    ) -> Instant {
+        match stamp {
+            Some(stamp) => self.arrival(now, *wall.get_or_insert_with(Self::wall), stamp),
+            None => now,
+        }
+    }
+
     /// The wall clock (time since the Unix epoch), to read with
     /// [`now`](Self::now) for [`arrival`](Self::arrival).
     pub fn wall() -> std::time::Duration {

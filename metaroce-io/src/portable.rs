@@ -266,14 +266,8 @@ impl PortableDriver {
                 any = true;
                 budget = budget.saturating_sub(m.len);
                 // quinn-udp turns SO_TIMESTAMPNS on and reads the stamps.
-                let arrived = match m.timestamp {
-                    Some(stamp) => {
-                        self.stats.stamped += 1;
-                        let wall = *wall.get_or_insert_with(Clock::wall);
-                        self.clock.arrival(now, wall, stamp)
-                    }
-                    None => now,
-                };
+                let arrived = self.clock.arrived(now, &mut wall, m.timestamp);
+                self.stats.stamped += u64::from(m.timestamp.is_some());
                 let ecn = m.ecn.map_or(Ecn::NotEct, |e| Ecn::from_bits(e as u8));
                 let stride = if m.stride == 0 { m.len } else { m.stride };
                 if m.len > stride {

@@ -460,16 +460,8 @@ impl UringDriver {
                 match cmsg::parse_sockaddr(out.name_data()) {
                     Some(from) => {
                         let meta = cmsg::parse_control(out.control_data());
-                        let arrived = match meta.stamp {
-                            Some(stamp) => {
-                                let wall = *self.wall.get_or_insert_with(Clock::wall);
-                                self.clock.arrival(now, wall, stamp)
-                            }
-                            None => now,
-                        };
-                        if meta.stamp.is_some() {
-                            self.stats.stamped += 1;
-                        }
+                        let arrived = self.clock.arrived(now, &mut self.wall, meta.stamp);
+                        self.stats.stamped += u64::from(meta.stamp.is_some());
                         let p = out.payload_data();
                         let stride = meta.stride.unwrap_or(p.len()).max(1);
                         if p.len() > stride {
