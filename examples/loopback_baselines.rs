@@ -4,12 +4,21 @@
 //! small-message latency.
 //!
 //! ```sh
-//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|udp]]]
+//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|sleeping|udp]]]
 //! ```
 //!
-//! With `metaroce`, `metaroce1` (the same stream over one path) or `udp`
-//! after the rounds, only that throughput test runs, round after round
-//! (what `scripts/cost-per-gbit.sh` profiles).
+//! With `metaroce`, `metaroce1` (the same stream over one path),
+//! `sleeping` (the stream without busy polling) or `udp` after the rounds,
+//! only that throughput test runs, round after round (what
+//! `scripts/cost-per-gbit.sh` profiles).
+//!
+//! Each side of a metaroce stream has a core of its own, so its driver
+//! busy-polls for 50 µs before it sleeps
+//! ([`DriverConfig::busy_poll`](metaroce_io::DriverConfig::busy_poll)),
+//! as perftest's `ib_write_bw` polls its completion queue; each round also
+//! runs the stream with drivers that sleep at once, the default of a
+//! driver (and what the ping-pong, which polls both drivers from one
+//! thread, must use).
 //!
 //! Each round also runs the WRITE stream over one path (no spraying: a
 //! fabric without ECMP, or `paths = 1`), which must not fall behind the
@@ -275,20 +284,46 @@ struct Pair {
 }
 
 fn pair() -> Pair {
-    pair_with(true, None)
+    pair_with(Stream::SLEEPING)
 }
 
-/// Two endpoints; `gather`: the io_uring driver sends payloads straight
-/// from their regions (its default), else it copies them into its send
-/// slots first; `paths`: how many paths each connection sprays over
-/// (default: the endpoint's default, 8).
-fn pair_with(gather: bool, paths: Option<u8>) -> Pair {
+/// How a metaroce WRITE stream runs.
+#[derive(Clone, Copy)]
+struct Stream {
+    /// The io_uring driver sends payloads straight from their regions (its
+    /// default), else it copies them into its send slots first.
+    gather: bool,
+    /// Paths each connection sprays over (default: the endpoint's, 8).
+    paths: Option<u8>,
+    /// The drivers busy-poll for this long before they sleep.
+    busy_poll: Duration,
+}
+
+impl Stream {
+    /// Busy poll of a driver that has a core of its own.
+    const BUSY_POLL: Duration = Duration::from_micros(50);
+    /// The headline stream: gathered, sprayed, busy-polling.
+    const MAIN: Stream = Stream {
+        gather: true,
+        paths: None,
+        busy_poll: Stream::BUSY_POLL,
+    };
+    /// A driver's defaults: drivers that sleep at once.
+    const SLEEPING: Stream = Stream {
+        busy_poll: Duration::ZERO,
+        ..Stream::MAIN
+    };
+}
+
+/// Two endpoints set up as `stream` says.
+fn pair_with(stream: Stream) -> Pair {
     let cfg = || {
         let mut c = DriverConfig::new("127.0.0.1:0".parse().unwrap());
-        if !gather {
+        c.busy_poll = stream.busy_poll;
+        if !stream.gather {
             c.uring.gather_threshold = 0;
         }
-        if let Some(n) = paths {
+        if let Some(n) = stream.paths {
             c.endpoint.paths = n;
             c.send_sockets = 2 * usize::from(n);
         }
@@ -317,14 +352,8 @@ fn pair_with(gather: bool, paths: Option<u8>) -> Pair {
 }
 
 /// 64 KiB WRITEs, 16 outstanding, both endpoints driven from one thread
-/// each (server on its own thread), for `secs`; payloads gathered from
-/// their region or copied by the driver.
-fn metaroce_write_gbps(secs: f64, gather: bool) -> Run {
-    metaroce_write_gbps_on(secs, gather, None)
-}
-
-/// [`metaroce_write_gbps`] over `paths` paths.
-fn metaroce_write_gbps_on(secs: f64, gather: bool, paths: Option<u8>) -> Run {
+/// each (server on its own thread), for `secs`, set up as `stream` says.
+fn metaroce_write_gbps(secs: f64, stream: Stream) -> Run {
     let Pair {
         mut a,
         mut b,
@@ -334,7 +363,7 @@ fn metaroce_write_gbps_on(secs: f64, gather: bool, paths: Option<u8>) -> Run {
         pda,
         pdb,
         ..
-    } = pair_with(gather, paths);
+    } = pair_with(stream);
     let size = 64usize << 10;
     let src = a
         .endpoint()
@@ -546,15 +575,27 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Runs one throughput test alone, `rounds` times: `metaroce` (64 KiB
-/// WRITEs, payloads gathered) or `udp` (raw UDP with GSO/GRO).
+/// WRITEs, payloads gathered, busy polling), `metaroce1` (the same over one
+/// path), `sleeping` (without busy polling) or `udp` (raw UDP with GSO/GRO).
 fn only_throughput(which: &str, secs: f64, rounds: usize) {
     let hz = cpu_hz();
     for round in 1..=rounds {
         let run = match which {
-            "metaroce" => on_own_thread(|| metaroce_write_gbps(secs, true)),
-            "metaroce1" => on_own_thread(|| metaroce_write_gbps_on(secs, true, Some(1))),
+            "metaroce" => on_own_thread(|| metaroce_write_gbps(secs, Stream::MAIN)),
+            "metaroce1" => on_own_thread(|| {
+                metaroce_write_gbps(
+                    secs,
+                    Stream {
+                        paths: Some(1),
+                        ..Stream::MAIN
+                    },
+                )
+            }),
+            "sleeping" => on_own_thread(|| metaroce_write_gbps(secs, Stream::SLEEPING)),
             "udp" => on_own_thread(|| udp_gso_gbps(secs)),
-            other => panic!("unknown test {other:?}: metaroce, metaroce1 (one path) or udp"),
+            other => panic!(
+                "unknown test {other:?}: metaroce, metaroce1 (one path), sleeping (no busy poll) or udp"
+            ),
         };
         let c = run.cycles_per_byte(hz);
         println!(
@@ -577,17 +618,26 @@ fn main() {
     // Alternating rounds, so that a noisy shared machine disturbs all
     // alike; the ratios are medians over the rounds' own ratios.
     let (mut r_udp, mut r_tcp, mut r_cyc, mut r_lat) = (vec![], vec![], vec![], vec![]);
-    let (mut r_gather, mut r_one) = (vec![], vec![]);
+    let (mut r_gather, mut r_one, mut r_sleep) = (vec![], vec![], vec![]);
     let mut r_side = [vec![], vec![]];
     for round in 1..=rounds {
         let (tcp_run, tcp_c) = measured(|| on_own_thread(|| tcp_gbps(secs)));
         let (udp_run, udp_c) = measured(|| on_own_thread(|| udp_gso_gbps(secs)));
-        let (mr_run, mr_c) = measured(|| on_own_thread(|| metaroce_write_gbps(secs, true)));
-        let (mc_run, mc_c) = measured(|| on_own_thread(|| metaroce_write_gbps(secs, false)));
-        let one = on_own_thread(|| metaroce_write_gbps_on(secs, true, Some(1))).gbps;
+        let (mr_run, mr_c) = measured(|| on_own_thread(|| metaroce_write_gbps(secs, Stream::MAIN)));
+        let copied = Stream {
+            gather: false,
+            ..Stream::MAIN
+        };
+        let (mc_run, mc_c) = measured(|| on_own_thread(|| metaroce_write_gbps(secs, copied)));
+        let one_path = Stream {
+            paths: Some(1),
+            ..Stream::MAIN
+        };
+        let one = on_own_thread(|| metaroce_write_gbps(secs, one_path)).gbps;
+        let sleeping = on_own_thread(|| metaroce_write_gbps(secs, Stream::SLEEPING)).gbps;
         let (tcp, udp, mr, mc) = (tcp_run.gbps, udp_run.gbps, mr_run.gbps, mc_run.gbps);
         println!("round {round}");
-        println!("  throughput (Gbit/s): metaroce WRITE 64 KiB {mr:.2} (payloads copied by the driver: {mc:.2}; one path: {one:.2}) | raw UDP GSO/GRO {udp:.2} | TCP {tcp:.2}");
+        println!("  throughput (Gbit/s): metaroce WRITE 64 KiB {mr:.2} (payloads copied by the driver: {mc:.2}; one path: {one:.2}; drivers that sleep at once: {sleeping:.2}) | raw UDP GSO/GRO {udp:.2} | TCP {tcp:.2}");
         println!(
             "  metaroce / raw UDP = {:.2}   metaroce / TCP = {:.2}   gathered / copied = {:.2}",
             mr / udp,
@@ -633,6 +683,7 @@ fn main() {
         r_lat.push(mp50 / up50);
         r_gather.push(mr / mc);
         r_one.push(one / udp);
+        r_sleep.push(sleeping / udp);
     }
     println!(
         "medians over {rounds} rounds: metaroce/raw UDP {:.2}, metaroce/TCP {:.2}, cycles per byte metaroce/raw UDP {:.2}, 8 B RTT p50 metaroce/raw UDP {:.2}, gathered/copied {:.2}",
@@ -643,8 +694,9 @@ fn main() {
         median(r_gather)
     );
     println!(
-        "  one path (no spraying): metaroce/raw UDP {:.2}",
-        median(r_one)
+        "  one path (no spraying): metaroce/raw UDP {:.2}; drivers that sleep at once (no busy poll): {:.2}",
+        median(r_one),
+        median(r_sleep)
     );
     let [rs, rr] = r_side;
     println!(

@@ -78,6 +78,10 @@ struct ServerArgs {
     /// I/O backend: auto (io_uring when the kernel has it), io_uring, portable.
     #[arg(long, default_value = "auto")]
     backend: Backend,
+    /// Microseconds the driver watches for work before it sleeps (0: it
+    /// sleeps at once). Polling spares the peer the cost of waking it.
+    #[arg(long = "busy-poll", value_name = "US", default_value_t = DEFAULT_BUSY_POLL_US)]
+    busy_poll_us: u64,
 }
 
 /// Arguments of `metaroce perf client`.
@@ -126,9 +130,22 @@ struct RunOpts {
     /// I/O backend: auto (io_uring when the kernel has it), io_uring, portable.
     #[arg(long, default_value = "auto")]
     backend: Backend,
+    /// Microseconds each side's driver watches for work before it sleeps
+    /// (0: it sleeps at once). Each side runs on a thread of its own, and
+    /// polling spares the other side the cost of waking it, as perftest
+    /// polls its completion queue.
+    #[arg(long = "busy-poll", value_name = "US", default_value_t = DEFAULT_BUSY_POLL_US)]
+    busy_poll_us: u64,
 }
 
+/// `--busy-poll`'s default: 50 µs (`docs/BENCHMARKS.md`, session 14).
+const DEFAULT_BUSY_POLL_US: u64 = 50;
+
 impl RunOpts {
+    fn tuning(&self) -> Tuning {
+        Tuning::new(self.paths, self.backend, self.busy_poll_us)
+    }
+
     fn params(&self) -> RunParams {
         RunParams {
             op: self.op,
@@ -317,6 +334,8 @@ impl Direction {
 struct Report {
     op: Op,
     backend: String,
+    /// This side's `--busy-poll`, microseconds.
+    busy_poll_us: u64,
     msg_size: u64,
     qps: u32,
     bidir: bool,
@@ -393,22 +412,45 @@ fn endpoint_config(paths: u8) -> EndpointConfig {
     }
 }
 
+/// How a side's driver is set up: the flags both sides have.
+#[derive(Debug, Clone, Copy)]
+struct Tuning {
+    paths: u8,
+    backend: Backend,
+    busy_poll: Duration,
+}
+
+impl Tuning {
+    fn new(paths: u8, backend: Backend, busy_poll_us: u64) -> Self {
+        Tuning {
+            paths,
+            backend,
+            busy_poll: Duration::from_micros(busy_poll_us),
+        }
+    }
+}
+
 /// Binds a driver on `listen`; an address in use becomes [`PerfError::PortInUse`].
-fn bind(listen: SocketAddr, paths: u8, seed: u64, backend: Backend) -> anyhow::Result<Driver> {
-    bind_mtu(listen, paths, seed, backend, None)
+fn bind(listen: SocketAddr, t: Tuning, seed: u64) -> anyhow::Result<Driver> {
+    bind_mtu(listen, t, seed, None)
 }
 
 /// [`bind`] with the endpoint's MTU bounded by `mtu` (the route's largest
 /// UDP payload), so that no datagram is too large for the network.
 fn bind_mtu(
     listen: SocketAddr,
-    paths: u8,
+    t: Tuning,
     seed: u64,
-    backend: Backend,
     mtu: Option<usize>,
 ) -> anyhow::Result<Driver> {
+    let Tuning {
+        paths,
+        backend,
+        busy_poll,
+    } = t;
     let mut cfg = DriverConfig::new(listen);
     cfg.backend = backend;
+    cfg.busy_poll = busy_poll;
     cfg.endpoint = endpoint_config(paths);
     if let Some(m) = mtu {
         let m = m.clamp(
@@ -1089,9 +1131,10 @@ fn run_loopback(opts: RunOpts) -> anyhow::Result<()> {
     }
     validate(&opts.params())?;
     let lo: SocketAddr = "127.0.0.1:0".parse()?;
-    let mut server_drv = bind(lo, opts.paths, 1, opts.backend).context("binding the server")?;
+    let tuning = opts.tuning();
+    let mut server_drv = bind(lo, tuning, 1).context("binding the server")?;
     let server_ip = server_drv.local_addr().ip();
-    let mut client = bind(lo, opts.paths, 2, opts.backend).context("binding the client")?;
+    let mut client = bind(lo, tuning, 2).context("binding the client")?;
     let (srv_link, cli_link) = Link::pair();
     let res = std::thread::scope(|s| -> anyhow::Result<Report> {
         let srv = s.spawn(move || {
@@ -1129,7 +1172,7 @@ fn run_server(a: ServerArgs) -> anyhow::Result<()> {
     if a.paths == 0 {
         bail!(PerfError::BadFlags("--paths must be at least 1".into()));
     }
-    let mut drv = bind(a.bind, a.paths, 1, a.backend)?;
+    let mut drv = bind(a.bind, Tuning::new(a.paths, a.backend, a.busy_poll_us), 1)?;
     let udp = drv.local_addr();
     let ctrl = SocketAddr::new(a.bind.ip(), a.ctrl_port.unwrap_or(udp.port()));
     let listener = TcpListener::bind(ctrl).map_err(|cause| PerfError::PortInUse {
@@ -1211,14 +1254,8 @@ fn run_client(c: ClientArgs) -> anyhow::Result<()> {
     let link = Link::tcp(stream)?;
     // Datagrams must fit the route: a 1500-byte network gets 1472-byte ones.
     let route_mtu = metaroce_io::max_udp_payload(addr).ok();
-    let mut drv = bind_mtu(
-        SocketAddr::new(local_ip, 0),
-        opts.paths,
-        2,
-        opts.backend,
-        route_mtu,
-    )
-    .context("binding the client")?;
+    let mut drv = bind_mtu(SocketAddr::new(local_ip, 0), opts.tuning(), 2, route_mtu)
+        .context("binding the client")?;
     let rep = client_run(&opts, &mut drv, &link, addr.ip())?;
     finish(&opts, rep, &format!("remote {}", c.addr))
 }
@@ -1340,6 +1377,7 @@ fn client_run(
     Ok(Report {
         op: p.op,
         backend: drv.backend().to_string(),
+        busy_poll_us: opts.busy_poll_us,
         msg_size: size,
         qps: p.qps,
         bidir: p.bidir,
@@ -1402,6 +1440,7 @@ fn print_report(r: &Report, paths: u8, depth: u32, where_: &str) {
         r.qps
     );
     println!(" Tx depth        : {depth}\t\tVerification         : every byte");
+    println!(" Busy poll       : {} us", r.busy_poll_us);
     if r.bidir {
         println!(" Direction       : both (tx: client -> server requests, rx: server -> client)");
     }
@@ -1496,7 +1535,7 @@ mod remote_tests {
     #[test]
     fn a_client_of_another_version_is_refused() {
         let lo: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let mut drv = bind(lo, 1, 1, Backend::Portable).unwrap();
+        let mut drv = bind(lo, Tuning::new(1, Backend::Portable, 0), 1).unwrap();
         let (srv, cli) = Link::pair();
         let opts = RunOpts {
             op: Op::Write,
@@ -1509,6 +1548,7 @@ mod remote_tests {
             bidir: false,
             json: true,
             backend: Backend::Portable,
+            busy_poll_us: 0,
         };
         cli.send(Msg::Hello {
             version: VERSION + 1,

@@ -57,6 +57,14 @@ fn default_run_picks_a_backend() {
     let v = perf(&["-D", "0.3"]);
     let backend = v["backend"].as_str().unwrap();
     assert!(backend == "io_uring" || backend == "portable", "{backend}");
+    assert_eq!(v["busy_poll_us"], 50, "each side polls 50 µs by default");
+    check(&v, "write");
+}
+
+#[test]
+fn drivers_that_sleep_at_once_still_move_every_byte() {
+    let v = perf(&["-D", "0.3", "--busy-poll", "0"]);
+    assert_eq!(v["busy_poll_us"], 0);
     check(&v, "write");
 }
 

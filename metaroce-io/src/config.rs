@@ -5,6 +5,7 @@ use metaroce_proto::EndpointConfig;
 use std::fmt;
 use std::net::SocketAddr;
 use std::str::FromStr;
+use std::time::Duration;
 
 /// Which I/O backend runs the endpoint.
 ///
@@ -161,6 +162,17 @@ pub struct DriverConfig {
     /// sender. The io_uring backend's bound is its number of receive
     /// buffers ([`UringConfig::recv_buffers`]).
     pub turn_recv_bytes: usize,
+    /// How long a turn of [`Driver::poll`](crate::Driver::poll) with nothing
+    /// to do watches for work (a datagram, a finished send, a wake) before
+    /// it sleeps; zero (the default): it sleeps at once.
+    ///
+    /// Polling spends the thread's CPU while it waits, and spares the
+    /// sender the cost of waking it: on loopback, 50 µs on both sides of a
+    /// 64 KiB WRITE stream moved about 7% more bytes
+    /// (`docs/BENCHMARKS.md`, session 14). Use it when each driver has a
+    /// core of its own; never when one thread polls several drivers in
+    /// turn (one driver's spin then holds up the others).
+    pub busy_poll: Duration,
     /// Which backend [`Driver::bind`](crate::Driver::bind) picks.
     pub backend: Backend,
     /// io_uring settings.
@@ -184,6 +196,7 @@ impl DriverConfig {
             max_gso_segments: 16,
             turn_send_bytes: DEFAULT_TURN_SEND_BYTES,
             turn_recv_bytes: DEFAULT_TURN_RECV_BYTES,
+            busy_poll: Duration::ZERO,
             backend: Backend::Auto,
             uring: UringConfig::default(),
             faults: FaultConfig::default(),
@@ -218,6 +231,9 @@ pub struct DriverStats {
     pub gathered_sends: u64,
     /// Times the multishot receive was armed (io_uring only; 1 if it never ended).
     pub recv_arms: u64,
+    /// Turns whose busy poll found work before they slept
+    /// ([`DriverConfig::busy_poll`]).
+    pub busy_polls: u64,
     /// Received datagrams dropped by the driver (truncated, or bad metadata).
     pub recv_dropped: u64,
     /// Datagrams received on each plane's address (plane 0 first; planes

@@ -5,6 +5,7 @@ use crate::fault::{self, Faults};
 use crate::sockets::Sockets;
 use crate::waker::{WakeReceiver, Waker};
 use crate::{Clock, DriverConfig, DriverError, DriverStats, FaultConfig};
+use metaroce_proto::consts::MAX_PLANES;
 use metaroce_proto::{Ecn, Endpoint, Instant};
 use quinn_udp::{EcnCodepoint, RecvMeta, Transmit as QTransmit, UdpSockRef, UdpSocketState};
 use std::io::IoSliceMut;
@@ -43,6 +44,8 @@ pub struct PortableDriver {
     turn_send_bytes: usize,
     /// Bytes a turn reads from a socket ([`DriverConfig::turn_recv_bytes`]).
     turn_recv_bytes: usize,
+    /// [`DriverConfig::busy_poll`].
+    busy_poll: Duration,
     stats: DriverStats,
     faults: Option<Box<Faults>>,
     wake: Option<WakeReceiver>,
@@ -115,6 +118,7 @@ impl PortableDriver {
             tx_buf: vec![0u8; 65_536],
             turn_send_bytes: cfg.turn_send_bytes,
             turn_recv_bytes: cfg.turn_recv_bytes,
+            busy_poll: cfg.busy_poll,
             stats: DriverStats::default(),
             faults,
             wake: None,
@@ -167,8 +171,12 @@ impl PortableDriver {
                 wait = wait.min(self.clock.until(t));
             }
             if !wait.is_zero() {
-                self.stats.waits += 1;
-                self.wait_readable(wait)?;
+                if self.busy_poll(wait)? {
+                    self.stats.busy_polls += 1;
+                } else {
+                    self.stats.waits += 1;
+                    self.wait_readable(wait)?;
+                }
                 self.receive()?;
                 self.release();
             }
@@ -304,22 +312,48 @@ impl PortableDriver {
 
     /// Blocks until a receive socket is readable, the waker fires or
     /// `timeout` passes.
-    fn wait_readable(&self, timeout: Duration) -> Result<(), DriverError> {
+    /// Before a turn sleeps ([`DriverConfig::busy_poll`]): asks the kernel,
+    /// without waiting, whether a socket or the waker is readable, again
+    /// and again for up to the busy-poll time (at most `wait`). True if one
+    /// became readable.
+    fn busy_poll(&self, wait: Duration) -> Result<bool, DriverError> {
+        let spin = self.busy_poll.min(wait);
+        if spin.is_zero() {
+            return Ok(false);
+        }
+        let until = std::time::Instant::now() + spin;
+        loop {
+            if self.wait_readable(Duration::ZERO)? {
+                return Ok(true);
+            }
+            if std::time::Instant::now() >= until {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Waits until a receive socket or the waker is readable, at most
+    /// `timeout` (zero: only looks). True if one is.
+    fn wait_readable(&self, timeout: Duration) -> Result<bool, DriverError> {
         let pollfd = |fd| libc::pollfd {
             fd,
             events: libc::POLLIN,
             revents: 0,
         };
-        let mut pfd: Vec<libc::pollfd> = self
-            .recv
-            .iter()
-            .map(|r| pollfd(r.sock.as_raw_fd()))
-            .collect();
-        let wake_at = pfd.len();
-        if let Some(w) = &self.wake {
-            pfd.push(pollfd(w.fd()));
+        // One receive socket per plane, and the waker: no allocation, as a
+        // busy poll calls this again and again.
+        let mut pfd = [pollfd(-1); MAX_PLANES + 1];
+        let mut n = 0;
+        for r in self.recv.iter().take(MAX_PLANES) {
+            pfd[n] = pollfd(r.sock.as_raw_fd());
+            n += 1;
         }
-        let n = pfd.len() as libc::nfds_t;
+        let wake_at = n;
+        if let Some(w) = &self.wake {
+            pfd[n] = pollfd(w.fd());
+            n += 1;
+        }
+        let n = n as libc::nfds_t;
         let ts = libc::timespec {
             tv_sec: timeout.as_secs() as libc::time_t,
             tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
@@ -339,6 +373,6 @@ impl PortableDriver {
                 w.drain();
             }
         }
-        Ok(())
+        Ok(r > 0)
     }
 }

@@ -144,6 +144,8 @@ pub struct UringDriver {
     segments: usize,
     /// Wire bytes a turn queues before it submits ([`DriverConfig::turn_send_bytes`]).
     turn_send_bytes: usize,
+    /// [`DriverConfig::busy_poll`].
+    busy_poll: Duration,
     /// GSO still works (downgraded on EIO/EINVAL).
     gso: bool,
     /// Zero copy enabled and still working.
@@ -256,6 +258,7 @@ impl UringDriver {
             pinned: (0..n).map(|_| Vec::new()).collect(),
             segments,
             turn_send_bytes: cfg.turn_send_bytes,
+            busy_poll: cfg.busy_poll,
             gso,
             zc,
             zc_threshold: u.zero_copy_threshold,
@@ -343,6 +346,9 @@ impl UringDriver {
             if let Some(t) = self.faults.as_ref().and_then(|f| f.next_due()) {
                 wait = wait.min(self.clock.until(t));
             }
+            if !wait.is_zero() && self.busy_poll(wait)? {
+                return Ok(());
+            }
             if !wait.is_zero() {
                 self.set_timer(self.clock.now() + wait)?;
                 want = 1;
@@ -356,6 +362,47 @@ impl UringDriver {
             self.stats.submits += 1;
         }
         Ok(())
+    }
+
+    /// Before a turn sleeps ([`DriverConfig::busy_poll`]): watches the
+    /// completion queue and the kernel's "task work pending" flag (both in
+    /// memory shared with the kernel: no system call) for up to the
+    /// busy-poll time, at most `wait`. If something came, runs a turn for
+    /// it and returns true: the caller's turn is then over, without a sleep.
+    ///
+    /// A thread asleep in the kernel must be woken by whoever sends to it,
+    /// and on a virtual machine that wake (an inter-processor interrupt)
+    /// costs the sender more than its whole send: with the peer polling,
+    /// the sender only sets the flag (`docs/BENCHMARKS.md`, session 14).
+    fn busy_poll(&mut self, wait: Duration) -> Result<bool, DriverError> {
+        let spin = self.busy_poll.min(wait);
+        if spin.is_zero() {
+            return Ok(false);
+        }
+        // What the turn queued (answers, re-armed receives) goes out first.
+        self.ring.submit(0)?;
+        self.stats.submits += 1;
+        let until = std::time::Instant::now() + spin;
+        'spin: loop {
+            for _ in 0..64 {
+                if self.ring.pending() {
+                    break 'spin;
+                }
+                std::hint::spin_loop();
+            }
+            if std::time::Instant::now() >= until {
+                return Ok(false);
+            }
+        }
+        self.stats.busy_polls += 1;
+        // An enter runs the task work, which posts the completions.
+        self.ring.submit(0)?;
+        self.stats.submits += 1;
+        if self.work()? && self.ring.queued() {
+            self.ring.submit(0)?;
+            self.stats.submits += 1;
+        }
+        Ok(true)
     }
 
     /// Reaps completions, runs due timers, queues transmits and keeps the

@@ -494,12 +494,14 @@ impl Ring {
         max_msgs: usize,
     ) -> io::Result<Self> {
         // COOP_TASKRUN: completions are posted when we enter the kernel
-        // (every turn does) instead of interrupting the thread for each.
+        // (every turn does) instead of interrupting the thread for each;
+        // TASKRUN_FLAG says in the shared ring when such work waits, which
+        // is what a busy poll watches.
         let builder = |coop: bool| {
             let mut b = IoUring::builder();
             b.setup_cqsize(entries.saturating_mul(4));
             if coop {
-                b.setup_coop_taskrun();
+                b.setup_coop_taskrun().setup_taskrun_flag();
             }
             b.build(entries)
         };
@@ -715,6 +717,13 @@ impl Ring {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// Whether completions wait to be reaped, or task work to be run (by
+    /// the next enter) that will post some: what a busy poll watches,
+    /// without a system call.
+    pub(super) fn pending(&mut self) -> bool {
+        self.ring.submission().taskrun() || !self.ring.completion().is_empty()
     }
 
     /// Whether submissions are queued.
