@@ -4,11 +4,12 @@
 //! small-message latency.
 //!
 //! ```sh
-//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|sleeping|udp]]]
+//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|sleeping|udp|udp-gathered]]]
 //! ```
 //!
 //! With `metaroce`, `metaroce1` (the same stream over one path),
-//! `sleeping` (the stream without busy polling) or `udp` after the rounds,
+//! `sleeping` (the stream without busy polling), `udp` or `udp-gathered`
+//! (raw UDP laid out as metaroce sends, below) after the rounds,
 //! only that throughput test runs, round after round (what
 //! `scripts/cost-per-gbit.sh` profiles).
 //!
@@ -24,6 +25,11 @@
 //! fabric without ECMP, or `paths = 1`), which must not fall behind the
 //! sprayed one: its window once collapsed on a host whose threads sleep
 //! (`docs/BENCHMARKS.md`, session 13).
+//!
+//! Raw UDP is also sent the way metaroce's driver sends, each datagram's
+//! header and payload two pieces from apart that the kernel gathers as it
+//! copies (`udp_gathered_gbps`): what that layout alone costs, which no
+//! protocol that heads payloads it does not copy escapes.
 //!
 //! Prints each figure, metaroce's ratio to it and the CPU cycles each spent
 //! per byte (process CPU time × the nominal clock, both ends), round by
@@ -49,7 +55,7 @@ use metaroce_io::{connect_pair, Driver, DriverConfig};
 use metaroce_proto::verbs::*;
 use quinn_udp::{RecvMeta, Transmit, UdpSockRef, UdpSocketState};
 use std::io::{IoSliceMut, Read, Write};
-use std::net::{TcpListener, TcpStream, UdpSocket};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -189,7 +195,10 @@ fn tcp_gbps(secs: f64) -> Run {
     }
 }
 
-fn udp_gso_gbps(secs: f64) -> Run {
+/// Raw UDP with GSO/GRO: a receiving thread reads with GRO and counts the
+/// bytes while this thread calls `send` (one GSO send of up to 64 KiB to
+/// the given address, on the given socket) for `secs`.
+fn udp_stream(secs: f64, mut send: impl FnMut(&UdpSocket, SocketAddr)) -> Run {
     let rx = UdpSocket::bind("127.0.0.1:0").unwrap();
     let socket2 = socket2::SockRef::from(&rx);
     let _ = socket2.set_recv_buffer_size(8 << 20);
@@ -215,21 +224,10 @@ fn udp_gso_gbps(secs: f64) -> Run {
     });
     pin(Side::Sender);
     let tx = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let tx_state = UdpSocketState::new(UdpSockRef::from(&tx)).unwrap();
-    // A GSO send is at most one 64 KiB UDP payload.
-    let segs = tx_state.max_gso_segments().clamp(1, 65_507 / DATAGRAM);
-    let payload = vec![9u8; DATAGRAM * segs];
     let busy = Busy::start();
     let t0 = Instant::now();
     while t0.elapsed().as_secs_f64() < secs {
-        let t = Transmit {
-            destination: dst,
-            ecn: None,
-            contents: &payload,
-            segment_size: (segs > 1).then_some(DATAGRAM),
-            src_ip: None,
-        };
-        let _ = tx_state.try_send(UdpSockRef::from(&tx), &t);
+        send(&tx, dst);
     }
     let elapsed = t0.elapsed().as_secs_f64();
     let tx_busy = busy.fraction();
@@ -241,6 +239,86 @@ fn udp_gso_gbps(secs: f64) -> Run {
         busy: [tx_busy, rx_busy],
         recovery: None,
     }
+}
+
+/// The baseline: every GSO send one contiguous buffer of whole datagrams.
+fn udp_gso_gbps(secs: f64) -> Run {
+    let mut state = None;
+    let mut payload = Vec::new();
+    udp_stream(secs, |tx, dst| {
+        let st = state.get_or_insert_with(|| {
+            let st = UdpSocketState::new(UdpSockRef::from(tx)).unwrap();
+            // A GSO send is at most one 64 KiB UDP payload.
+            let segs = st.max_gso_segments().clamp(1, 65_507 / DATAGRAM);
+            payload = vec![9u8; DATAGRAM * segs];
+            st
+        });
+        let t = Transmit {
+            destination: dst,
+            ecn: None,
+            contents: &payload,
+            segment_size: (payload.len() > DATAGRAM).then_some(DATAGRAM),
+            src_ip: None,
+        };
+        let _ = st.try_send(UdpSockRef::from(tx), &t);
+    })
+}
+
+/// Raw UDP sent the way metaroce's io_uring driver sends: each datagram a
+/// 64-byte header from one buffer followed by a 4096-byte payload straight
+/// from a 1 MiB region (16 slots of 64 KiB, in turn), 15 datagrams (30
+/// pieces) per GSO `sendmsg`. The kernel gathers the pieces as it copies;
+/// what that costs against one contiguous buffer is the ceiling any
+/// protocol that puts its own header on payloads it does not copy works
+/// under.
+fn udp_gathered_gbps(secs: f64) -> Run {
+    const HEADER: usize = DATAGRAM - PAYLOAD;
+    const PAYLOAD: usize = 4096;
+    const SEGS: usize = 65_507 / DATAGRAM;
+    let headers = vec![1u8; HEADER * SEGS];
+    let region = vec![9u8; 16 << 16];
+    // The GSO segment size, as the cmsg UDP_SEGMENT (a u16).
+    let mut control = vec![0u8; 64];
+    // SAFETY: `control` is 64 bytes, more than CMSG_SPACE(2), and outlives
+    // the header that points at it; CMSG_FIRSTHDR of a msghdr whose
+    // control is that buffer is its start, where the cmsghdr and its 2
+    // data bytes are written (unaligned writes: a Vec<u8> is not aligned).
+    let control_len = unsafe {
+        let space = libc::CMSG_SPACE(2) as usize;
+        let mut m: libc::msghdr = std::mem::zeroed();
+        m.msg_control = control.as_mut_ptr().cast();
+        m.msg_controllen = space as _;
+        let c = libc::CMSG_FIRSTHDR(&m);
+        std::ptr::write_unaligned(
+            c,
+            libc::cmsghdr {
+                cmsg_len: libc::CMSG_LEN(2) as _,
+                cmsg_level: libc::SOL_UDP,
+                cmsg_type: libc::UDP_SEGMENT,
+            },
+        );
+        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), DATAGRAM as u16);
+        space
+    };
+    let mut slot = 0usize;
+    udp_stream(secs, |tx, dst| {
+        let base = (slot % 16) << 16;
+        slot += 1;
+        let pieces: Vec<std::io::IoSlice> = (0..SEGS)
+            .flat_map(|i| {
+                [
+                    std::io::IoSlice::new(&headers[i * HEADER..(i + 1) * HEADER]),
+                    std::io::IoSlice::new(&region[base + i * PAYLOAD..base + (i + 1) * PAYLOAD]),
+                ]
+            })
+            .collect();
+        let dst = socket2::SockAddr::from(dst);
+        let m = socket2::MsgHdr::new()
+            .with_addr(&dst)
+            .with_buffers(&pieces)
+            .with_control(&control[..control_len]);
+        let _ = socket2::SockRef::from(tx).sendmsg(&m, 0);
+    })
 }
 
 fn udp_ping_pong_us(rounds: usize) -> (f64, f64) {
@@ -576,7 +654,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Runs one throughput test alone, `rounds` times: `metaroce` (64 KiB
 /// WRITEs, payloads gathered, busy polling), `metaroce1` (the same over one
-/// path), `sleeping` (without busy polling) or `udp` (raw UDP with GSO/GRO).
+/// path), `sleeping` (without busy polling), `udp` (raw UDP with GSO/GRO) or
+/// `udp-gathered` (raw UDP laid out as metaroce sends).
 fn only_throughput(which: &str, secs: f64, rounds: usize) {
     let hz = cpu_hz();
     for round in 1..=rounds {
@@ -593,8 +672,9 @@ fn only_throughput(which: &str, secs: f64, rounds: usize) {
             }),
             "sleeping" => on_own_thread(|| metaroce_write_gbps(secs, Stream::SLEEPING)),
             "udp" => on_own_thread(|| udp_gso_gbps(secs)),
+            "udp-gathered" => on_own_thread(|| udp_gathered_gbps(secs)),
             other => panic!(
-                "unknown test {other:?}: metaroce, metaroce1 (one path), sleeping (no busy poll) or udp"
+                "unknown test {other:?}: metaroce, metaroce1 (one path), sleeping (no busy poll), udp or udp-gathered"
             ),
         };
         let c = run.cycles_per_byte(hz);
@@ -618,11 +698,12 @@ fn main() {
     // Alternating rounds, so that a noisy shared machine disturbs all
     // alike; the ratios are medians over the rounds' own ratios.
     let (mut r_udp, mut r_tcp, mut r_cyc, mut r_lat) = (vec![], vec![], vec![], vec![]);
-    let (mut r_gather, mut r_one, mut r_sleep) = (vec![], vec![], vec![]);
+    let (mut r_gather, mut r_one, mut r_sleep, mut r_layout) = (vec![], vec![], vec![], vec![]);
     let mut r_side = [vec![], vec![]];
     for round in 1..=rounds {
         let (tcp_run, tcp_c) = measured(|| on_own_thread(|| tcp_gbps(secs)));
         let (udp_run, udp_c) = measured(|| on_own_thread(|| udp_gso_gbps(secs)));
+        let udp_gathered = on_own_thread(|| udp_gathered_gbps(secs)).gbps;
         let (mr_run, mr_c) = measured(|| on_own_thread(|| metaroce_write_gbps(secs, Stream::MAIN)));
         let copied = Stream {
             gather: false,
@@ -637,12 +718,17 @@ fn main() {
         let sleeping = on_own_thread(|| metaroce_write_gbps(secs, Stream::SLEEPING)).gbps;
         let (tcp, udp, mr, mc) = (tcp_run.gbps, udp_run.gbps, mr_run.gbps, mc_run.gbps);
         println!("round {round}");
-        println!("  throughput (Gbit/s): metaroce WRITE 64 KiB {mr:.2} (payloads copied by the driver: {mc:.2}; one path: {one:.2}; drivers that sleep at once: {sleeping:.2}) | raw UDP GSO/GRO {udp:.2} | TCP {tcp:.2}");
+        println!("  throughput (Gbit/s): metaroce WRITE 64 KiB {mr:.2} (payloads copied by the driver: {mc:.2}; one path: {one:.2}; drivers that sleep at once: {sleeping:.2}) | raw UDP GSO/GRO {udp:.2} (sent as metaroce lays datagrams out, header and payload apart: {udp_gathered:.2}) | TCP {tcp:.2}");
         println!(
             "  metaroce / raw UDP = {:.2}   metaroce / TCP = {:.2}   gathered / copied = {:.2}",
             mr / udp,
             mr / tcp,
             mr / mc
+        );
+        println!(
+            "  raw UDP laid out as metaroce / raw UDP = {:.2}   metaroce / raw UDP laid out as metaroce = {:.2}",
+            udp_gathered / udp,
+            mr / udp_gathered
         );
         println!("  CPU cycles per byte (both ends): metaroce {mr_c:.2} (copied {mc_c:.2}) | raw UDP {udp_c:.2} | TCP {tcp_c:.2}");
         let busy = |r: Run| format!("{:.2}/{:.2}", r.busy[0], r.busy[1]);
@@ -684,6 +770,7 @@ fn main() {
         r_gather.push(mr / mc);
         r_one.push(one / udp);
         r_sleep.push(sleeping / udp);
+        r_layout.push(udp_gathered / udp);
     }
     println!(
         "medians over {rounds} rounds: metaroce/raw UDP {:.2}, metaroce/TCP {:.2}, cycles per byte metaroce/raw UDP {:.2}, 8 B RTT p50 metaroce/raw UDP {:.2}, gathered/copied {:.2}",
@@ -697,6 +784,10 @@ fn main() {
         "  one path (no spraying): metaroce/raw UDP {:.2}; drivers that sleep at once (no busy poll): {:.2}",
         median(r_one),
         median(r_sleep)
+    );
+    println!(
+        "  raw UDP laid out as metaroce (64-byte headers and 4 KiB payloads from apart, 30 pieces a send) / raw UDP: {:.2}",
+        median(r_layout)
     );
     let [rs, rr] = r_side;
     println!(
