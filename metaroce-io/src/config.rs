@@ -234,6 +234,10 @@ pub struct DriverStats {
     /// Turns whose busy poll found work before they slept
     /// ([`DriverConfig::busy_poll`]).
     pub busy_polls: u64,
+    /// Extra rounds of receive buffers read before timers that ran late
+    /// (io_uring only): what came while the thread was held up is read
+    /// before any retransmission timeout is judged.
+    pub late_drains: u64,
     /// Received datagrams dropped by the driver (truncated, or bad metadata).
     pub recv_dropped: u64,
     /// Datagrams received on each plane's address (plane 0 first; planes

@@ -503,6 +503,56 @@ fn arrival_stamps<D: IoDriver>(name: &str) {
     );
 }
 
+/// A sender held up past its retransmission timeouts (a stall of the
+/// host) reads the ACKs that came meanwhile before it judges any timeout:
+/// in its first turn after the stall no timeout fires, no packet is
+/// declared lost and no path fails. (The io_uring driver reads a few
+/// receive buffers a turn, here one; that turn must read on before its
+/// timers run.)
+fn a_held_up_sender_reads_its_acks_first<D: IoDriver>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    // One receive buffer on the sender: any two ACKs that wait are more
+    // than one turn's read.
+    let mut cfg_a = config(16);
+    cfg_a.uring.recv_buffers = 1;
+    let mut p = Pair::<D>::connect_with(cfg_a, config(16), LIMIT);
+    let w = p.post_write(8 << 20, 8);
+    while p.data_packets().1 < 1000 {
+        assert!(
+            p.start.elapsed() < LIMIT,
+            "{name}: the stream did not start"
+        );
+        p.a.poll(Duration::ZERO).unwrap();
+        p.b.poll(Duration::ZERO).unwrap();
+    }
+    // The sender sends a window's worth, then stalls for 20 ms (ten
+    // minimum RTOs) while the receiver reads it all and acknowledges it.
+    for _ in 0..16 {
+        p.a.poll(Duration::ZERO).unwrap();
+    }
+    let stall = Instant::now();
+    while stall.elapsed() < Duration::from_millis(20) {
+        p.b.poll(Duration::from_micros(200)).unwrap();
+    }
+    let conn = p.conn_a;
+    let before = p.a.endpoint().connection_stats(conn).unwrap();
+    p.a.poll(Duration::ZERO).unwrap();
+    let after = p.a.endpoint().connection_stats(conn).unwrap();
+    println!("{name}: {:?}", p.a.stats());
+    assert_eq!(
+        (after.rto_fires, after.packets_lost, after.path_failures),
+        (before.rto_fires, before.packets_lost, before.path_failures),
+        "{name}: the first turn after the stall judged timeouts before reading its ACKs"
+    );
+    assert!(
+        after.acks_received > before.acks_received,
+        "{name}: the ACKs were read"
+    );
+    p.finish_write(name, w);
+}
+
 macro_rules! suite {
     ($($test:ident),*) => {
         mod portable {
@@ -526,6 +576,7 @@ suite!(
     threaded_write_busy_poll,
     busy_poll_is_bounded_by_the_wait,
     answers_leave_within_the_same_poll,
+    a_held_up_sender_reads_its_acks_first,
     arrival_stamps
 );
 

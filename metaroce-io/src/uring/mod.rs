@@ -44,6 +44,12 @@ const GATHER_PIECES: usize = 32;
 const MAX_SEND: usize = 65_507;
 /// Largest GRO receive the kernel builds.
 const MAX_GRO_RECV: usize = 65_536;
+/// A due timer this late says the thread was held up (see
+/// `drain_before_late_timers`); a turn normally runs a timer within
+/// microseconds of its deadline.
+const LATE_TIMER: Duration = Duration::from_micros(250);
+/// Rounds of receive buffers read before late timers run, at most.
+const DRAIN_ROUNDS: u32 = 64;
 
 /// Whether this kernel can run the io_uring backend, probed once per process
 /// (ring creation, the opcodes used, a provided-buffer ring registration).
@@ -146,6 +152,9 @@ pub struct UringDriver {
     turn_send_bytes: usize,
     /// [`DriverConfig::busy_poll`].
     busy_poll: Duration,
+    /// A receive of this turn ended for lack of buffers: datagrams wait
+    /// in the socket.
+    recv_starved: bool,
     /// GSO still works (downgraded on EIO/EINVAL).
     gso: bool,
     /// Zero copy enabled and still working.
@@ -259,6 +268,7 @@ impl UringDriver {
             segments,
             turn_send_bytes: cfg.turn_send_bytes,
             busy_poll: cfg.busy_poll,
+            recv_starved: false,
             gso,
             zc,
             zc_threshold: u.zero_copy_threshold,
@@ -412,6 +422,7 @@ impl UringDriver {
         // together at its submission anyway.
         let now = self.clock.now();
         self.wall = None;
+        self.recv_starved = false;
         let mut progress = self.reap(now);
         if let Some(f) = &mut self.faults {
             progress |= f.release(now, &mut self.ep);
@@ -419,6 +430,7 @@ impl UringDriver {
         // Timers run after what already arrived: an ACK that is here must
         // not lose the race against a retransmission timeout.
         if self.ep.poll_timeout().is_some_and(|t| t <= now) {
+            self.drain_before_late_timers(now)?;
             // What the timers did (events, failed requests) is the caller's
             // to see before this turn may sleep.
             self.ep.handle_timeout(now);
@@ -432,6 +444,35 @@ impl UringDriver {
         }
         self.arm_wake()?;
         Ok(progress)
+    }
+
+    /// Before timers that are late run: if the thread was held up (a timer
+    /// overdue by [`LATE_TIMER`]: the host stalled it, or a turn ran long)
+    /// and the receive ran out of buffers, what waits in the socket came
+    /// during the hold-up and must be read first, or a retransmission
+    /// timeout fires for packets whose ACKs are here, unread, and paths
+    /// that delivered look dead. Reads at most [`DRAIN_ROUNDS`] more rounds
+    /// of buffers.
+    fn drain_before_late_timers(&mut self, now: Instant) -> Result<(), DriverError> {
+        let late = self
+            .ep
+            .poll_timeout()
+            .is_some_and(|t| now.saturating_since(t) >= LATE_TIMER);
+        let mut rounds = 0;
+        while late && self.recv_starved && rounds < DRAIN_ROUNDS {
+            self.recv_starved = false;
+            for (k, r) in self.recv.iter().enumerate() {
+                if self.ring.arm_recv(k, r.as_raw_fd())? {
+                    self.stats.recv_arms += 1;
+                }
+            }
+            self.ring.submit(0)?;
+            self.stats.submits += 1;
+            self.reap(now);
+            rounds += 1;
+            self.stats.late_drains += 1;
+        }
+        Ok(())
     }
 
     /// Makes sure a timer fires no later than `deadline`.
@@ -491,7 +532,9 @@ impl UringDriver {
         let r = c.result();
         if r < 0 {
             // ENOBUFS: every buffer was in use; the receive ended and is
-            // re-armed once they are back. ECANCELED: its thread exited.
+            // re-armed once they are back (more waits in the socket).
+            // ECANCELED: its thread exited.
+            self.recv_starved |= r == -libc::ENOBUFS;
             if r != -libc::ENOBUFS && r != -libc::ECANCELED {
                 tracing::debug!(error = %std::io::Error::from_raw_os_error(-r), "receive failed");
             }

@@ -95,6 +95,11 @@ pub(crate) struct PathTx {
     pub(crate) newest_delivered: Instant,
     /// Packets declared lost since the path last delivered one.
     pub(crate) consecutive_lost: u32,
+    /// Send time of the oldest of those packets: another path that
+    /// delivered a packet sent after it is evidence against this one; one
+    /// that delivered only older packets is not (it may simply have been
+    /// read first, as after a stall of the host every path's ACKs are).
+    pub(crate) first_lost_at: Option<Instant>,
     /// Window to restart from when a probe succeeds.
     restart_window: u64,
     /// A move to this source port is pending: the path takes no new packets
@@ -147,6 +152,7 @@ impl PathTx {
             last_delivery: Instant::ZERO,
             newest_delivered: Instant::ZERO,
             consecutive_lost: 0,
+            first_lost_at: None,
             restart_window: restart,
             move_to: None,
             late_floor: Duration::ZERO,
@@ -211,6 +217,7 @@ impl PathTx {
         self.last_delivery = now;
         self.backoff = 0;
         self.consecutive_lost = 0;
+        self.first_lost_at = None;
         if self.state == PathState::Probing {
             // The new route works: back to a normal share at once.
             self.state = PathState::Active;
@@ -309,10 +316,11 @@ impl PathTx {
         let slot = Self::slot(psn);
         let p = &mut self.ring[slot];
         p.lost = true;
-        let (bytes, csn) = (p.bytes, p.csn);
+        let (bytes, csn, sent_at) = (p.bytes, p.csn, p.sent_at);
         self.in_flight -= u64::from(bytes);
         self.stats.packets_lost += 1;
         self.consecutive_lost += 1;
+        self.first_lost_at = Some(self.first_lost_at.map_or(sent_at, |t| t.min(sent_at)));
         self.set_lost_slot(slot, true);
         csn
     }

@@ -224,13 +224,21 @@ impl Endpoint {
                 };
                 let silent = rtt
                     .is_some_and(|(s, var)| now.saturating_since(p.last_delivery) > (s + var) * 4);
+                // Another path delivered a packet sent after this one's
+                // first loss: the network carries what this route drops.
+                // (Packets sent before it say nothing: on a host that
+                // stalled, every path's ACKs wait in one socket and the
+                // first path read would otherwise fail all the others.)
+                let overtaken = p.first_lost_at.is_some_and(|lost| {
+                    c.paths_tx
+                        .iter()
+                        .enumerate()
+                        .any(|(j, o)| j != i && o.newest_delivered > lost)
+                });
                 p.state == crate::connection::PathState::Active
                     && silent
                     && p.consecutive_lost >= crate::consts::PATH_FAIL_LOSSES
-                    && c.paths_tx
-                        .iter()
-                        .enumerate()
-                        .any(|(j, o)| j != i && o.newest_delivered > p.newest_delivered)
+                    && overtaken
             })
             .collect();
         for pi in failing {
