@@ -394,3 +394,104 @@ pub fn handshake(
     }
     (ca, cb.expect("handshake"))
 }
+
+/// Two endpoints (4 paths, GSO batches of 15) joined by a connection, with
+/// one WRITE of `data` from `a` into a zeroed region of `b` posted: the
+/// set-up of the hand-driven tests that move the datagrams themselves.
+pub struct OneWrite {
+    pub a: Endpoint,
+    pub b: Endpoint,
+    pub a_addr: SocketAddr,
+    pub b_addr: SocketAddr,
+    pub ca: ConnectionHandle,
+    pub cb: ConnectionHandle,
+    /// `a`'s completion queue, where the WRITE completes.
+    pub cqa: CqHandle,
+    /// `b`'s region, where the data goes.
+    pub dst: MrInfo,
+    pub data: Vec<u8>,
+    pub now: Instant,
+}
+
+impl OneWrite {
+    /// Sets up with the endpoints' seeds `seeds` and posts the WRITE.
+    pub fn new(data: Vec<u8>, seeds: (u64, u64)) -> Self {
+        let (a_addr, b_addr): (SocketAddr, SocketAddr) = (
+            "10.0.0.1:4791".parse().unwrap(),
+            "10.0.0.2:4791".parse().unwrap(),
+        );
+        let cfg = EndpointConfig {
+            paths: 4,
+            max_gso_segments: 15,
+            ..EndpointConfig::default()
+        };
+        let mut a = Endpoint::new(cfg.clone(), seeds.0).unwrap();
+        let mut b = Endpoint::new(cfg, seeds.1).unwrap();
+        let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
+        let (cqa, cqb) = (a.create_cq(64), b.create_cq(64));
+        let len = data.len();
+        let src = a
+            .reg_mr(pa, data.clone().into_boxed_slice(), 0, AccessFlags::NONE)
+            .unwrap();
+        let dst = b
+            .reg_mr(
+                pb,
+                vec![0u8; len].into_boxed_slice(),
+                0,
+                AccessFlags::REMOTE_WRITE,
+            )
+            .unwrap();
+        let qa = a.create_qp(QpInit::new(pa, cqa, cqa)).unwrap();
+        let qb = b.create_qp(QpInit::new(pb, cqb, cqb)).unwrap();
+        let now = Instant::from_nanos(1_000_000);
+        let (ca, cb) = handshake(&mut a, &mut b, a_addr, b_addr, now);
+        a.connect_qp(qa, ca, qb).unwrap();
+        b.connect_qp(qb, cb, qa).unwrap();
+        let wr = SendWr::new(
+            1,
+            SendOp::Write(RemoteAddr {
+                rkey: dst.rkey,
+                addr: 0,
+            }),
+            Sge {
+                lkey: src.lkey,
+                addr: 0,
+                len: len as u32,
+            },
+        );
+        a.post_send(now, qa, wr).unwrap();
+        OneWrite {
+            a,
+            b,
+            a_addr,
+            b_addr,
+            ca,
+            cb,
+            cqa,
+            dst,
+            data,
+            now,
+        }
+    }
+
+    /// Runs both endpoints' timers that are due at `self.now`.
+    pub fn run_timers(&mut self) {
+        let now = self.now;
+        for ep in [&mut self.a, &mut self.b] {
+            if ep.poll_timeout().is_some_and(|t| t <= now) {
+                ep.handle_timeout(now);
+            }
+        }
+    }
+
+    /// Checks that the WRITE completed successfully in `wcs` and that every
+    /// byte arrived.
+    pub fn check_done(&self, wcs: &[WorkCompletion]) {
+        assert_eq!(wcs.len(), 1, "the WRITE completed");
+        assert_eq!(wcs[0].status, WcStatus::Success);
+        assert!(
+            self.b.mr(self.dst.lkey).unwrap() == &self.data[..],
+            "every byte arrived"
+        );
+    }
+}
