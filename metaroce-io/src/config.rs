@@ -167,8 +167,9 @@ pub struct DriverConfig {
     /// it sleeps; zero (the default): it sleeps at once.
     ///
     /// Polling spends the thread's CPU while it waits, and spares the
-    /// sender the cost of waking it: on loopback, 50 µs on both sides of a
-    /// 64 KiB WRITE stream moved about 7% more bytes
+    /// sender the cost of waking it: on loopback with a thread per side,
+    /// 50 µs took one-at-a-time 8 B SENDs from 0.025 to 0.087 million a
+    /// second, and a 64 KiB WRITE stream a few percent at most
     /// (`docs/BENCHMARKS.md`, session 14). Use it when each driver has a
     /// core of its own; never when one thread polls several drivers in
     /// turn (one driver's spin then holds up the others).

@@ -310,8 +310,6 @@ impl PortableDriver {
         }
     }
 
-    /// Blocks until a receive socket is readable, the waker fires or
-    /// `timeout` passes.
     /// Before a turn sleeps ([`DriverConfig::busy_poll`]): asks the kernel,
     /// without waiting, whether a socket or the waker is readable, again
     /// and again for up to the busy-poll time (at most `wait`). True if one

@@ -395,7 +395,13 @@ impl UringDriver {
         let until = std::time::Instant::now() + spin;
         'spin: loop {
             for _ in 0..64 {
-                if self.ring.pending() {
+                if self.ring.completions_ready() {
+                    break 'spin;
+                }
+                if self.ring.task_work_pending() {
+                    // An enter runs the task work, which posts the completions.
+                    self.ring.submit(0)?;
+                    self.stats.submits += 1;
                     break 'spin;
                 }
                 std::hint::spin_loop();
@@ -405,9 +411,6 @@ impl UringDriver {
             }
         }
         self.stats.busy_polls += 1;
-        // An enter runs the task work, which posts the completions.
-        self.ring.submit(0)?;
-        self.stats.submits += 1;
         if self.work()? && self.ring.queued() {
             self.ring.submit(0)?;
             self.stats.submits += 1;

@@ -719,11 +719,16 @@ impl Ring {
         }
     }
 
-    /// Whether completions wait to be reaped, or task work to be run (by
-    /// the next enter) that will post some: what a busy poll watches,
-    /// without a system call.
-    pub(super) fn pending(&mut self) -> bool {
-        self.ring.submission().taskrun() || !self.ring.completion().is_empty()
+    /// Whether completions wait to be reaped (read in shared memory, no
+    /// system call).
+    pub(super) fn completions_ready(&mut self) -> bool {
+        !self.ring.completion().is_empty()
+    }
+
+    /// Whether the kernel holds task work that the next enter runs and that
+    /// posts completions (`IORING_SQ_TASKRUN`, in shared memory).
+    pub(super) fn task_work_pending(&mut self) -> bool {
+        self.ring.submission().taskrun()
     }
 
     /// Whether submissions are queued.
