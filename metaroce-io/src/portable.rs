@@ -171,11 +171,16 @@ impl PortableDriver {
                 wait = wait.min(self.clock.until(t));
             }
             if !wait.is_zero() {
+                let deadline = self.clock.now() + wait;
                 if self.busy_poll(wait)? {
                     self.stats.busy_polls += 1;
                 } else {
-                    self.stats.waits += 1;
-                    self.wait_readable(wait)?;
+                    // What the busy poll spent counts against the wait.
+                    let left = self.clock.until(deadline);
+                    if !left.is_zero() {
+                        self.stats.waits += 1;
+                        self.wait_readable(left)?;
+                    }
                 }
                 self.receive()?;
                 self.release();

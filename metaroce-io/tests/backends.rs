@@ -252,17 +252,45 @@ fn threaded_write<D: IoDriver + Send + 'static>(name: &str) {
 }
 
 /// [`threaded_write`] with drivers that busy-poll before they sleep: the
-/// data still arrives intact, and turns find work while they poll (the
-/// server's turns between the client's batches, at least).
+/// data still arrives intact. (Whether a poll finds work here depends on
+/// the machine's load; `busy_poll_finds_a_datagram` checks that it does.)
 fn threaded_write_busy_poll<D: IoDriver + Send + 'static>(name: &str) {
     if !runnable(name) {
         return;
     }
     let (sa, sb) = threaded_write_polling::<D>(name, Duration::from_millis(20));
     println!("{name}: client {sa:?}\nserver {sb:?}");
+}
+
+/// A driver polling for a second finds a datagram that comes 20 ms into
+/// its turn: the turn ends then, without a sleep, counted as a busy poll.
+fn busy_poll_finds_a_datagram<D: IoDriver>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    let mut cfg = config(1);
+    cfg.busy_poll = Duration::from_secs(1);
+    let mut a = D::bind(cfg).unwrap();
+    // A first turn arms the receive.
+    a.poll(Duration::ZERO).unwrap();
+    let to = a.local_addr();
+    let sender = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(20));
+        let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        // Not metaroce: the endpoint rejects it, after the driver read it.
+        s.send_to(b"not a metaroce datagram", to).unwrap();
+    });
+    let t0 = Instant::now();
+    a.poll(Duration::from_secs(2)).unwrap();
+    let took = t0.elapsed();
+    sender.join().unwrap();
+    let st = a.stats();
+    assert_eq!(st.busy_polls, 1, "{name}: the poll found it: {st:?}");
+    assert_eq!(st.waits, 0, "{name}: no sleep: {st:?}");
+    assert_eq!(st.datagrams_received, 1, "{name}: {st:?}");
     assert!(
-        sa.busy_polls + sb.busy_polls > 0,
-        "{name}: no turn found work while it polled"
+        took < Duration::from_millis(900),
+        "{name}: the turn ended when the datagram came, after {took:?}"
     );
 }
 
@@ -574,6 +602,7 @@ suite!(
     timers_wake_the_wait,
     threaded_write,
     threaded_write_busy_poll,
+    busy_poll_finds_a_datagram,
     busy_poll_is_bounded_by_the_wait,
     answers_leave_within_the_same_poll,
     a_held_up_sender_reads_its_acks_first,

@@ -356,13 +356,17 @@ impl UringDriver {
             if let Some(t) = self.faults.as_ref().and_then(|f| f.next_due()) {
                 wait = wait.min(self.clock.until(t));
             }
-            if !wait.is_zero() && self.busy_poll(wait)? {
-                return Ok(());
-            }
             if !wait.is_zero() {
-                self.set_timer(self.clock.now() + wait)?;
-                want = 1;
-                self.stats.waits += 1;
+                let deadline = self.clock.now() + wait;
+                if self.busy_poll(wait)? {
+                    return Ok(());
+                }
+                // What the busy poll spent counts against the wait.
+                if !self.clock.until(deadline).is_zero() {
+                    self.set_timer(deadline)?;
+                    want = 1;
+                    self.stats.waits += 1;
+                }
             }
         }
         self.ring.submit(want)?;
