@@ -213,6 +213,11 @@ fn a_failed_plane_loses_nothing_and_carries_only_probes() {
     let mark = n.seen.len();
     write_all(&mut n, qa, ca, lkey, dst, 3);
     assert_eq!(n.ep[0].qp_state(qa), Some(QpState::Rts));
+    // Then 20 ms more (ten probe timeouts or so) for the probes to show.
+    let until = n.now + std::time::Duration::from_millis(20);
+    while n.now < until {
+        n.step();
+    }
     let after = &n.seen[mark..];
     let bytes = |plane: u8| -> usize {
         after

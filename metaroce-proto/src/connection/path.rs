@@ -533,6 +533,23 @@ impl PathTx {
         n
     }
 
+    /// Declares lost the oldest outstanding packet alone (a timeout while
+    /// the whole connection is silent: it goes again as a probe).
+    pub(crate) fn expire_oldest(&mut self, mut out: impl FnMut(PathEvent)) -> usize {
+        let mut psn = self.una;
+        while psn != self.next_psn {
+            let p = &self.ring[Self::slot(psn)];
+            if !p.acked && !p.lost {
+                let csn = self.mark_lost(psn);
+                out(PathEvent::Lost { csn });
+                self.advance_una();
+                return 1;
+            }
+            psn = psn.wrapping_add(1);
+        }
+        0
+    }
+
     pub(crate) fn snapshot(&self) -> PathStats {
         PathStats {
             srtt_ns: self.rtt.srtt().map_or(0, crate::time::nanos),

@@ -515,14 +515,29 @@ impl Endpoint {
             let others_deliver =
                 last_delivery_elsewhere(&c.paths_tx, pi).is_some_and(|t| t > oldest);
             let probing = p.state == crate::connection::PathState::Probing;
+            // Nothing sent since this path's oldest packet got through on
+            // any path: the whole connection is silent. The peer or this
+            // host stalled (their packets wait in a socket, and their ACKs
+            // come when it ends), or every route failed at once. Only the
+            // oldest packet goes again, as a probe; the others wait: they
+            // are acknowledged when the stall ends, or declared lost by
+            // time (PROTOCOL §13.3) once the probe's ACK shows that a
+            // later packet got through. A stall no longer sends a window
+            // again.
+            let silent = !others_deliver && p.newest_delivered <= oldest;
             let cutoff =
                 Instant::from_nanos(now.as_nanos().saturating_sub(crate::time::nanos(rto)));
             let p = &mut c.paths_tx[pi];
-            p.expire(cutoff, |e| {
+            let mut on_lost = |e| {
                 if let PathEvent::Lost { csn } = e {
                     lost.push(csn);
                 }
-            });
+            };
+            if silent && !probing {
+                p.expire_oldest(&mut on_lost);
+            } else {
+                p.expire(cutoff, &mut on_lost);
+            }
             p.backoff += 1;
             fired = true;
             // A second timeout in a row while other paths deliver, or a
