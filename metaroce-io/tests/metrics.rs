@@ -126,6 +126,8 @@ fn live_transfer_then_scrape() {
         "metaroce_path_srtt_seconds",
         "metaroce_driver_datagrams_sent_total",
         "metaroce_driver_faults_dropped_total",
+        "metaroce_driver_busy_polls_total",
+        "metaroce_driver_late_drains_total",
     ] {
         assert!(
             body.contains(&format!("# TYPE {name} ")),
