@@ -28,10 +28,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (c, s) = (client.endpoint(), server.endpoint());
     let (pdc, pds) = (c.alloc_pd(), s.alloc_pd());
     let (cqc, cqs) = (c.create_cq(256), s.create_cq(256));
-    let src = c.reg_mr(pdc, data.clone().into_boxed_slice(), 0, AccessFlags::NONE)?;
+    let src = c.reg_mr(pdc, RegionBuf::copy_of(&data), 0, AccessFlags::NONE)?;
     let dst = s.reg_mr(
         pds,
-        vec![0u8; len].into_boxed_slice(),
+        RegionBuf::zeroed(len),
         0x10_0000_0000,
         AccessFlags::REMOTE_WRITE,
     )?;

@@ -447,7 +447,7 @@ fn metaroce_write_gbps(secs: f64, stream: Stream) -> Run {
         .endpoint()
         .reg_mr(
             pda,
-            vec![3u8; 16 * size].into_boxed_slice(),
+            RegionBuf::copy_of(&vec![3u8; 16 * size]),
             0,
             AccessFlags::NONE,
         )
@@ -456,7 +456,7 @@ fn metaroce_write_gbps(secs: f64, stream: Stream) -> Run {
         .endpoint()
         .reg_mr(
             pdb,
-            vec![0u8; 16 * size].into_boxed_slice(),
+            RegionBuf::zeroed(16 * size),
             0,
             AccessFlags::REMOTE_WRITE,
         )

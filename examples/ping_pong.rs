@@ -22,7 +22,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let cq = e.create_cq(64);
         let mr = e.reg_mr(
             pd,
-            vec![0u8; 2 * size.max(1) as usize].into_boxed_slice(),
+            RegionBuf::zeroed(2 * size.max(1) as usize),
             0,
             AccessFlags::LOCAL_WRITE,
         )?;

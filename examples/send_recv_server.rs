@@ -29,7 +29,7 @@
 
 use metaroce_io::{
     AccessFlags, ApiError, Connection, Device, DriverConfig, MemoryRegion, QpEndpoint, QueuePair,
-    RecvWr, SendOp, SendWr, WcOpcode, WcStatus,
+    RecvWr, RegionBuf, SendOp, SendWr, WcOpcode, WcStatus,
 };
 use std::error::Error;
 use std::net::SocketAddr;
@@ -144,9 +144,11 @@ async fn session(dev: Device, mut tcp: TcpStream, handshake: Arc<Mutex<()>>) -> 
     );
     let qp = pd.create_qp(&send_cq, &recv_cq).await?;
     let inbox = pd
-        .reg_mr(vec![0u8; DEPTH * MAX], AccessFlags::LOCAL_WRITE)
+        .reg_mr(RegionBuf::zeroed(DEPTH * MAX), AccessFlags::LOCAL_WRITE)
         .await?;
-    let outbox = pd.reg_mr(vec![0u8; DEPTH * MAX], AccessFlags::NONE).await?;
+    let outbox = pd
+        .reg_mr(RegionBuf::zeroed(DEPTH * MAX), AccessFlags::NONE)
+        .await?;
     qp.connect(&conn, client.qpn()).await?;
     for slot in 0..DEPTH {
         post_recv(&qp, &inbox, slot).await?;
@@ -244,9 +246,11 @@ async fn client(server: SocketAddr, requests: u32, size: usize) -> Result<Report
         dev.create_cq(4 * DEPTH).await?,
     );
     let qp = pd.create_qp(&send_cq, &recv_cq).await?;
-    let reqs = pd.reg_mr(vec![0u8; DEPTH * MAX], AccessFlags::NONE).await?;
+    let reqs = pd
+        .reg_mr(RegionBuf::zeroed(DEPTH * MAX), AccessFlags::NONE)
+        .await?;
     let replies = pd
-        .reg_mr(vec![0u8; DEPTH * MAX], AccessFlags::LOCAL_WRITE)
+        .reg_mr(RegionBuf::zeroed(DEPTH * MAX), AccessFlags::LOCAL_WRITE)
         .await?;
 
     // Out of band: our QP, the go-ahead, the connection, the server's QP.

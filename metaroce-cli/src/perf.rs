@@ -562,7 +562,7 @@ impl Requester {
         let local_slots = lay.qps * lay.per_qp;
         let mr = ep.reg_mr(
             pd,
-            vec![0u8; (local_slots * p.size).max(1) as usize].into_boxed_slice(),
+            RegionBuf::zeroed((local_slots * p.size).max(1) as usize),
             0,
             AccessFlags::LOCAL_WRITE,
         )?;
@@ -714,7 +714,7 @@ impl Responder {
         let (size, slots) = (p.size, lay.slots);
         let mr = ep.reg_mr(
             pd,
-            vec![0u8; (slots * size).max(1) as usize].into_boxed_slice(),
+            RegionBuf::zeroed((slots * size).max(1) as usize),
             0x1000_0000,
             AccessFlags::ALL,
         )?;

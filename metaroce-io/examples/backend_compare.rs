@@ -83,7 +83,7 @@ fn stream(backend: Backend, msg: usize, secs: f64, zero_copy: bool) -> Result<Ru
         let cq = ep.create_cq(64);
         let mr = ep.reg_mr(
             pd,
-            vec![0u8; DEPTH as usize * msg].into_boxed_slice(),
+            RegionBuf::zeroed(DEPTH as usize * msg),
             0x1000_0000,
             AccessFlags::REMOTE_WRITE,
         )?;
@@ -123,7 +123,7 @@ fn stream(backend: Backend, msg: usize, secs: f64, zero_copy: bool) -> Result<Ru
     let cq = ep.create_cq(64);
     let src = ep.reg_mr(
         pd,
-        vec![0x5au8; DEPTH as usize * msg].into_boxed_slice(),
+        RegionBuf::copy_of(&vec![0x5au8; DEPTH as usize * msg]),
         0,
         AccessFlags::NONE,
     )?;

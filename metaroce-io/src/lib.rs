@@ -78,7 +78,7 @@ pub use uring::{uring_probe, UringCaps, UringDriver, ZC_COPIED_LIMIT};
 pub use waker::Waker;
 
 pub use metaroce_proto::verbs::{
-    AccessFlags, RecvWr, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+    AccessFlags, RecvWr, RegionBuf, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
 };
 use metaroce_proto::{Endpoint, Instant};
 use std::net::SocketAddr;

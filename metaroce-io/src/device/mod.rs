@@ -59,7 +59,7 @@
 //! # Example
 //!
 //! ```no_run
-//! use metaroce_io::{AccessFlags, Device, DriverConfig};
+//! use metaroce_io::{AccessFlags, Device, DriverConfig, RegionBuf};
 //! # async fn demo() -> Result<(), metaroce_io::ApiError> {
 //! let server = Device::open(DriverConfig::new("127.0.0.1:0".parse().unwrap())).await?;
 //! let client = Device::open(DriverConfig::new("127.0.0.1:0".parse().unwrap())).await?;
@@ -71,7 +71,7 @@
 //! let qp_c = pd_c.create_qp(&cq_c, &cq_c).await?;
 //! let qp_s = pd_s.create_qp(&cq_s, &cq_s).await?;
 //! // Out of band: QP endpoints and the target region cross to the peer.
-//! let target = pd_s.reg_mr(vec![0u8; 1 << 20], AccessFlags::REMOTE_WRITE).await?;
+//! let target = pd_s.reg_mr(RegionBuf::zeroed(1 << 20), AccessFlags::REMOTE_WRITE).await?;
 //! let (ep_c, ep_s, remote) = (qp_c.endpoint(), qp_s.endpoint(), target.remote());
 //! qp_c.connect(&conn_c, ep_s.qpn()).await?;
 //! qp_s.connect(&conn_s, ep_c.qpn()).await?;
@@ -367,7 +367,9 @@ impl Drop for ProtectionDomain {
 impl ProtectionDomain {
     /// Registers `buf` as a memory region (`ibv_reg_mr`); the endpoint owns
     /// it until [`MemoryRegion::dereg`]. Its virtual address is chosen by
-    /// the endpoint (a distinct range per region).
+    /// the endpoint (a distinct range per region). [`RegionBuf::zeroed`]
+    /// gives page-aligned memory, as regions should have; a `Vec<u8>` or
+    /// `Box<[u8]>` is taken as it is.
     ///
     /// `access` is what the peer may do (`REMOTE_WRITE`, `REMOTE_READ`) and
     /// whether this side's own requests may write into it: a region a
@@ -375,7 +377,7 @@ impl ProtectionDomain {
     /// without it is refused with [`VerbsError::InvalidKey`]).
     pub async fn reg_mr(
         &self,
-        buf: impl Into<Box<[u8]>>,
+        buf: impl Into<RegionBuf>,
         access: AccessFlags,
     ) -> Result<MemoryRegion, ApiError> {
         // Each region gets its own 1 TiB-aligned virtual range, so that an
@@ -388,7 +390,7 @@ impl ProtectionDomain {
     /// Registers `buf` with byte 0 at virtual address `addr` (an iova).
     pub async fn reg_mr_at(
         &self,
-        buf: impl Into<Box<[u8]>>,
+        buf: impl Into<RegionBuf>,
         addr: u64,
         access: AccessFlags,
     ) -> Result<MemoryRegion, ApiError> {
@@ -528,7 +530,7 @@ impl MemoryRegion {
 
     /// Deregisters the region and gives its buffer back; fails (and keeps
     /// the region) while requests still use it.
-    pub async fn dereg(mut self) -> Result<Box<[u8]>, ApiError> {
+    pub async fn dereg(mut self) -> Result<RegionBuf, ApiError> {
         let lkey = self.info.lkey;
         let buf = self.dev.call(|r| Command::DeregMr(lkey, r)).await;
         if buf.is_ok() {

@@ -53,12 +53,12 @@ pub(super) enum Command {
     DeallocPd(PdHandle),
     RegMr {
         pd: PdHandle,
-        buf: Box<[u8]>,
+        buf: RegionBuf,
         addr: u64,
         access: AccessFlags,
         reply: Reply<MrInfo>,
     },
-    DeregMr(u32, Reply<Box<[u8]>>),
+    DeregMr(u32, Reply<RegionBuf>),
     DropMr(u32),
     ReadMr {
         lkey: u32,
@@ -115,7 +115,7 @@ pub(super) struct Worker {
     zombies_pd: Vec<PdHandle>,
     /// Deregistrations waiting for the driver's last send from the region
     /// (a gathered payload still with the kernel, microseconds at most).
-    deregs: Vec<(u32, Reply<Box<[u8]>>)>,
+    deregs: Vec<(u32, Reply<RegionBuf>)>,
     scratch: Vec<WorkCompletion>,
 }
 
@@ -412,7 +412,7 @@ impl Worker {
 
 /// Deregisters `lkey` and answers `r`, unless the driver is still sending
 /// from the region: then hands both back, to try again after a poll.
-fn try_dereg(ep: &mut Endpoint, lkey: u32, r: Reply<Box<[u8]>>) -> Option<(u32, Reply<Box<[u8]>>)> {
+fn try_dereg(ep: &mut Endpoint, lkey: u32, r: Reply<RegionBuf>) -> Option<(u32, Reply<RegionBuf>)> {
     match ep.dereg_mr(lkey) {
         Err(VerbsError::MrSending(_)) => Some((lkey, r)),
         res => {

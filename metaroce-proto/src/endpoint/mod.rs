@@ -14,7 +14,7 @@ use crate::time::Instant;
 use crate::verbs::qp::{consumes_recv, Qp, SendWqe};
 use crate::verbs::{
     AccessFlags, CompletionQueue, ConnectionHandle, CqHandle, MrInfo, MrTable, PdHandle, QpAttrs,
-    QpInit, QpState, Qpn, RecvWr, SendOp, SendWr, VerbsError, WcStatus, WorkCompletion,
+    QpInit, QpState, Qpn, RecvWr, RegionBuf, SendOp, SendWr, VerbsError, WcStatus, WorkCompletion,
 };
 use crate::wire::CloseCode;
 use std::collections::{BTreeSet, HashMap, VecDeque};
@@ -516,22 +516,36 @@ impl Endpoint {
 
     /// Registers `buf` as a memory region whose byte 0 has virtual address
     /// `addr` (`ibv_reg_mr` with an iova). The endpoint owns the buffer
-    /// until [`dereg_mr`](Self::dereg_mr) returns it.
+    /// until [`dereg_mr`](Self::dereg_mr) returns it. A
+    /// [`RegionBuf::zeroed`] buffer starts on a page, as regions should; a
+    /// `Box<[u8]>` or `Vec<u8>` is taken as it is.
+    ///
+    /// ```
+    /// use metaroce_proto::verbs::{AccessFlags, RegionBuf};
+    /// use metaroce_proto::{Endpoint, EndpointConfig};
+    /// let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+    /// let pd = ep.alloc_pd();
+    /// let mr = ep
+    ///     .reg_mr(pd, RegionBuf::zeroed(1 << 20), 0, AccessFlags::REMOTE_WRITE)
+    ///     .unwrap();
+    /// assert_eq!(mr.len, 1 << 20);
+    /// assert!(ep.dereg_mr(mr.lkey).unwrap().is_page_aligned());
+    /// ```
     pub fn reg_mr(
         &mut self,
         pd: PdHandle,
-        buf: Box<[u8]>,
+        buf: impl Into<RegionBuf>,
         addr: u64,
         access: AccessFlags,
     ) -> Result<MrInfo, VerbsError> {
         self.check_pd(pd)?;
         let salt = self.rng.next_u32();
-        self.mrs.register(pd, buf, addr, access, salt)
+        self.mrs.register(pd, buf.into(), addr, access, salt)
     }
 
     /// Deregisters a region and hands its buffer back. Fails while work
     /// requests or READ responses still reference it.
-    pub fn dereg_mr(&mut self, lkey: u32) -> Result<Box<[u8]>, VerbsError> {
+    pub fn dereg_mr(&mut self, lkey: u32) -> Result<RegionBuf, VerbsError> {
         self.mrs.deregister(lkey)
     }
 

@@ -11,11 +11,13 @@
 mod cq;
 mod mr;
 pub(crate) mod qp;
+mod region_buf;
 
 pub(crate) use cq::CompletionQueue;
 pub use mr::MrInfo;
 pub(crate) use mr::MrTable;
 pub use qp::{QpAttrs, QpState};
+pub use region_buf::RegionBuf;
 
 use core::time::Duration;
 

@@ -1,6 +1,6 @@
 //! Memory regions and their keys.
 
-use super::{AccessFlags, PdHandle, VerbsError};
+use super::{AccessFlags, PdHandle, RegionBuf, VerbsError};
 use crate::endpoint::RegionPin;
 use core::ops::Range;
 use core::sync::atomic::{AtomicU64, Ordering};
@@ -28,7 +28,7 @@ pub struct MrInfo {
 pub(crate) struct MemoryRegion {
     pub(crate) pd: PdHandle,
     pub(crate) info: MrInfo,
-    pub(crate) buf: Box<[u8]>,
+    pub(crate) buf: RegionBuf,
     /// Outstanding work requests and READ responses that reference the region.
     pub(crate) refs: u32,
     /// Gathered transmits the driver still sends from the region
@@ -88,7 +88,7 @@ impl MrTable {
     pub(crate) fn register(
         &mut self,
         pd: PdHandle,
-        buf: Box<[u8]>,
+        buf: RegionBuf,
         addr: u64,
         access: AccessFlags,
         key_salt: u32,
@@ -130,7 +130,7 @@ impl MrTable {
         Ok(info)
     }
 
-    pub(crate) fn deregister(&mut self, lkey: u32) -> Result<Box<[u8]>, VerbsError> {
+    pub(crate) fn deregister(&mut self, lkey: u32) -> Result<RegionBuf, VerbsError> {
         let idx = (lkey & INDEX_MASK) as usize;
         match self.slots.get(idx) {
             Some(Some(mr)) if mr.info.lkey == lkey => {
@@ -244,13 +244,7 @@ mod tests {
         let mut t = MrTable::new();
         let pd = PdHandle(0);
         let a = t
-            .register(
-                pd,
-                vec![0u8; 100].into_boxed_slice(),
-                0x1000,
-                AccessFlags::ALL,
-                7,
-            )
+            .register(pd, RegionBuf::zeroed(100), 0x1000, AccessFlags::ALL, 7)
             .unwrap();
         assert_ne!(a.lkey, a.rkey);
         assert!(t.by_rkey(a.lkey).is_none());
@@ -287,12 +281,12 @@ mod tests {
         assert!(t.deregister(a.lkey).is_ok());
         assert!(t.by_lkey(a.lkey).is_none());
         let b = t
-            .register(pd, vec![0u8; 8].into_boxed_slice(), 0, AccessFlags::NONE, 7)
+            .register(pd, RegionBuf::zeroed(8), 0, AccessFlags::NONE, 7)
             .unwrap();
         assert_ne!(a.lkey, b.lkey, "a reused slot gets a new key");
         assert!(t.by_rkey(a.rkey).is_none());
         assert!(t
-            .register(pd, Vec::new().into_boxed_slice(), 0, AccessFlags::NONE, 1)
+            .register(pd, RegionBuf::default(), 0, AccessFlags::NONE, 1)
             .is_err());
     }
 }
