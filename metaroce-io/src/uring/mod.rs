@@ -444,11 +444,7 @@ impl UringDriver {
             progress = true;
         }
         progress |= self.flush(now)?;
-        for (k, r) in self.recv.iter().enumerate() {
-            if self.ring.arm_recv(k, r.as_raw_fd())? {
-                self.stats.recv_arms += 1;
-            }
-        }
+        self.arm_receives()?;
         self.arm_wake()?;
         Ok(progress)
     }
@@ -468,16 +464,23 @@ impl UringDriver {
         let mut rounds = 0;
         while late && self.recv_starved && rounds < DRAIN_ROUNDS {
             self.recv_starved = false;
-            for (k, r) in self.recv.iter().enumerate() {
-                if self.ring.arm_recv(k, r.as_raw_fd())? {
-                    self.stats.recv_arms += 1;
-                }
-            }
+            self.arm_receives()?;
             self.ring.submit(0)?;
             self.stats.submits += 1;
             self.reap(now);
             rounds += 1;
             self.stats.late_drains += 1;
+        }
+        Ok(())
+    }
+
+    /// Keeps a multishot receive armed on every plane's socket (one that
+    /// ended, for lack of buffers or otherwise, is queued again).
+    fn arm_receives(&mut self) -> Result<(), DriverError> {
+        for (k, r) in self.recv.iter().enumerate() {
+            if self.ring.arm_recv(k, r.as_raw_fd())? {
+                self.stats.recv_arms += 1;
+            }
         }
         Ok(())
     }
