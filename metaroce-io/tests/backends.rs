@@ -822,38 +822,7 @@ fn dropping_mid_transfer_waits_for_the_kernel() {
     // Start a transfer, stop half-way and drop both drivers while sends and
     // the multishot receive are in flight: `Drop` cancels and drains.
     let mut p = pair::<UringDriver>(config(16));
-    let src =
-        p.a.endpoint()
-            .reg_mr(
-                p.pda,
-                vec![7u8; 8 << 20].into_boxed_slice(),
-                0,
-                AccessFlags::NONE,
-            )
-            .unwrap();
-    let dst =
-        p.b.endpoint()
-            .reg_mr(
-                p.pdb,
-                vec![0u8; 8 << 20].into_boxed_slice(),
-                0,
-                AccessFlags::REMOTE_WRITE,
-            )
-            .unwrap();
-    let now = p.a.now();
-    let wr = SendWr::new(
-        1,
-        SendOp::Write(RemoteAddr {
-            rkey: dst.rkey,
-            addr: 0,
-        }),
-        Sge {
-            lkey: src.lkey,
-            addr: 0,
-            len: 8 << 20,
-        },
-    );
-    p.a.endpoint().post_send(now, p.qa, wr).unwrap();
+    let _write = p.post_write(8 << 20, 1);
     for _ in 0..50 {
         p.a.poll(Duration::ZERO).unwrap();
         p.b.poll(Duration::ZERO).unwrap();
