@@ -68,6 +68,18 @@ pub struct EndpointConfig {
     pub max_gso_segments: usize,
     /// Inbound capacity the receiver shares among its senders (kbit/s); `None`: grant no limit.
     pub receiver_capacity_kbps: Option<u64>,
+    /// Bytes of arriving datagrams this endpoint's host holds for it until
+    /// it reads them (its sockets' receive buffers). When set, every ACK
+    /// tells its sender to keep at most its share in flight: this buffer
+    /// divided among the connections that delivered data within
+    /// [`receiver_active_window`](Self::receiver_active_window) (PROTOCOL
+    /// §14). Bytes in flight to a receiver include those waiting in its
+    /// socket, so senders that keep to their shares never overflow it,
+    /// however long the receiving thread is held up: a deep queue of
+    /// requests then waits at the sender instead of being dropped by the
+    /// receiver's kernel. `None` (the default of the core; the drivers set
+    /// it from the buffers the kernel gave their sockets): no limit.
+    pub receive_buffer: Option<u64>,
     /// Bytes the network adds to every datagram (link, IP and UDP headers
     /// and framing) that count against a link's rate. The pacer charges
     /// them on top of the UDP payload, so senders paced at grants that add
@@ -110,6 +122,7 @@ impl Default for EndpointConfig {
             max_window: DEFAULT_MAX_WINDOW,
             delay_target: DEFAULT_DELAY_TARGET,
             receiver_capacity_kbps: None,
+            receive_buffer: None,
             datagram_overhead: 0,
             receiver_active_window: DEFAULT_RECEIVER_ACTIVE_WINDOW,
             max_gso_segments: 1,
@@ -151,6 +164,9 @@ impl EndpointConfig {
         }
         if self.plane_ips.len() > MAX_PLANES {
             return Err(ConfigError("plane_ips holds at most MAX_PLANES addresses"));
+        }
+        if self.receive_buffer == Some(0) {
+            return Err(ConfigError("receive_buffer must be at least 1 byte"));
         }
         if self.handshake_retries == 0 {
             return Err(ConfigError("handshake_retries must be at least 1"));

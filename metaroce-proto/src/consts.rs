@@ -38,6 +38,10 @@ pub const ACK_STREAM_ENTRY_LEN: usize = 8;
 /// Size of one NAK entry in an ACK (`ACK_NAK_ENTRY_LEN`).
 pub const ACK_NAK_ENTRY_LEN: usize = 12;
 
+/// ACK option kind (not critical): the receiver's window for this sender,
+/// a big-endian u32 of bytes it may keep in flight (PROTOCOL §6.5, §14).
+pub const ACK_OPT_RECV_WINDOW: u8 = 0x01;
+
 /// Width of the per-path selective acknowledgement bitvector, in bits (`SACK_BITS`).
 ///
 /// A sender never has a path's packets outstanding over a span of more than

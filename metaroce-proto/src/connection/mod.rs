@@ -144,6 +144,9 @@ pub struct ConnectionStats {
     pub rto_ns: u64,
     /// Latest rate hint received (kbit/s, 0 none).
     pub rate_hint_kbps: u32,
+    /// Bytes the peer lets this side keep in flight (its share of its
+    /// receive buffer; 0: it gave none).
+    pub peer_window: u64,
     /// Per-path counters.
     pub paths: Vec<PathStats>,
 }
@@ -203,6 +206,9 @@ pub(crate) struct Connection {
     pub(crate) last_ack_at: Instant,
     pub(crate) last_progress: Instant,
     pub(crate) rate_hint_kbps: u32,
+    /// Bytes the peer lets this side keep in flight to it (its share of
+    /// its receive buffer, from its ACKs); `None` until it gives one.
+    pub(crate) peer_window: Option<u64>,
     /// Spreads DATA at the receiver's grant.
     pub(crate) pacer: Pacer,
     /// What the network adds to each datagram, charged by the pacer.
@@ -321,6 +327,7 @@ impl Connection {
             last_ack_at: now,
             last_progress: now,
             rate_hint_kbps: 0,
+            peer_window: None,
             pacer: Pacer::new(
                 (config.max_gso_segments.max(2) as u64).saturating_mul(u64::from(config.mtu)),
             ),
@@ -492,8 +499,15 @@ impl Connection {
     }
 
     /// Whether the receiver's grant holds `bytes` more back: before the
-    /// first ACK (no grant yet) beyond the first flight, or beyond the cap.
+    /// first ACK (no grant yet) beyond the first flight, beyond the cap of
+    /// its rate, or beyond its window (one packet always goes).
     fn capped(&self, bytes: u64) -> bool {
+        if self
+            .peer_window
+            .is_some_and(|w| self.in_flight > 0 && self.in_flight + bytes > w)
+        {
+            return true;
+        }
         let first_flight = self.peer_grants
             // No ACK yet, so no grant yet.
             && self.stats.acks_received == 0
@@ -722,6 +736,7 @@ impl Connection {
         s.srtt_ns = self.rtt.srtt().map_or(0, crate::time::nanos);
         s.rto_ns = crate::time::nanos(self.rto());
         s.rate_hint_kbps = self.rate_hint_kbps;
+        s.peer_window = self.peer_window.unwrap_or(0);
         s.paths = self.paths_tx.iter().map(|p| p.snapshot()).collect();
         s
     }

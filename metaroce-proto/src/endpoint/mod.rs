@@ -406,7 +406,11 @@ impl Endpoint {
     pub fn new(config: EndpointConfig, seed: u64) -> Result<Self, EndpointError> {
         config.validate()?;
         let mut rng = Rng::new(seed);
-        let rcc_config = (config.receiver_capacity_kbps, config.receiver_active_window);
+        let rcc_config = (
+            config.receiver_capacity_kbps,
+            config.receiver_active_window,
+            config.receive_buffer,
+        );
         let cookie_key = (rng.next_u64(), rng.next_u64());
         Ok(Endpoint {
             config,
@@ -434,7 +438,7 @@ impl Endpoint {
             last_now: Instant::ZERO,
             ack_scratch: Default::default(),
             established: 0,
-            rcc: crate::cc::ReceiverCc::new(rcc_config.0, rcc_config.1),
+            rcc: crate::cc::ReceiverCc::new(rcc_config.0, rcc_config.1).with_buffer(rcc_config.2),
         })
     }
 

@@ -3,7 +3,7 @@
 
 use super::{cookie, qp_ops::rnr_us, Endpoint, Event, StatelessReply, MAX_STATELESS_QUEUE};
 use crate::connection::{ConnectionError, ConnectionState, CsnKind, Ctrl, PathEvent};
-use crate::consts::HELLO_LEN;
+use crate::consts::{ACK_OPT_RECV_WINDOW, HELLO_LEN};
 use crate::reliability::SeqAccept;
 use crate::stats::RejectReason;
 use crate::time::Instant;
@@ -746,6 +746,21 @@ impl Endpoint {
         };
         if !c.is_established() {
             return self.reject(RejectReason::WrongState, from);
+        }
+        // The receiver's window: kept until an ACK gives another (one that
+        // had no room for it says nothing). A malformed one refuses the ACK
+        // before anything of it is taken.
+        let mut window = None;
+        for o in ack.options() {
+            if o.kind == ACK_OPT_RECV_WINDOW {
+                let Ok(w) = <[u8; 4]>::try_from(o.value) else {
+                    return self.reject(RejectReason::InvalidField, from);
+                };
+                window = Some(u64::from(u32::from_be_bytes(w)).max(1));
+            }
+        }
+        if window.is_some() {
+            c.peer_window = window;
         }
         c.stats.acks_received += 1;
         c.rate_hint_kbps = h.rate_hint_kbps;

@@ -6,6 +6,7 @@
 
 use super::{Ecn, Endpoint, Gather, RegionPin, Transmit};
 use crate::connection::{CsnKind, Ctrl};
+use crate::consts::ACK_OPT_RECV_WINDOW;
 
 /// ACKs after the first that repeat a stream's progress (all of them lost
 /// at 10% loss: 1 in 1,000).
@@ -860,11 +861,12 @@ impl Endpoint {
     }
 
     /// The receiver's grant for each sender: its inbound capacity shared by
-    /// the connections that delivered data recently. The count is refreshed
-    /// at most 16 times per activity window, so an ACK rarely costs a scan.
-    fn rate_hint(&mut self, now: Instant) -> u32 {
-        if !self.rcc.enabled() {
-            return 0;
+    /// the connections that delivered data recently, and its share of the
+    /// receive buffer. The count is refreshed at most 16 times per activity
+    /// window, so an ACK rarely costs a scan.
+    fn grant(&mut self, now: Instant) -> (u32, Option<u32>) {
+        if !self.rcc.counting() {
+            return (0, None);
         }
         if self.rcc.stale(now) {
             let window = self.rcc.window();
@@ -887,12 +889,12 @@ impl Endpoint {
                 .count();
             self.rcc.set_active(now, active);
         }
-        self.rcc.hint_kbps()
+        (self.rcc.hint_kbps(), self.rcc.window_share())
     }
 
     /// Encodes an ACK with everything the peer is owed that fits.
     fn emit_ack(&mut self, ci: usize, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
-        let hint = self.rate_hint(now);
+        let (hint, window) = self.grant(now);
         let c = self.conns[ci].as_mut()?;
         let hdr = AckHeader {
             flags: 0,
@@ -929,13 +931,16 @@ impl Endpoint {
         }
         let c = self.conns[ci].as_mut()?;
         let mut b = AckBuilder::new(buf, hdr).ok()?;
+        // The options go last in the packet, but their room is kept first:
+        // the window must not lose its place to path entries.
+        let window_len = if window.is_some() { 2 + 4 } else { 0 };
         let mut more = false;
         for (i, p) in c.paths_rx.iter_mut().enumerate() {
             if !p.dirty {
                 continue;
             }
             let entry = p.entry(i as u8);
-            if b.fits(entry.encoded_len()) && b.push_path(&entry).is_ok() {
+            if b.fits(entry.encoded_len() + window_len) && b.push_path(&entry).is_ok() {
                 p.dirty = false;
             } else {
                 more = true;
@@ -969,6 +974,11 @@ impl Endpoint {
             }
             c.naks.pop_front();
             c.stats.naks_sent += 1;
+        }
+        if let Some(w) = window {
+            // Room was kept above; were it short, the sender keeps the
+            // share of the previous ACK.
+            let _ = b.push_option(ACK_OPT_RECV_WINDOW, &w.to_be_bytes());
         }
         let size = b.finish();
         c.stats.acks_sent += 1;

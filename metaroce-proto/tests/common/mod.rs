@@ -107,6 +107,10 @@ pub struct Pair {
     pub region_chunks: u64,
     /// FNV-1a over every datagram put on the link, per direction.
     pub wire_hash: [u64; 2],
+    /// Sees (and may change) each datagram the link carries, with its
+    /// direction (true: a to b), after it was hashed and counted.
+    #[allow(clippy::type_complexity)]
+    pub on_wire: Option<Box<dyn FnMut(bool, &mut Vec<u8>)>>,
 }
 
 impl Pair {
@@ -134,6 +138,7 @@ impl Pair {
             gather: None,
             region_chunks: 0,
             wire_hash: [0xcbf2_9ce4_8422_2325; 2],
+            on_wire: None,
         }
     }
 
@@ -192,10 +197,13 @@ impl Pair {
                 // A GSO batch is several datagrams: the link sees each.
                 let seg = t.segment_size.unwrap_or(t.size).max(1);
                 let datagrams: Vec<Vec<u8>> = wire.chunks(seg).map(|c| c.to_vec()).collect();
-                for bytes in datagrams {
+                for mut bytes in datagrams {
                     let h = &mut self.wire_hash[usize::from(!to_b)];
                     for &b in &bytes {
                         *h = (*h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+                    }
+                    if let Some(f) = self.on_wire.as_mut() {
+                        f(to_b, &mut bytes);
                     }
                     let sent = &mut self.sent[usize::from(!to_b)];
                     sent.0 += 1;

@@ -1,0 +1,189 @@
+//! The receiver's window (PROTOCOL §6.5, §14): a receiver given a receive
+//! buffer tells each sender its share in every ACK, and the sender keeps
+//! its bytes in flight within it; a malformed window is refused.
+
+mod common;
+
+use common::*;
+use metaroce_proto::verbs::*;
+use metaroce_proto::{EndpointConfig, Instant};
+use std::time::Duration;
+
+const WRITE: usize = 64 << 10;
+const WRITES: u64 = 32;
+/// The receiver's buffer: a fraction of the link's bandwidth-delay product
+/// (40 µs × 12.5 bytes/ns = 500 KB), so that the window, not the
+/// congestion window, is what binds.
+const BUFFER: u64 = 96 << 10;
+
+fn config(receive_buffer: Option<u64>) -> EndpointConfig {
+    EndpointConfig {
+        paths: 4,
+        max_gso_segments: 15,
+        receive_buffer,
+        ..EndpointConfig::default()
+    }
+}
+
+fn link() -> LinkConfig {
+    LinkConfig {
+        delay: Duration::from_micros(20),
+        bytes_per_us: 12_500,
+        ..LinkConfig::perfect()
+    }
+}
+
+/// What a stream of `WRITES` 64 KiB WRITEs, all posted at once, did.
+struct Outcome {
+    /// Most bytes the sender had in flight right after it sent more, once
+    /// it knew the window. (Its first flight, before any ACK, is the
+    /// congestion window's alone, and may be above the window it learns.)
+    max_in_flight_windowed: u64,
+    /// Most bytes it had in flight at any time.
+    max_in_flight: u64,
+    /// The window the sender was given (0: none).
+    peer_window: u64,
+}
+
+fn stream(receive_buffer: Option<u64>) -> Outcome {
+    let mut p = Pair::new(config(None), config(receive_buffer), 7, link());
+    p.connect();
+    let v = Verbs::setup(&mut p);
+    let total = WRITE * WRITES as usize;
+    let data = pattern(3, total);
+    let src =
+        p.a.reg_mr(v.pda, data.clone().into_boxed_slice(), 0, AccessFlags::NONE)
+            .unwrap();
+    let dst =
+        p.b.reg_mr(
+            v.pdb,
+            vec![0u8; total].into_boxed_slice(),
+            0,
+            AccessFlags::REMOTE_WRITE,
+        )
+        .unwrap();
+    for i in 0..WRITES {
+        let at = i * WRITE as u64;
+        let wr = SendWr::new(
+            i,
+            SendOp::Write(RemoteAddr {
+                rkey: dst.rkey,
+                addr: at,
+            }),
+            Sge {
+                lkey: src.lkey,
+                addr: at,
+                len: WRITE as u32,
+            },
+        );
+        p.a.post_send(p.now, v.qa, wr).unwrap();
+    }
+    let conn = p.conn_a.unwrap();
+    let (mut windowed, mut any, mut done, mut last) = (0, 0, 0u64, 0);
+    let deadline = p.now + Duration::from_secs(1);
+    while done < WRITES {
+        assert!(
+            p.now < deadline,
+            "{done} of {WRITES} WRITEs done in a second"
+        );
+        assert!(p.step(), "nothing left to do with {done} WRITEs done");
+        let s = p.a.connection_stats(conn).unwrap();
+        any = any.max(s.in_flight);
+        // A step reads what arrived, then sends: what is in flight after a
+        // step in which the sender sent is what it let itself have.
+        if s.peer_window != 0 && p.sent[0].0 > last {
+            windowed = windowed.max(s.in_flight);
+        }
+        last = p.sent[0].0;
+        for wc in drain_cq(&mut p.a, v.cqa) {
+            assert_eq!(wc.status, WcStatus::Success);
+            done += 1;
+        }
+    }
+    assert!(
+        p.b.mr(dst.lkey).unwrap()[..] == data[..],
+        "every byte arrived where it belongs"
+    );
+    Outcome {
+        max_in_flight_windowed: windowed,
+        max_in_flight: any,
+        peer_window: p.a.connection_stats(conn).unwrap().peer_window,
+    }
+}
+
+#[test]
+fn a_sender_keeps_to_the_receivers_window() {
+    let o = stream(Some(BUFFER));
+    // One sender: the whole buffer is its share.
+    assert_eq!(o.peer_window, BUFFER);
+    assert!(
+        o.max_in_flight_windowed <= BUFFER,
+        "{} bytes in flight against a window of {BUFFER}",
+        o.max_in_flight_windowed
+    );
+    assert!(
+        o.max_in_flight_windowed > BUFFER / 2,
+        "the window is used: {} bytes in flight at most",
+        o.max_in_flight_windowed
+    );
+}
+
+#[test]
+fn without_a_receive_buffer_no_window_is_given() {
+    // The control: the same stream fills far more than the buffer when
+    // the receiver gives no window, so the test above can fail.
+    let o = stream(None);
+    assert_eq!(o.peer_window, 0);
+    assert!(
+        o.max_in_flight > 2 * BUFFER,
+        "only {} bytes in flight without a window",
+        o.max_in_flight
+    );
+}
+
+#[test]
+fn a_malformed_window_is_refused_and_counted() {
+    let mut p = Pair::new(config(None), config(Some(BUFFER)), 9, LinkConfig::perfect());
+    p.connect();
+    let v = Verbs::setup(&mut p);
+    // Every ACK from b gets one more window option, three bytes long.
+    p.on_wire = Some(Box::new(|to_b, bytes: &mut Vec<u8>| {
+        if !to_b && bytes.get(1) == Some(&0x02) {
+            bytes.extend_from_slice(&[0x01, 3, 0, 1, 0]);
+        }
+    }));
+    let data = pattern(5, 8192);
+    let src =
+        p.a.reg_mr(v.pda, data.clone().into_boxed_slice(), 0, AccessFlags::NONE)
+            .unwrap();
+    let dst =
+        p.b.reg_mr(
+            v.pdb,
+            vec![0u8; 8192].into_boxed_slice(),
+            0,
+            AccessFlags::REMOTE_WRITE,
+        )
+        .unwrap();
+    let wr = SendWr::new(
+        1,
+        SendOp::Write(RemoteAddr {
+            rkey: dst.rkey,
+            addr: 0,
+        }),
+        Sge {
+            lkey: src.lkey,
+            addr: 0,
+            len: 8192,
+        },
+    );
+    p.a.post_send(p.now, v.qa, wr).unwrap();
+    p.run_for(Duration::from_millis(5));
+    let refused = p.a.stats().rejects.invalid_field;
+    assert!(refused > 0, "the ACKs with a malformed window were refused");
+    let s = p.a.connection_stats(p.conn_a.unwrap()).unwrap();
+    assert_eq!(s.peer_window, 0, "no window taken from a refused ACK");
+    assert_eq!(s.acks_received, 0, "a refused ACK counts for nothing");
+    // The data itself arrived (the ACKs were what was malformed).
+    assert!(p.b.mr(dst.lkey).unwrap()[..] == data[..]);
+    let _ = Instant::ZERO;
+}
