@@ -143,7 +143,14 @@ pub struct DriverConfig {
     pub send_sockets: usize,
     /// Seed of the endpoint.
     pub seed: u64,
-    /// Kernel socket buffer size to ask for, bytes.
+    /// Kernel socket buffer size to ask for, bytes (the kernel may give
+    /// less: `net.core.rmem_max` caps it). Unless
+    /// [`endpoint.receive_buffer`](metaroce_proto::EndpointConfig::receive_buffer)
+    /// is set, the driver shares half of the receive buffer it got among
+    /// the peers sending to it (each ACK tells its sender its share of
+    /// bytes in flight), so that a receiving thread held up for a while
+    /// makes its senders wait instead of its kernel drop their datagrams;
+    /// set that field to `Some(u64::MAX)` to give senders no such limit.
     pub socket_buffer: usize,
     /// Most datagrams per GSO send (the kernel's limit applies too; 1 disables GSO).
     pub max_gso_segments: usize,

@@ -69,6 +69,10 @@ pub(crate) struct Sockets {
     pub ips: Vec<IpAddr>,
     /// The address peers reach plane 0 at.
     pub local: SocketAddr,
+    /// The smallest receive buffer the kernel gave a receive socket
+    /// (`SO_RCVBUF` as read back: the kernel's own accounting, which
+    /// charges each datagram its buffer's full size), if it says.
+    pub recv_buffer: Option<u64>,
     by_src: HashMap<(IpAddr, u16), usize>,
 }
 
@@ -119,8 +123,15 @@ impl Sockets {
             }
         }
         let local = recv[0].local_addr()?;
+        let recv_buffer = recv
+            .iter()
+            .map(|s| socket2::SockRef::from(s).recv_buffer_size().ok())
+            .min()
+            .flatten()
+            .map(|b| b as u64);
         Ok(Sockets {
             local,
+            recv_buffer,
             recv,
             send,
             ports,
@@ -145,9 +156,14 @@ impl Sockets {
             .unwrap_or(0)
     }
 
-    /// `endpoint` with what was bound: listen port, source ports and, with
-    /// several planes, their addresses.
+    /// `endpoint` with what was bound: listen port, source ports, with
+    /// several planes their addresses, and unless it has one, the receive
+    /// buffer its peers share: half of what the kernel gave each receive
+    /// socket (the kernel charges a datagram more than its bytes).
     pub fn endpoint_config(&self, mut endpoint: EndpointConfig) -> EndpointConfig {
+        if endpoint.receive_buffer.is_none() {
+            endpoint.receive_buffer = self.recv_buffer.map(|b| (b / 2).max(1));
+        }
         endpoint.listen_port = self.local.port();
         endpoint.source_ports = self.ports.clone();
         endpoint.plane_ips = if self.ips.len() > 1 {

@@ -581,6 +581,86 @@ fn a_held_up_sender_reads_its_acks_first<D: IoDriver>(name: &str) {
     p.finish_write(name, w);
 }
 
+/// Datagrams the kernel dropped for want of room on the UDP socket bound
+/// to `port` (`/proc/net/udp`'s `drops` column; 0 where it cannot say).
+fn socket_drops(port: u16) -> u64 {
+    let table = std::fs::read_to_string("/proc/net/udp").unwrap_or_default();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let local_port = f.get(1)?.rsplit(':').next()?;
+            (u16::from_str_radix(local_port, 16).ok()? == port)
+                .then(|| f.last()?.parse::<u64>().ok())
+                .flatten()
+        })
+        .sum()
+}
+
+/// A receiver held up for 20 ms while its sender has 16 MiB of WRITEs
+/// queued and a window that would let it send far more than the
+/// receiver's socket holds. The receiver's window (half its socket's
+/// receive buffer, shared by its senders: PROTOCOL §14) keeps the sender
+/// within what that socket holds, so its kernel drops nothing and no
+/// packet is lost; without the window (the control, so that this test can
+/// fail) the kernel drops datagrams.
+fn a_held_up_receiver_drops_nothing<D: IoDriver>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    if !std::path::Path::new("/proc/net/udp").exists() {
+        println!("skipped: no /proc/net/udp to read socket drops from");
+        return;
+    }
+    let run = |window: bool| -> (u64, u64) {
+        let mut cfg_a = config(16);
+        // A sender whose congestion window alone would overrun the socket.
+        cfg_a.endpoint.initial_window = 8 << 20;
+        let mut cfg_b = config(16);
+        cfg_b.socket_buffer = 256 << 10;
+        if !window {
+            cfg_b.endpoint.receive_buffer = Some(u64::MAX);
+        }
+        let mut p = Pair::<D>::connect_with(cfg_a, cfg_b, LIMIT);
+        let port = p.b.local_addr().port();
+        let before = socket_drops(port);
+        let w = p.post_write(16 << 20, 64);
+        while p.data_packets().1 < 500 {
+            assert!(
+                p.start.elapsed() < LIMIT,
+                "{name}: the stream did not start"
+            );
+            p.a.poll(Duration::ZERO).unwrap();
+            p.b.poll(Duration::ZERO).unwrap();
+        }
+        let stall = Instant::now();
+        while stall.elapsed() < Duration::from_millis(20) {
+            p.a.poll(Duration::from_micros(100)).unwrap();
+        }
+        p.finish_write(name, w);
+        let drops = socket_drops(port) - before;
+        let s = p.a.endpoint().connection_stats(p.conn_a).unwrap();
+        let spurious: u64 = s.paths.iter().map(|p| p.spurious_losses).sum();
+        println!(
+            "{name}, window {window}: {drops} dropped by the kernel, {} declared lost ({spurious} arrived after all), window given {}",
+            s.packets_lost, s.peer_window
+        );
+        (drops, s.peer_window)
+    };
+    let (drops, window) = run(true);
+    assert!(window > 0, "{name}: the receiver gave a window");
+    assert_eq!(
+        drops, 0,
+        "{name}: the kernel dropped datagrams despite the window"
+    );
+    let (drops, window) = run(false);
+    assert!(
+        drops > 0 && window >= u64::from(u32::MAX),
+        "{name}: without a window nothing was dropped ({drops}): the test shows nothing"
+    );
+}
+
 macro_rules! suite {
     ($($test:ident),*) => {
         mod portable {
@@ -606,6 +686,7 @@ suite!(
     busy_poll_is_bounded_by_the_wait,
     answers_leave_within_the_same_poll,
     a_held_up_sender_reads_its_acks_first,
+    a_held_up_receiver_drops_nothing,
     arrival_stamps
 );
 

@@ -120,6 +120,7 @@ fn live_transfer_then_scrape() {
         "metaroce_connection_cwnd_bytes",
         "metaroce_connection_srtt_seconds",
         "metaroce_connection_rate_hint_bits_per_second",
+        "metaroce_connection_peer_window_bytes",
         "metaroce_path_bytes_sent_total",
         "metaroce_path_ecn_ce_marks_total",
         "metaroce_path_state",
@@ -144,6 +145,13 @@ fn live_transfer_then_scrape() {
         &format!("metaroce_connection_payload_bytes_sent_total{{conn=\"{c}\",endpoint=\"a\"}}"),
     );
     assert!(payload >= LEN as f64, "{payload}");
+    // The driver gave b a receive buffer to share, so its ACKs carried a
+    // window that a keeps to.
+    let window = value(
+        body,
+        &format!("metaroce_connection_peer_window_bytes{{conn=\"{c}\",endpoint=\"a\"}}"),
+    );
+    assert!(window > 0.0, "no window from the receiver: {window}");
     let paths: f64 = (0..2)
         .map(|p| {
             value(
