@@ -253,6 +253,9 @@ pub struct DriverStats {
     pub received_per_plane: [u64; metaroce_proto::consts::MAX_PLANES],
     /// `io_uring_enter` calls (io_uring only).
     pub submits: u64,
+    /// Turns that ended without a system call: nothing to submit, nothing
+    /// to wait for, and no completion held by the kernel (io_uring only).
+    pub idle_turns: u64,
     /// Received datagrams the fault injector dropped.
     pub faults_dropped: u64,
     /// Received datagrams the fault injector delivered twice.

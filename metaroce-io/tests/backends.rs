@@ -294,6 +294,49 @@ fn busy_poll_finds_a_datagram<D: IoDriver>(name: &str) {
     );
 }
 
+/// An io_uring turn with nothing to submit, nothing to wait for and no
+/// completion held by the kernel makes no system call; a datagram that
+/// then comes from another thread (its completion held as task work until
+/// this thread enters the kernel or is interrupted) is still read.
+#[test]
+fn io_uring_idle_turns_make_no_system_call() {
+    if !runnable("io_uring") {
+        return;
+    }
+    let mut a = UringDriver::bind(config(1)).unwrap();
+    // The first turn arms the receive: a submission.
+    a.poll(Duration::ZERO).unwrap();
+    let armed = a.stats();
+    for _ in 0..10 {
+        a.poll(Duration::ZERO).unwrap();
+    }
+    let idle = a.stats();
+    assert_eq!(idle.submits, armed.submits, "idle turns entered the kernel");
+    assert_eq!(idle.idle_turns, armed.idle_turns + 10);
+    let to = a.local_addr();
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = sent.clone();
+    let sender = std::thread::spawn(move || {
+        let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        // Not metaroce: the endpoint rejects it, after the driver read it.
+        s.send_to(b"not a metaroce datagram", to).unwrap();
+        flag.store(true, std::sync::atomic::Ordering::Release);
+    });
+    // Waits without a system call (any would run the task work on the way
+    // back and post the completion): the turns below must see that the
+    // kernel holds it.
+    let t0 = Instant::now();
+    while !sent.load(std::sync::atomic::Ordering::Acquire) {
+        assert!(t0.elapsed() < LIMIT, "the datagram was never sent");
+        std::hint::spin_loop();
+    }
+    while a.stats().datagrams_received == 0 {
+        assert!(t0.elapsed() < LIMIT, "the datagram was never read");
+        a.poll(Duration::ZERO).unwrap();
+    }
+    sender.join().unwrap();
+}
+
 /// A busy poll ends with the turn's wait: an idle driver that may poll for
 /// a second returns from a 1 ms `poll` long before that second is over,
 /// and what it did counts as a wait, not as a busy poll that found work.

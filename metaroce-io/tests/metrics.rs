@@ -129,6 +129,7 @@ fn live_transfer_then_scrape() {
         "metaroce_driver_faults_dropped_total",
         "metaroce_driver_busy_polls_total",
         "metaroce_driver_late_drains_total",
+        "metaroce_driver_idle_turns_total",
     ] {
         assert!(
             body.contains(&format!("# TYPE {name} ")),

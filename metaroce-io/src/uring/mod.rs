@@ -4,8 +4,11 @@
 //! send slots, and the core's next timer as a `TIMEOUT` on the ring, so one
 //! `io_uring_enter` per loop turn submits everything and waits for a
 //! datagram, a send completion or the timer, whichever comes first (and a
-//! second one sends what the wake-up provoked). A driver moved to another
-//! thread re-arms its receive there on the next turn.
+//! second one sends what the wake-up provoked). A turn with nothing to
+//! submit, nothing to wait for and no completion held by the kernel (the
+//! `IORING_SQ_TASKRUN` flag, in shared memory) makes no system call at
+//! all. A driver moved to another thread re-arms its receive there on the
+//! next turn.
 //!
 //! Large payloads go out without a copy in user space: the core gathers a
 //! transmit ([`Endpoint::poll_transmit_gather`]), the headers in the send
@@ -344,8 +347,16 @@ impl UringDriver {
     /// timer (at most `max_wait` or the core's next timer away), then hands
     /// what woke it to the core and submits the answers (a second enter, only
     /// if there are any), so that nothing the core produced waits for the
-    /// caller's next turn.
+    /// caller's next turn. A turn that has nothing to submit and must not
+    /// wait enters the kernel only if it holds completions for us
+    /// ([`DriverStats::idle_turns`] counts those that did not).
     pub fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError> {
+        // Completions the kernel holds as task work (a datagram that came
+        // while this thread was busy): an enter posts them, for this turn.
+        if self.ring.task_work_pending() {
+            self.ring.submit(0)?;
+            self.stats.submits += 1;
+        }
         let progress = self.work()?;
         let mut want = 0;
         if !progress {
@@ -368,6 +379,12 @@ impl UringDriver {
                     self.stats.waits += 1;
                 }
             }
+        }
+        if want == 0 && !self.ring.queued() && !self.ring.task_work_pending() {
+            // Nothing to hand the kernel, nothing to wait for and nothing
+            // it holds for us: no system call.
+            self.stats.idle_turns += 1;
+            return Ok(());
         }
         self.ring.submit(want)?;
         self.stats.submits += 1;
