@@ -4,12 +4,13 @@
 //! small-message latency.
 //!
 //! ```sh
-//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|sleeping|udp|udp-gathered]]]
+//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|sleeping|shallow|udp|udp-gathered|ping-pong]]]
 //! ```
 //!
 //! With `metaroce`, `metaroce1` (the same stream over one path),
-//! `sleeping` (the stream without busy polling), `udp` or `udp-gathered`
-//! (raw UDP laid out as metaroce sends, below) after the rounds,
+//! `sleeping` (the stream without busy polling), `shallow` (16 WRITEs
+//! outstanding), `udp`, `udp-gathered` (raw UDP laid out as metaroce
+//! sends, below) or `ping-pong` (the two 8 B round trips) after the rounds,
 //! only that throughput test runs, round after round (what
 //! `scripts/cost-per-gbit.sh` profiles).
 //!
@@ -20,6 +21,12 @@
 //! runs the stream with drivers that sleep at once, the default of a
 //! driver (and what the ping-pong, which polls both drivers from one
 //! thread, must use).
+//!
+//! The stream keeps 128 WRITEs outstanding, perftest's default depth for
+//! `ib_write_bw`: raw UDP sends blind and never waits for its receiver,
+//! while a WRITE stream whose queue is shallower than the receiver's
+//! stalls waits for it. Each round also runs it with 16 outstanding (1 MiB
+//! in flight at most), the depth of earlier sessions' figures.
 //!
 //! Each round also runs the WRITE stream over one path (no spraying: a
 //! fabric without ECMP, or `paths = 1`), which must not fall behind the
@@ -375,16 +382,30 @@ struct Stream {
     paths: Option<u8>,
     /// The drivers busy-poll for this long before they sleep.
     busy_poll: Duration,
+    /// WRITEs the application keeps outstanding.
+    depth: u64,
 }
 
 impl Stream {
     /// Busy poll of a driver that has a core of its own.
     const BUSY_POLL: Duration = Duration::from_micros(50);
-    /// The headline stream: gathered, sprayed, busy-polling.
+    /// perftest's default depth for bandwidth tests (`ib_write_bw -t`).
+    const DEPTH: u64 = 128;
+    /// The headline stream: gathered, sprayed, busy-polling, 128 WRITEs
+    /// outstanding.
     const MAIN: Stream = Stream {
         gather: true,
         paths: None,
         busy_poll: Stream::BUSY_POLL,
+        depth: Stream::DEPTH,
+    };
+    /// The headline stream with 16 WRITEs outstanding (1 MiB, a few
+    /// hundred microseconds of data here): a stall of the receiver longer
+    /// than that leaves the sender without work, which raw UDP, sending
+    /// blind, never is.
+    const SHALLOW: Stream = Stream {
+        depth: 16,
+        ..Stream::MAIN
     };
     /// A driver's defaults: drivers that sleep at once.
     const SLEEPING: Stream = Stream {
@@ -429,7 +450,9 @@ fn pair_with(stream: Stream) -> Pair {
     }
 }
 
-/// 64 KiB WRITEs, 16 outstanding, both endpoints driven from one thread
+/// 64 KiB WRITEs (`stream.depth` outstanding, as perftest's `ib_write_bw`
+/// keeps its tx depth; the WRITEs take 16 slots of 64 KiB in turn at both
+/// ends, where perftest uses one), both endpoints driven from one thread
 /// each (server on its own thread), for `secs`, set up as `stream` says.
 fn metaroce_write_gbps(secs: f64, stream: Stream) -> Run {
     let Pair {
@@ -480,7 +503,7 @@ fn metaroce_write_gbps(secs: f64, stream: Stream) -> Run {
         let sending = t0.elapsed().as_secs_f64() < secs;
         let now = a.now();
         let e = a.endpoint();
-        while sending && posted - done < 16 {
+        while sending && posted - done < stream.depth {
             let slot = posted % 16;
             let r = RemoteAddr {
                 rkey: win.rkey,
@@ -653,11 +676,23 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Runs one throughput test alone, `rounds` times: `metaroce` (64 KiB
-/// WRITEs, payloads gathered, busy polling), `metaroce1` (the same over one
-/// path), `sleeping` (without busy polling), `udp` (raw UDP with GSO/GRO) or
-/// `udp-gathered` (raw UDP laid out as metaroce sends).
+/// WRITEs, payloads gathered, busy polling, 128 outstanding), `metaroce1`
+/// (the same over one path), `sleeping` (without busy polling), `shallow`
+/// (16 outstanding), `udp` (raw UDP with GSO/GRO) or `udp-gathered` (raw
+/// UDP laid out as metaroce sends).
 fn only_throughput(which: &str, secs: f64, rounds: usize) {
     let hz = cpu_hz();
+    if which == "ping-pong" {
+        for round in 1..=rounds {
+            let (up50, up99) = udp_ping_pong_us(20_000);
+            let (mp50, mp99) = metaroce_ping_pong_us(20_000);
+            println!(
+                "round {round}: 8 B round trip (us): metaroce SEND p50 {mp50:.1} p99 {mp99:.1} | raw UDP p50 {up50:.1} p99 {up99:.1} | p50 ratio {:.2}",
+                mp50 / up50
+            );
+        }
+        return;
+    }
     for round in 1..=rounds {
         let run = match which {
             "metaroce" => on_own_thread(|| metaroce_write_gbps(secs, Stream::MAIN)),
@@ -671,10 +706,11 @@ fn only_throughput(which: &str, secs: f64, rounds: usize) {
                 )
             }),
             "sleeping" => on_own_thread(|| metaroce_write_gbps(secs, Stream::SLEEPING)),
+            "shallow" => on_own_thread(|| metaroce_write_gbps(secs, Stream::SHALLOW)),
             "udp" => on_own_thread(|| udp_gso_gbps(secs)),
             "udp-gathered" => on_own_thread(|| udp_gathered_gbps(secs)),
             other => panic!(
-                "unknown test {other:?}: metaroce, metaroce1 (one path), sleeping (no busy poll), udp or udp-gathered"
+                "unknown test {other:?}: metaroce, metaroce1 (one path), sleeping (no busy poll), shallow (16 WRITEs outstanding), udp, udp-gathered or ping-pong"
             ),
         };
         let c = run.cycles_per_byte(hz);
@@ -699,6 +735,7 @@ fn main() {
     // alike; the ratios are medians over the rounds' own ratios.
     let (mut r_udp, mut r_tcp, mut r_cyc, mut r_lat) = (vec![], vec![], vec![], vec![]);
     let (mut r_gather, mut r_one, mut r_sleep, mut r_layout) = (vec![], vec![], vec![], vec![]);
+    let mut r_shallow = vec![];
     let mut r_side = [vec![], vec![]];
     for round in 1..=rounds {
         let (tcp_run, tcp_c) = measured(|| on_own_thread(|| tcp_gbps(secs)));
@@ -716,9 +753,10 @@ fn main() {
         };
         let one = on_own_thread(|| metaroce_write_gbps(secs, one_path)).gbps;
         let sleeping = on_own_thread(|| metaroce_write_gbps(secs, Stream::SLEEPING)).gbps;
+        let shallow = on_own_thread(|| metaroce_write_gbps(secs, Stream::SHALLOW)).gbps;
         let (tcp, udp, mr, mc) = (tcp_run.gbps, udp_run.gbps, mr_run.gbps, mc_run.gbps);
         println!("round {round}");
-        println!("  throughput (Gbit/s): metaroce WRITE 64 KiB {mr:.2} (payloads copied by the driver: {mc:.2}; one path: {one:.2}; drivers that sleep at once: {sleeping:.2}) | raw UDP GSO/GRO {udp:.2} (sent as metaroce lays datagrams out, header and payload apart: {udp_gathered:.2}) | TCP {tcp:.2}");
+        println!("  throughput (Gbit/s): metaroce WRITE 64 KiB {mr:.2} (payloads copied by the driver: {mc:.2}; one path: {one:.2}; drivers that sleep at once: {sleeping:.2}; 16 outstanding: {shallow:.2}) | raw UDP GSO/GRO {udp:.2} (sent as metaroce lays datagrams out, header and payload apart: {udp_gathered:.2}) | TCP {tcp:.2}");
         println!(
             "  metaroce / raw UDP = {:.2}   metaroce / TCP = {:.2}   gathered / copied = {:.2}",
             mr / udp,
@@ -770,6 +808,7 @@ fn main() {
         r_gather.push(mr / mc);
         r_one.push(one / udp);
         r_sleep.push(sleeping / udp);
+        r_shallow.push(shallow / udp);
         r_layout.push(udp_gathered / udp);
     }
     println!(
@@ -781,9 +820,10 @@ fn main() {
         median(r_gather)
     );
     println!(
-        "  one path (no spraying): metaroce/raw UDP {:.2}; drivers that sleep at once (no busy poll): {:.2}",
+        "  one path (no spraying): metaroce/raw UDP {:.2}; drivers that sleep at once (no busy poll): {:.2}; 16 WRITEs outstanding instead of 128: {:.2}",
         median(r_one),
-        median(r_sleep)
+        median(r_sleep),
+        median(r_shallow)
     );
     println!(
         "  raw UDP laid out as metaroce (64-byte headers and 4 KiB payloads from apart, 30 pieces a send) / raw UDP: {:.2}",
