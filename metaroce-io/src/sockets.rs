@@ -6,7 +6,7 @@
 use crate::{DriverConfig, DriverError};
 use metaroce_proto::EndpointConfig;
 use socket2::{Domain, Protocol, Socket, Type};
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 
 /// How often a port is chosen anew when it is free on plane 0 but taken on
@@ -73,7 +73,9 @@ pub(crate) struct Sockets {
     /// (`SO_RCVBUF` as read back: the kernel's own accounting, which
     /// charges each datagram its buffer's full size), if it says.
     pub recv_buffer: Option<u64>,
-    by_src: HashMap<(IpAddr, u16), usize>,
+    /// Send socket of each (plane address, source port): looked up for every
+    /// transmit, with a fast hash (the keys are our own).
+    by_src: FxHashMap<(IpAddr, u16), usize>,
 }
 
 impl Sockets {
@@ -114,7 +116,7 @@ impl Sockets {
         // come out in plane order.
         let mut columns: Vec<_> = per_port.into_iter().map(Vec::into_iter).collect();
         let mut send = Vec::with_capacity(n * ips.len());
-        let mut by_src = HashMap::new();
+        let mut by_src = FxHashMap::default();
         for &ip in &ips {
             for (j, column) in columns.iter_mut().enumerate() {
                 let sock = column.next().expect("one socket per plane");
