@@ -142,6 +142,8 @@ impl Net {
         let cfg = EndpointConfig {
             // Small timers so that the fuzz's time steps reach them.
             handshake_rto: Duration::from_millis(1),
+            // As the drivers set it: ACKs carry a receive window.
+            receive_buffer: Some(1 << 20),
             ..EndpointConfig::default()
         };
         Net {
