@@ -590,14 +590,7 @@ fn a_held_up_sender_reads_its_acks_first<D: IoDriver>(name: &str) {
     cfg_a.uring.recv_buffers = 1;
     let mut p = Pair::<D>::connect_with(cfg_a, config(16), LIMIT);
     let w = p.post_write(8 << 20, 8);
-    while p.data_packets().1 < 1000 {
-        assert!(
-            p.start.elapsed() < LIMIT,
-            "{name}: the stream did not start"
-        );
-        p.a.poll(Duration::ZERO).unwrap();
-        p.b.poll(Duration::ZERO).unwrap();
-    }
+    p.run_until_received(name, 1000);
     // The sender sends a window's worth, then stalls for 20 ms (ten
     // minimum RTOs) while the receiver reads it all and acknowledges it.
     for _ in 0..16 {
@@ -669,14 +662,7 @@ fn a_held_up_receiver_drops_nothing<D: IoDriver>(name: &str) {
         let port = p.b.local_addr().port();
         let before = socket_drops(port);
         let w = p.post_write(16 << 20, 64);
-        while p.data_packets().1 < 500 {
-            assert!(
-                p.start.elapsed() < LIMIT,
-                "{name}: the stream did not start"
-            );
-            p.a.poll(Duration::ZERO).unwrap();
-            p.b.poll(Duration::ZERO).unwrap();
-        }
+        p.run_until_received(name, 500);
         let stall = Instant::now();
         while stall.elapsed() < Duration::from_millis(20) {
             p.a.poll(Duration::from_micros(100)).unwrap();

@@ -130,6 +130,19 @@ impl<D: IoDriver> Pair<D> {
         )
     }
 
+    /// Polls both sides (without waiting) until `b` has received `packets`
+    /// DATA packets: a stream under way.
+    pub fn run_until_received(&mut self, name: &str, packets: u64) {
+        while self.data_packets().1 < packets {
+            assert!(
+                self.start.elapsed() < self.limit,
+                "{name}: the stream did not start"
+            );
+            self.a.poll(Duration::ZERO).unwrap();
+            self.b.poll(Duration::ZERO).unwrap();
+        }
+    }
+
     /// WRITEs `len` pattern bytes from `a` to `b` in `parts` requests and
     /// checks every byte at `b`.
     pub fn write_checked(&mut self, name: &str, len: usize, parts: u64) {

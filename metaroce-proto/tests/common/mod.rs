@@ -403,6 +403,46 @@ pub fn handshake(
     (ca, cb.expect("handshake"))
 }
 
+/// Registers `data` as a region of `a` (in `pa`) and a zeroed region as
+/// long on `b` (in `pb`) that the peer may write: what a WRITE moves.
+pub fn write_regions(
+    a: &mut Endpoint,
+    pa: PdHandle,
+    b: &mut Endpoint,
+    pb: PdHandle,
+    data: &[u8],
+) -> (MrInfo, MrInfo) {
+    let src = a
+        .reg_mr(pa, data.to_vec().into_boxed_slice(), 0, AccessFlags::NONE)
+        .unwrap();
+    let dst = b
+        .reg_mr(
+            pb,
+            vec![0u8; data.len()].into_boxed_slice(),
+            0,
+            AccessFlags::REMOTE_WRITE,
+        )
+        .unwrap();
+    (src, dst)
+}
+
+/// A WRITE (`wr_id`) of the `len` bytes at offset `at` of region `src` to
+/// the same offset of region `dst`.
+pub fn write_wr(wr_id: u64, src: &MrInfo, dst: &MrInfo, at: u64, len: u32) -> SendWr {
+    SendWr::new(
+        wr_id,
+        SendOp::Write(RemoteAddr {
+            rkey: dst.rkey,
+            addr: at,
+        }),
+        Sge {
+            lkey: src.lkey,
+            addr: at,
+            len,
+        },
+    )
+}
+
 /// Two endpoints (4 paths, GSO batches of 15) joined by a connection, with
 /// one WRITE of `data` from `a` into a zeroed region of `b` posted: the
 /// set-up of the hand-driven tests that move the datagrams themselves.
@@ -438,36 +478,15 @@ impl OneWrite {
         let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
         let (cqa, cqb) = (a.create_cq(64), b.create_cq(64));
         let len = data.len();
-        let src = a
-            .reg_mr(pa, data.clone().into_boxed_slice(), 0, AccessFlags::NONE)
-            .unwrap();
-        let dst = b
-            .reg_mr(
-                pb,
-                vec![0u8; len].into_boxed_slice(),
-                0,
-                AccessFlags::REMOTE_WRITE,
-            )
-            .unwrap();
+        let (src, dst) = write_regions(&mut a, pa, &mut b, pb, &data);
         let qa = a.create_qp(QpInit::new(pa, cqa, cqa)).unwrap();
         let qb = b.create_qp(QpInit::new(pb, cqb, cqb)).unwrap();
         let now = Instant::from_nanos(1_000_000);
         let (ca, cb) = handshake(&mut a, &mut b, a_addr, b_addr, now);
         a.connect_qp(qa, ca, qb).unwrap();
         b.connect_qp(qb, cb, qa).unwrap();
-        let wr = SendWr::new(
-            1,
-            SendOp::Write(RemoteAddr {
-                rkey: dst.rkey,
-                addr: 0,
-            }),
-            Sge {
-                lkey: src.lkey,
-                addr: 0,
-                len: len as u32,
-            },
-        );
-        a.post_send(now, qa, wr).unwrap();
+        a.post_send(now, qa, write_wr(1, &src, &dst, 0, len as u32))
+            .unwrap();
         OneWrite {
             a,
             b,
