@@ -5,8 +5,8 @@
 
 use crate::{DriverConfig, DriverError};
 use metaroce_proto::EndpointConfig;
-use socket2::{Domain, Protocol, Socket, Type};
 use rustc_hash::FxHashMap;
+use socket2::{Domain, Protocol, Socket, Type};
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 
 /// How often a port is chosen anew when it is free on plane 0 but taken on
