@@ -143,3 +143,86 @@ fn a_malformed_window_is_refused_and_counted() {
     // The data itself arrived (the ACKs were what was malformed).
     assert!(p.b.mr(dst.lkey).unwrap()[..] == data[..]);
 }
+
+/// Two senders to one receiver: each is told half the buffer once both
+/// deliver, and keeps to it; every byte of both arrives.
+#[test]
+fn two_senders_share_the_buffer() {
+    const SHARED: u64 = 128 << 10;
+    let addrs: [std::net::SocketAddr; 3] = [
+        "10.0.0.1:4791".parse().unwrap(),
+        "10.0.0.2:4791".parse().unwrap(),
+        "10.0.0.3:4791".parse().unwrap(),
+    ];
+    let mut senders = [
+        metaroce_proto::Endpoint::new(config(None), 1).unwrap(),
+        metaroce_proto::Endpoint::new(config(None), 2).unwrap(),
+    ];
+    let mut r = metaroce_proto::Endpoint::new(config(Some(SHARED)), 3).unwrap();
+    let mut now = metaroce_proto::Instant::from_nanos(1_000_000);
+    let pr = r.alloc_pd();
+    let cqr = r.create_cq(64);
+    let mut flows = Vec::new();
+    for (i, s) in senders.iter_mut().enumerate() {
+        let (cs, cr) = handshake(s, &mut r, addrs[i], addrs[2], now);
+        let ps = s.alloc_pd();
+        let cqs = s.create_cq(64);
+        let qs = s.create_qp(QpInit::new(ps, cqs, cqs)).unwrap();
+        let qr = r.create_qp(QpInit::new(pr, cqr, cqr)).unwrap();
+        s.connect_qp(qs, cs, qr).unwrap();
+        r.connect_qp(qr, cr, qs).unwrap();
+        let data = pattern(10 + i as u64, 8 * WRITE);
+        let (src, dst) = write_regions(s, ps, &mut r, pr, &data);
+        for k in 0..8u64 {
+            let wr = write_wr(k, &src, &dst, k * WRITE as u64, WRITE as u32);
+            s.post_send(now, qs, wr).unwrap();
+        }
+        flows.push((cs, cqs, dst, data, 0u64));
+    }
+    let mut buf = vec![0u8; 65_536];
+    let mut most = [0u64; 2];
+    let deadline = now + Duration::from_secs(1);
+    while flows.iter().any(|f| f.4 < 8) {
+        assert!(now < deadline, "the WRITEs did not finish");
+        // Each sender sends what its windows allow; the receiver reads it
+        // all, then answers; 10 µs pass.
+        for (i, s) in senders.iter_mut().enumerate() {
+            while let Some(t) = s.poll_transmit(now, &mut buf) {
+                // A GSO batch is several datagrams.
+                for d in buf[..t.size].chunks(t.segment_size.unwrap_or(t.size)) {
+                    r.handle_datagram(now, addrs[i], t.ecn, d);
+                }
+            }
+            let st = s.connection_stats(flows[i].0).unwrap();
+            if st.peer_window == SHARED / 2 {
+                most[i] = most[i].max(st.in_flight);
+            }
+        }
+        while let Some(t) = r.poll_transmit(now, &mut buf) {
+            let i = addrs.iter().position(|a| a.ip() == t.dst.ip()).unwrap();
+            senders[i].handle_datagram(now, addrs[2], t.ecn, &buf[..t.size]);
+        }
+        now = now + Duration::from_micros(10);
+        for (i, s) in senders.iter_mut().enumerate() {
+            if s.poll_timeout().is_some_and(|t| t <= now) {
+                s.handle_timeout(now);
+            }
+            flows[i].4 += drain_cq(s, flows[i].1)
+                .iter()
+                .inspect(|wc| assert_eq!(wc.status, WcStatus::Success))
+                .count() as u64;
+        }
+        if r.poll_timeout().is_some_and(|t| t <= now) {
+            r.handle_timeout(now);
+        }
+    }
+    for (i, f) in flows.iter().enumerate() {
+        assert!(
+            most[i] > 0 && most[i] <= SHARED / 2,
+            "sender {i}: {} bytes in flight at most while told {}",
+            most[i],
+            SHARED / 2
+        );
+        assert!(r.mr(f.2.lkey).unwrap()[..] == f.3[..], "sender {i}'s bytes");
+    }
+}
