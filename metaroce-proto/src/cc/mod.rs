@@ -11,5 +11,5 @@ mod receiver;
 mod sender;
 
 pub use pacer::Pacer;
-pub use receiver::ReceiverCc;
+pub use receiver::{ActiveSenders, ReceiverCc};
 pub use sender::SenderCc;

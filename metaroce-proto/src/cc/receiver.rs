@@ -15,7 +15,8 @@ use core::time::Duration;
 ///
 /// With a receive buffer set ([`with_buffer`](Self::with_buffer)), each
 /// active sender is also told to keep at most `buffer / active` bytes in
-/// flight ([`window_share`](Self::window_share)).
+/// flight ([`window_share`](Self::window_share)), the active senders
+/// counted by an [`ActiveSenders`].
 ///
 /// ```
 /// use core::time::Duration;
@@ -28,11 +29,10 @@ use core::time::Duration;
 /// assert!(!r.stale(Instant::from_nanos(1_000)));
 /// let none = ReceiverCc::new(None, Duration::from_micros(100));
 /// assert_eq!(none.hint_kbps(), 0);
-/// assert_eq!(none.window_share(), None);
-/// let mut b = ReceiverCc::new(None, Duration::from_micros(100)).with_buffer(Some(8 << 20));
-/// assert!(!b.enabled() && b.counting());
-/// b.set_active(Instant::ZERO, 2);
-/// assert_eq!(b.window_share(), Some(4 << 20));
+/// assert_eq!(none.window_share(2), None);
+/// let b = ReceiverCc::new(None, Duration::from_micros(100)).with_buffer(Some(8 << 20));
+/// assert!(!b.enabled());
+/// assert_eq!(b.window_share(2), Some(4 << 20));
 /// ```
 #[derive(Debug, Clone)]
 pub struct ReceiverCc {
@@ -68,16 +68,12 @@ impl ReceiverCc {
         self.capacity_kbps.is_some()
     }
 
-    /// Whether active senders are counted: for rate grants or buffer shares.
-    pub fn counting(&self) -> bool {
-        self.capacity_kbps.is_some() || self.buffer.is_some()
-    }
-
-    /// Each active sender's share of the receive buffer, bytes (saturating
-    /// at `u32::MAX`, what an ACK carries); `None` without a buffer.
-    pub fn window_share(&self) -> Option<u32> {
+    /// Each of `active` senders' share of the receive buffer, bytes
+    /// (saturating at `u32::MAX`, what an ACK carries); `None` without a
+    /// buffer.
+    pub fn window_share(&self, active: usize) -> Option<u32> {
         self.buffer
-            .map(|b| (b / self.active as u64).clamp(1, u64::from(u32::MAX)) as u32)
+            .map(|b| (b / active.max(1) as u64).clamp(1, u64::from(u32::MAX)) as u32)
     }
 
     /// The activity window.
@@ -103,5 +99,81 @@ impl ReceiverCc {
             Some(c) => (c / self.active as u64).clamp(1, u64::from(u32::MAX)) as u32,
             None => 0,
         }
+    }
+}
+
+/// Counts the connections that delivered data lately, in constant time per
+/// packet (what every ACK's window share divides by; the rate grant's count
+/// scans the connections instead, and is only kept when grants are on).
+///
+/// Time is cut into periods of the activity window; a connection counts in
+/// the period it last delivered in, and the count is the larger of the
+/// current and the previous period's: a connection that stopped delivering
+/// leaves it within two windows.
+///
+/// ```
+/// use core::time::Duration;
+/// use metaroce_proto::cc::ActiveSenders;
+/// use metaroce_proto::Instant;
+/// let us = |n: u64| Instant::from_nanos(n * 1_000);
+/// let mut a = ActiveSenders::new(Duration::from_micros(100));
+/// let (mut c1, mut c2) = (0, 0);
+/// a.delivered(&mut c1, us(10));
+/// a.delivered(&mut c2, us(20));
+/// a.delivered(&mut c1, us(30));
+/// assert_eq!(a.count(us(40)), 2);
+/// a.delivered(&mut c1, us(150));
+/// assert_eq!(a.count(us(150)), 2); // c2 still counts from the last period
+/// a.delivered(&mut c1, us(250));
+/// assert_eq!(a.count(us(250)), 1); // c2 is gone
+/// ```
+#[derive(Debug, Clone)]
+pub struct ActiveSenders {
+    period: u64,
+    /// Current period (its index from time zero, plus one: a connection's
+    /// mark of 0 means "never").
+    current: u64,
+    in_current: usize,
+    in_previous: usize,
+}
+
+impl ActiveSenders {
+    /// A count over periods of `window` (at least 1 ns).
+    pub fn new(window: Duration) -> Self {
+        ActiveSenders {
+            period: crate::time::nanos(window).max(1),
+            current: 1,
+            in_current: 0,
+            in_previous: 0,
+        }
+    }
+
+    fn roll(&mut self, now: Instant) {
+        let p = now.as_nanos() / self.period + 1;
+        if p > self.current {
+            self.in_previous = if p == self.current + 1 {
+                self.in_current
+            } else {
+                0
+            };
+            self.in_current = 0;
+            self.current = p;
+        }
+    }
+
+    /// A connection delivered data at `now`; `mark` is its own record of
+    /// the period it last did (0 at first).
+    pub fn delivered(&mut self, mark: &mut u64, now: Instant) {
+        self.roll(now);
+        if *mark != self.current {
+            *mark = self.current;
+            self.in_current += 1;
+        }
+    }
+
+    /// Connections that delivered within about the last window (at least 1).
+    pub fn count(&mut self, now: Instant) -> usize {
+        self.roll(now);
+        self.in_current.max(self.in_previous).max(1)
     }
 }

@@ -229,6 +229,9 @@ pub(crate) struct Connection {
     pub(crate) last_rx_at: Instant,
     /// Whether any DATA packet has arrived (the connection counts as a sender).
     pub(crate) rx_seen: bool,
+    /// The period this connection last delivered data in, as the
+    /// endpoint's [`ActiveSenders`](crate::cc::ActiveSenders) counts them.
+    pub(crate) rx_period: u64,
     /// This side opened the connection.
     pub(crate) is_client: bool,
     /// When the connection became established.
@@ -343,6 +346,7 @@ impl Connection {
             last_rx_path: 0,
             last_rx_at: now,
             rx_seen: false,
+            rx_period: 0,
             is_client,
             established_at: now,
             naks: VecDeque::new(),

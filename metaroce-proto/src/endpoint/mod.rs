@@ -390,6 +390,9 @@ pub struct Endpoint {
     established: usize,
     /// The receiver's grant to its senders.
     rcc: crate::cc::ReceiverCc,
+    /// Connections that delivered data lately: what the receive window is
+    /// shared by.
+    rx_active: crate::cc::ActiveSenders,
 }
 
 /// See `Endpoint::ack_scratch`.
@@ -439,6 +442,7 @@ impl Endpoint {
             ack_scratch: Default::default(),
             established: 0,
             rcc: crate::cc::ReceiverCc::new(rcc_config.0, rcc_config.1).with_buffer(rcc_config.2),
+            rx_active: crate::cc::ActiveSenders::new(rcc_config.1),
         })
     }
 

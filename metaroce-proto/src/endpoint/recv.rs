@@ -358,6 +358,7 @@ impl Endpoint {
             ack_every,
             ack_delay,
         );
+        self.rx_active.delivered(&mut c.rx_period, now);
         if !fresh {
             c.stats.duplicates_received += 1;
             self.reject(RejectReason::Duplicate, from);

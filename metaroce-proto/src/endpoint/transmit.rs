@@ -860,13 +860,21 @@ impl Endpoint {
         Some((size, template))
     }
 
-    /// The receiver's grant for each sender: its inbound capacity shared by
-    /// the connections that delivered data recently, and its share of the
-    /// receive buffer. The count is refreshed at most 16 times per activity
-    /// window, so an ACK rarely costs a scan.
+    /// The receiver's grant for each sender: its inbound capacity and its
+    /// receive buffer, each shared by the connections that delivered data
+    /// recently: the rate and the window an ACK carries.
     fn grant(&mut self, now: Instant) -> (u32, Option<u32>) {
-        if !self.rcc.counting() {
-            return (0, None);
+        let active = self.rx_active.count(now);
+        (self.rate_hint(now), self.rcc.window_share(active))
+    }
+
+    /// The receiver's rate grant for each sender: its inbound capacity
+    /// shared by the connections that delivered data recently. The count is
+    /// refreshed at most 16 times per activity window, so an ACK rarely
+    /// costs a scan.
+    fn rate_hint(&mut self, now: Instant) -> u32 {
+        if !self.rcc.enabled() {
+            return 0;
         }
         if self.rcc.stale(now) {
             let window = self.rcc.window();
@@ -889,7 +897,7 @@ impl Endpoint {
                 .count();
             self.rcc.set_active(now, active);
         }
-        (self.rcc.hint_kbps(), self.rcc.window_share())
+        self.rcc.hint_kbps()
     }
 
     /// Encodes an ACK with everything the peer is owed that fits.
