@@ -71,7 +71,7 @@ pub struct EndpointConfig {
     /// Bytes of arriving datagrams this endpoint's host holds for it until
     /// it reads them (its sockets' receive buffers). When set, every ACK
     /// tells its sender to keep at most its share in flight: this buffer
-    /// divided among the connections that delivered data within
+    /// divided among the connections that delivered data within about
     /// [`receiver_active_window`](Self::receiver_active_window) (PROTOCOL
     /// §14). Bytes in flight to a receiver include those waiting in its
     /// socket, so senders that keep to their shares never overflow it,
