@@ -277,15 +277,17 @@ fn hello_strategy() -> impl Strategy<Value = Hello> {
         MIN_MTU..=MAX_MTU,
         1..=MAX_PATHS as u8,
         any::<bool>(),
+        any::<u16>(),
         prop::option::of(any::<[u8; COOKIE_LEN]>()),
     )
         .prop_map(
-            |(src_cid, listen_port, mtu, max_paths, grants, cookie)| Hello {
+            |(src_cid, listen_port, mtu, max_paths, grants, window_kib, cookie)| Hello {
                 src_cid,
                 listen_port,
                 mtu,
                 max_paths,
                 grants,
+                window_kib,
                 cookie,
             },
         )
@@ -306,15 +308,17 @@ fn accept_strategy() -> impl Strategy<Value = Accept> {
         MIN_MTU..=MAX_MTU,
         1..=MAX_PATHS as u8,
         any::<bool>(),
+        any::<u16>(),
     )
         .prop_map(
-            |(dst_cid, src_cid, listen_port, mtu, max_paths, grants)| Accept {
+            |(dst_cid, src_cid, listen_port, mtu, max_paths, grants, window_kib)| Accept {
                 dst_cid,
                 src_cid,
                 listen_port,
                 mtu,
                 max_paths,
                 grants,
+                window_kib,
             },
         )
 }
@@ -652,6 +656,7 @@ proptest! {
         let n = h.emit(&mut buf).unwrap();
         prop_assert_eq!(n, HELLO_LEN);
         prop_assert_eq!(Hello::parse(&buf[..n]).unwrap(), h);
+        prop_assert_eq!(&buf[18..20], &h.window_kib.to_be_bytes()[..], "the window, big-endian");
         prop_assert!(buf[36..HELLO_LEN].iter().all(|&b| b == 0));
         if h.cookie.is_none() {
             prop_assert!(buf[20..36].iter().all(|&b| b == 0));
@@ -714,7 +719,7 @@ proptest! {
         prop_assert_eq!(n, Accept::LEN);
         prop_assert_eq!(Accept::parse(&buf[..n]).unwrap(), a);
         prop_assert_eq!(buf[17], u8::from(a.grants), "caps byte: only the grants bit");
-        prop_assert!(buf[18..20].iter().all(|&b| b == 0));
+        prop_assert_eq!(&buf[18..20], &a.window_kib.to_be_bytes()[..], "the window, big-endian");
         for cut in 0..n {
             prop_assert!(Accept::parse(&buf[..cut]).is_err(), "cut {}", cut);
         }
@@ -909,6 +914,7 @@ fn hello_with_listen_port_zero_is_rejected() {
         mtu: 1500,
         max_paths: 1,
         grants: false,
+        window_kib: 0,
         cookie: None,
     };
     let mut buf = [0u8; HELLO_LEN];

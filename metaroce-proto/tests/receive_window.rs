@@ -36,11 +36,15 @@ fn link() -> LinkConfig {
 /// What a stream of `WRITES` 64 KiB WRITEs, all posted at once, did.
 struct Outcome {
     /// Most bytes the sender had in flight right after it sent more, once
-    /// it knew the window. (Its first flight, before any ACK, is the
-    /// congestion window's alone, and may be above the window it learns.)
+    /// it knew a window.
     max_in_flight_windowed: u64,
     /// Most bytes it had in flight at any time.
     max_in_flight: u64,
+    /// Most bytes it had in flight before the receiver's first ACK (with
+    /// the window the ACCEPT gave, if any).
+    max_first_flight: u64,
+    /// The window the ACCEPT gave (0: none).
+    accept_window: u64,
     /// The window the sender was given (0: none).
     peer_window: u64,
 }
@@ -57,7 +61,8 @@ fn stream(receive_buffer: Option<u64>) -> Outcome {
         p.a.post_send(p.now, v.qa, wr).unwrap();
     }
     let conn = p.conn_a.unwrap();
-    let (mut windowed, mut any, mut done, mut last) = (0, 0, 0u64, 0);
+    let accept_window = p.a.connection_stats(conn).unwrap().peer_window;
+    let (mut windowed, mut any, mut done, mut last, mut first) = (0, 0, 0u64, 0, 0);
     let deadline = p.now + Duration::from_secs(1);
     while done < WRITES {
         assert!(
@@ -67,6 +72,9 @@ fn stream(receive_buffer: Option<u64>) -> Outcome {
         assert!(p.step(), "nothing left to do with {done} WRITEs done");
         let s = p.a.connection_stats(conn).unwrap();
         any = any.max(s.in_flight);
+        if s.acks_received == 0 {
+            first = first.max(s.in_flight);
+        }
         // A step reads what arrived, then sends: what is in flight after a
         // step in which the sender sent is what it let itself have.
         if s.peer_window != 0 && p.sent[0].0 > last {
@@ -85,6 +93,8 @@ fn stream(receive_buffer: Option<u64>) -> Outcome {
     Outcome {
         max_in_flight_windowed: windowed,
         max_in_flight: any,
+        max_first_flight: first,
+        accept_window,
         peer_window: p.a.connection_stats(conn).unwrap().peer_window,
     }
 }
@@ -94,6 +104,15 @@ fn a_sender_keeps_to_the_receivers_window() {
     let o = stream(Some(BUFFER));
     // One sender: the whole buffer is its share.
     assert_eq!(o.peer_window, BUFFER);
+    // Before its first ACK the receiver counted the new sender on top of
+    // the one it had (itself at least): half the buffer, from the ACCEPT.
+    assert_eq!(o.accept_window, BUFFER / 2);
+    assert!(
+        o.max_first_flight > 0 && o.max_first_flight <= BUFFER / 2,
+        "first flight of {} bytes against the ACCEPT's window of {}",
+        o.max_first_flight,
+        BUFFER / 2
+    );
     assert!(
         o.max_in_flight_windowed <= BUFFER,
         "{} bytes in flight against a window of {BUFFER}",
@@ -111,7 +130,12 @@ fn without_a_receive_buffer_no_window_is_given() {
     // The control: the same stream fills far more than the buffer when
     // the receiver gives no window, so the test above can fail.
     let o = stream(None);
-    assert_eq!(o.peer_window, 0);
+    assert_eq!((o.peer_window, o.accept_window), (0, 0));
+    assert!(
+        o.max_first_flight > BUFFER,
+        "the first flight without a window is the congestion window's: {}",
+        o.max_first_flight
+    );
     assert!(
         o.max_in_flight > 2 * BUFFER,
         "only {} bytes in flight without a window",
@@ -138,7 +162,13 @@ fn a_malformed_window_is_refused_and_counted() {
     let refused = p.a.stats().rejects.invalid_field;
     assert!(refused > 0, "the ACKs with a malformed window were refused");
     let s = p.a.connection_stats(p.conn_a.unwrap()).unwrap();
-    assert_eq!(s.peer_window, 0, "no window taken from a refused ACK");
+    // The ACKs' well-formed window (the whole buffer) was not taken either:
+    // the window is still the ACCEPT's.
+    assert_eq!(
+        s.peer_window,
+        BUFFER / 2,
+        "a window taken from a refused ACK"
+    );
     assert_eq!(s.acks_received, 0, "a refused ACK counts for nothing");
     // The data itself arrived (the ACKs were what was malformed).
     assert!(p.b.mr(dst.lkey).unwrap()[..] == data[..]);

@@ -190,6 +190,7 @@ impl Endpoint {
             c.set_peer_paths(hello.max_paths);
             c.set_peer_planes(planes.as_slice());
             c.peer_grants = hello.grants;
+            c.peer_window = handshake_window(hello.window_kib);
             c.established_at = now;
         }
         self.by_peer.insert(key, ci);
@@ -244,6 +245,7 @@ impl Endpoint {
         conn.set_peer_paths(a.max_paths);
         conn.set_peer_planes(planes.as_slice());
         conn.peer_grants = a.grants;
+        conn.peer_window = handshake_window(a.window_kib);
         conn.established_at = now;
         conn.state = ConnectionState::Established;
         self.established += 1;
@@ -1013,4 +1015,10 @@ fn same_message(a: &Accepted, h: &DataHeader) -> bool {
         } => rkey == a.rkey && remote_addr == a.addr && recv_seq == a.recv_seq,
         OpcodeExt::ReadResp | OpcodeExt::Nop => false,
     }
+}
+
+/// The window a HELLO's or an ACCEPT's `window_kib` gives, in bytes (0:
+/// none), until the peer's first ACK gives one.
+fn handshake_window(kib: u16) -> Option<u64> {
+    (kib > 0).then(|| u64::from(kib) * 1024)
 }

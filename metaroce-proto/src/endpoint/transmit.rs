@@ -250,6 +250,7 @@ impl Endpoint {
                         mtu: c.mtu as u16,
                         max_paths,
                         grants,
+                        window_kib: handshake_window_kib(&self.rcc, &mut self.rx_active, now),
                         cookie: c.cookie,
                     }
                     .emit(buf);
@@ -263,6 +264,7 @@ impl Endpoint {
                         mtu: c.mtu as u16,
                         max_paths,
                         grants,
+                        window_kib: handshake_window_kib(&self.rcc, &mut self.rx_active, now),
                     }
                     .emit(buf);
                     with_planes(n, buf)
@@ -1017,6 +1019,18 @@ impl Endpoint {
             segment_size: None,
         })
     }
+}
+
+/// The receive window a HELLO or an ACCEPT gives the peer until this side's
+/// first ACK: the buffer shared by the senders active now and the new one,
+/// in KiB (at least 1 when there is a buffer; 0: none).
+fn handshake_window_kib(
+    rcc: &crate::cc::ReceiverCc,
+    active: &mut crate::cc::ActiveSenders,
+    now: Instant,
+) -> u16 {
+    rcc.window_share(active.count(now) + 1)
+        .map_or(0, |w| (w / 1024).clamp(1, u32::from(u16::MAX)) as u16)
 }
 
 /// Bit mask of planes `0..planes`.

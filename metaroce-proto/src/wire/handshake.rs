@@ -36,7 +36,7 @@ const CAP_GRANTS: u8 = 0x01;
 /// | 14 | 2 | `mtu`: largest UDP payload the client takes |
 /// | 16 | 1 | `max_paths`: paths the client will spray over |
 /// | 17 | 1 | `caps`: `0x01` = the client grants rates in its ACKs |
-/// | 18 | 2 | reserved |
+/// | 18 | 2 | `window_kib`: the client's receive window for the server until its first ACK, KiB (0: none) |
 /// | 20 | 16 | `cookie` (zero when absent) |
 /// | 36 | 28 | padding (zero) |
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,6 +51,9 @@ pub struct Hello {
     pub max_paths: u8,
     /// Whether the client's ACKs carry rate grants.
     pub grants: bool,
+    /// The client's receive window for the server until the client's first
+    /// ACK gives one, in KiB (0: none; PROTOCOL §14).
+    pub window_kib: u16,
     /// Cookie from a previous COOKIE reply.
     pub cookie: Option<[u8; COOKIE_LEN]>,
 }
@@ -87,6 +90,7 @@ impl Hello {
             mtu,
             max_paths,
             grants: buf[17] & CAP_GRANTS != 0,
+            window_kib: get_u16(buf, 18),
             cookie,
         })
     }
@@ -106,6 +110,7 @@ impl Hello {
         put_u16(buf, 14, self.mtu);
         buf[16] = self.max_paths;
         buf[17] = if self.grants { CAP_GRANTS } else { 0 };
+        put_u16(buf, 18, self.window_kib);
         if let Some(c) = &self.cookie {
             buf[20..20 + COOKIE_LEN].copy_from_slice(c);
         }
@@ -161,7 +166,7 @@ impl CookieReply {
 /// | 14 | 2 | `mtu`: the connection's MTU (the smaller of both) |
 /// | 16 | 1 | `max_paths`: the server's path count |
 /// | 17 | 1 | `caps`: `0x01` = the server grants rates in its ACKs |
-/// | 18 | 2 | reserved |
+/// | 18 | 2 | `window_kib`: the server's receive window for the client until its first ACK, KiB (0: none) |
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Accept {
     /// The client's connection id.
@@ -176,6 +181,9 @@ pub struct Accept {
     pub max_paths: u8,
     /// Whether the server's ACKs carry rate grants.
     pub grants: bool,
+    /// The server's receive window for the client until the server's first
+    /// ACK gives one, in KiB (0: none; PROTOCOL §14).
+    pub window_kib: u16,
 }
 
 impl Accept {
@@ -204,6 +212,7 @@ impl Accept {
             mtu,
             max_paths,
             grants: buf[17] & CAP_GRANTS != 0,
+            window_kib: get_u16(buf, 18),
         })
     }
 
@@ -217,6 +226,7 @@ impl Accept {
         put_u16(buf, 14, self.mtu);
         buf[16] = self.max_paths;
         buf[17] = if self.grants { CAP_GRANTS } else { 0 };
+        put_u16(buf, 18, self.window_kib);
         Ok(Self::LEN)
     }
 }
@@ -506,6 +516,7 @@ mod tests {
             mtu: 4160,
             max_paths: 8,
             grants: true,
+            window_kib: 0x1234,
             cookie: Some([7; COOKIE_LEN]),
         };
         let mut buf = [0xffu8; 100];
@@ -515,6 +526,7 @@ mod tests {
         assert!(buf[36..HELLO_LEN].iter().all(|&b| b == 0));
         assert!(Hello::parse(&buf[..n - 1]).is_err());
         assert_eq!(buf[17], 0x01, "the grants capability is bit 0 of byte 17");
+        assert_eq!(buf[18..20], [0x12, 0x34], "the window is bytes 18-19");
         let h2 = Hello {
             cookie: None,
             grants: false,
@@ -536,6 +548,7 @@ mod tests {
             mtu: 1500,
             max_paths: 8,
             grants: false,
+            window_kib: 0,
             cookie: None,
         };
         let mut buf = [0u8; HELLO_LEN];
@@ -575,10 +588,12 @@ mod tests {
             mtu: 1500,
             max_paths: 4,
             grants: true,
+            window_kib: 0xabcd,
         };
         let n = a.emit(&mut buf).unwrap();
         assert_eq!(Accept::parse(&buf[..n]).unwrap(), a);
         assert_eq!(buf[17], 0x01);
+        assert_eq!(buf[18..20], [0xab, 0xcd]);
         assert!(n <= HELLO_LEN);
         let cl = Close {
             dst_cid: 9,
