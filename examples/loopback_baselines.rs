@@ -670,6 +670,20 @@ fn measured(f: impl FnOnce() -> Run) -> (Run, f64) {
     (run, cpu * cpu_hz() / bytes)
 }
 
+/// The two 8 B round trips (raw UDP, then metaroce), printed with their
+/// ratios; returns the p50s (metaroce, raw UDP).
+fn round_trips() -> (f64, f64) {
+    let (up50, up99) = udp_ping_pong_us(20_000);
+    let (mp50, mp99) = metaroce_ping_pong_us(20_000);
+    println!("  8 B round trip (us): metaroce SEND p50 {mp50:.1} p99 {mp99:.1} | raw UDP p50 {up50:.1} p99 {up99:.1}");
+    println!(
+        "  metaroce / raw UDP: p50 {:.2}, p99 {:.2}",
+        mp50 / up50,
+        mp99 / up99
+    );
+    (mp50, up50)
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -684,12 +698,8 @@ fn only_throughput(which: &str, secs: f64, rounds: usize) {
     let hz = cpu_hz();
     if which == "ping-pong" {
         for round in 1..=rounds {
-            let (up50, up99) = udp_ping_pong_us(20_000);
-            let (mp50, mp99) = metaroce_ping_pong_us(20_000);
-            println!(
-                "round {round}: 8 B round trip (us): metaroce SEND p50 {mp50:.1} p99 {mp99:.1} | raw UDP p50 {up50:.1} p99 {up99:.1} | p50 ratio {:.2}",
-                mp50 / up50
-            );
+            println!("round {round}");
+            round_trips();
         }
         return;
     }
@@ -793,14 +803,7 @@ fn main() {
         if let Some(r) = mr_run.recovery {
             println!("  metaroce stream's loss recovery (sender): {r}");
         }
-        let (up50, up99) = udp_ping_pong_us(20_000);
-        let (mp50, mp99) = metaroce_ping_pong_us(20_000);
-        println!("  8 B round trip (us): metaroce SEND p50 {mp50:.1} p99 {mp99:.1} | raw UDP p50 {up50:.1} p99 {up99:.1}");
-        println!(
-            "  metaroce / raw UDP: p50 {:.2}, p99 {:.2}",
-            mp50 / up50,
-            mp99 / up99
-        );
+        let (mp50, up50) = round_trips();
         r_udp.push(mr / udp);
         r_tcp.push(mr / tcp);
         r_cyc.push(mr_c / udp_c);

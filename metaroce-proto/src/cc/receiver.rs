@@ -133,6 +133,9 @@ pub struct ActiveSenders {
     /// Current period (its index from time zero, plus one: a connection's
     /// mark of 0 means "never").
     current: u64,
+    /// When the current period ends (ns): before it, a packet costs no
+    /// division.
+    ends: u64,
     in_current: usize,
     in_previous: usize,
 }
@@ -143,13 +146,18 @@ impl ActiveSenders {
         ActiveSenders {
             period: crate::time::nanos(window).max(1),
             current: 1,
+            ends: crate::time::nanos(window).max(1),
             in_current: 0,
             in_previous: 0,
         }
     }
 
     fn roll(&mut self, now: Instant) {
+        if now.as_nanos() < self.ends {
+            return;
+        }
         let p = now.as_nanos() / self.period + 1;
+        self.ends = p.saturating_mul(self.period);
         if p > self.current {
             self.in_previous = if p == self.current + 1 {
                 self.in_current
