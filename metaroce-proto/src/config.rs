@@ -43,6 +43,16 @@ pub struct EndpointConfig {
     pub ack_delay: Duration,
     /// Packets received before an ACK goes out regardless of the timer.
     pub ack_every: u32,
+    /// Take coalesced datagrams (an ACK followed by a DATA packet) and,
+    /// when the peer takes them too, send ACKs riding on DATA (PROTOCOL
+    /// §6.7). Advertised in the handshake; off, this endpoint neither sends
+    /// nor accepts them, like a peer that predates them.
+    pub coalesce_acks: bool,
+    /// Longest wait of an ACK the peer asked for (the last packet of a
+    /// message) for a DATA packet of this side's to ride on, while this
+    /// side is sending to the peer (a request/response exchange); zero:
+    /// never wait (ACKs still ride on DATA that goes anyway).
+    pub ack_hold: Duration,
     /// HELLO retransmission interval.
     pub handshake_rto: Duration,
     /// HELLO attempts before giving up.
@@ -114,6 +124,8 @@ impl Default for EndpointConfig {
             retry_cnt: DEFAULT_RETRY_CNT,
             ack_delay: DEFAULT_ACK_DELAY,
             ack_every: DEFAULT_ACK_EVERY,
+            coalesce_acks: true,
+            ack_hold: DEFAULT_ACK_HOLD,
             handshake_rto: DEFAULT_HANDSHAKE_RTO,
             handshake_retries: DEFAULT_HANDSHAKE_RETRIES,
             initial_window: DEFAULT_INITIAL_WINDOW,

@@ -42,6 +42,12 @@ pub const ACK_NAK_ENTRY_LEN: usize = 12;
 /// a big-endian u32 of bytes it may keep in flight (PROTOCOL §6.5, §14).
 pub const ACK_OPT_RECV_WINDOW: u8 = 0x01;
 
+/// ACK flag (byte 2): a DATA packet of the same connection follows the ACK
+/// in the datagram, and byte 3 gives the ACK's options length, so the ACK
+/// ends before the datagram does (PROTOCOL §6.7). Sent only to a peer that
+/// advertised the coalescing capability in its HELLO or ACCEPT.
+pub const ACK_FLAG_COALESCED: u8 = 0x01;
+
 /// Width of the per-path selective acknowledgement bitvector, in bits (`SACK_BITS`).
 ///
 /// A sender never has a path's packets outstanding over a span of more than
@@ -124,6 +130,16 @@ pub const DEFAULT_RNR_RETRY: u8 = 7;
 
 /// Default time a requester waits after an RNR NAK before retrying (`DEFAULT_RNR_TIMER`).
 pub const DEFAULT_RNR_TIMER: Duration = Duration::from_micros(100);
+
+/// Default longest wait of an ACK the peer asked for, for a DATA packet of
+/// this side's to ride on (`DEFAULT_ACK_HOLD`, PROTOCOL §12): a responder
+/// that answers within it sends its ACK and its response in one datagram.
+pub const DEFAULT_ACK_HOLD: Duration = Duration::from_micros(20);
+
+/// An asked-for ACK waits for DATA to ride on only if this side sent DATA
+/// on the connection within this long (`ACK_HOLD_SENDING`): a receiver
+/// that only receives acknowledges at once.
+pub const ACK_HOLD_SENDING: Duration = Duration::from_millis(1);
 
 /// Default delayed-ACK timer (`DEFAULT_ACK_DELAY`).
 pub const DEFAULT_ACK_DELAY: Duration = Duration::from_micros(20);

@@ -10,9 +10,9 @@
 //! `PROPTEST_RNG_SEED=<u64>` / `PROPTEST_CASES=<n>` to explore further.
 
 use metaroce_proto::consts::{
-    ACK_HEADER_LEN, ACK_NAK_ENTRY_LEN, ACK_PATH_ENTRY_MIN_LEN, ACK_STREAM_ENTRY_LEN, COOKIE_LEN,
-    DATA_HEADER_LEN, HELLO_LEN, MAX_MTU, MAX_OPTIONS_LEN, MAX_PATHS, MAX_PLANES, MIN_MTU,
-    SACK_BYTES, VERSION,
+    ACK_FLAG_COALESCED, ACK_HEADER_LEN, ACK_NAK_ENTRY_LEN, ACK_PATH_ENTRY_MIN_LEN,
+    ACK_STREAM_ENTRY_LEN, COOKIE_LEN, DATA_HEADER_LEN, HELLO_LEN, MAX_MTU, MAX_OPTIONS_LEN,
+    MAX_PATHS, MAX_PLANES, MIN_MTU, SACK_BYTES, VERSION,
 };
 use metaroce_proto::wire::{
     self, Accept, AckBuilder, AckHeader, AckPacket, AckPathEntry, AckStreamEntry, Close, CloseCode,
@@ -129,7 +129,9 @@ fn ack_header_strategy() -> impl Strategy<Value = AckHeader> {
         .prop_map(
             |(flags, dst_cid, cum_csn, ts_echo, ack_delay_ns, rate_hint_kbps, echo_path)| {
                 AckHeader {
-                    flags,
+                    // The coalesced flag changes the layout: set only by
+                    // `finish_coalesced` (see `coalesced_ack_round_trip`).
+                    flags: flags & !ACK_FLAG_COALESCED,
                     dst_cid,
                     cum_csn,
                     ts_echo,
@@ -276,19 +278,22 @@ fn hello_strategy() -> impl Strategy<Value = Hello> {
         any::<u16>(),
         MIN_MTU..=MAX_MTU,
         1..=MAX_PATHS as u8,
-        any::<bool>(),
+        any::<(bool, bool)>(),
         any::<u16>(),
         prop::option::of(any::<[u8; COOKIE_LEN]>()),
     )
         .prop_map(
-            |(src_cid, listen_port, mtu, max_paths, grants, window_kib, cookie)| Hello {
-                src_cid,
-                listen_port,
-                mtu,
-                max_paths,
-                grants,
-                window_kib,
-                cookie,
+            |(src_cid, listen_port, mtu, max_paths, (grants, coalesce), window_kib, cookie)| {
+                Hello {
+                    src_cid,
+                    listen_port,
+                    mtu,
+                    max_paths,
+                    grants,
+                    coalesce,
+                    window_kib,
+                    cookie,
+                }
             },
         )
 }
@@ -307,18 +312,21 @@ fn accept_strategy() -> impl Strategy<Value = Accept> {
         any::<u16>(),
         MIN_MTU..=MAX_MTU,
         1..=MAX_PATHS as u8,
-        any::<bool>(),
+        any::<(bool, bool)>(),
         any::<u16>(),
     )
         .prop_map(
-            |(dst_cid, src_cid, listen_port, mtu, max_paths, grants, window_kib)| Accept {
-                dst_cid,
-                src_cid,
-                listen_port,
-                mtu,
-                max_paths,
-                grants,
-                window_kib,
+            |(dst_cid, src_cid, listen_port, mtu, max_paths, (grants, coalesce), window_kib)| {
+                Accept {
+                    dst_cid,
+                    src_cid,
+                    listen_port,
+                    mtu,
+                    max_paths,
+                    grants,
+                    coalesce,
+                    window_kib,
+                }
             },
         )
 }
@@ -587,6 +595,53 @@ proptest! {
         prop_assert!(DataHeader::parse(&buf).is_err());
     }
 
+    /// PROTOCOL §6.7: a coalesced ACK says where its options end, and the
+    /// packet after it is handed back whole; cut anywhere before that
+    /// packet's first byte, the datagram is refused.
+    #[test]
+    fn coalesced_ack_round_trip(a in ack_strategy(), data in prop::collection::vec(any::<u8>(), 1..64)) {
+        let opts: usize = a.options.iter().map(|o| 2 + o.1.len()).sum();
+        let mut buf = vec![0u8; 8192];
+        let mut b = AckBuilder::new(&mut buf, a.header).unwrap();
+        for p in &a.paths {
+            b.push_path(p).unwrap();
+        }
+        for s in &a.streams {
+            b.push_stream(s).unwrap();
+        }
+        for n in &a.naks {
+            b.push_nak(n).unwrap();
+        }
+        for (k, v) in &a.options {
+            b.push_option(*k, v).unwrap();
+        }
+        let Ok(n) = b.finish_coalesced() else {
+            // Only options past 255 bytes cannot be delimited.
+            prop_assert!(opts > 255);
+            return Ok(());
+        };
+        prop_assert!(opts <= 255);
+        prop_assert_eq!(n, a.entries_len() + opts);
+        buf.truncate(n);
+        buf.extend_from_slice(&data);
+        let crit = a.critical_kinds();
+        let p = AckPacket::parse(&buf, |k| crit.contains(&k)).unwrap();
+        prop_assert_eq!(p.header().flags & ACK_FLAG_COALESCED, ACK_FLAG_COALESCED);
+        prop_assert_eq!(p.len(), n);
+        prop_assert_eq!(p.coalesced(), Some(&data[..]));
+        prop_assert_eq!(p.paths().collect::<Vec<_>>(), a.paths.clone());
+        prop_assert_eq!(p.streams().collect::<Vec<_>>(), a.streams.clone());
+        prop_assert_eq!(p.naks().collect::<Vec<_>>(), a.naks.clone());
+        let got: Vec<(u8, Vec<u8>)> = p.options().map(|o| (o.kind, o.value.to_vec())).collect();
+        prop_assert_eq!(got, a.options.clone(), "the packet after the ACK is no option");
+        for cut in 0..=n {
+            prop_assert!(AckPacket::parse(&buf[..cut], |_| true).is_err(), "cut {} accepted", cut);
+        }
+        // A plain ACK is never coalesced.
+        let plain = a.encode();
+        prop_assert_eq!(AckPacket::parse(&plain, |_| true).map(|p| p.coalesced()), Ok(None));
+    }
+
     #[test]
     fn ack_truncations(a in ack_strategy()) {
         let buf = a.encode();
@@ -718,7 +773,11 @@ proptest! {
         let n = a.emit(&mut buf).unwrap();
         prop_assert_eq!(n, Accept::LEN);
         prop_assert_eq!(Accept::parse(&buf[..n]).unwrap(), a);
-        prop_assert_eq!(buf[17], u8::from(a.grants), "caps byte: only the grants bit");
+        prop_assert_eq!(
+            buf[17],
+            u8::from(a.grants) | u8::from(a.coalesce) << 1,
+            "caps byte: the grants and coalescing bits"
+        );
         prop_assert_eq!(&buf[18..20], &a.window_kib.to_be_bytes()[..], "the window, big-endian");
         for cut in 0..n {
             prop_assert!(Accept::parse(&buf[..cut]).is_err(), "cut {}", cut);
@@ -914,6 +973,7 @@ fn hello_with_listen_port_zero_is_rejected() {
         mtu: 1500,
         max_paths: 1,
         grants: false,
+        coalesce: false,
         window_kib: 0,
         cookie: None,
     };

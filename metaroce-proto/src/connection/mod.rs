@@ -13,7 +13,7 @@ pub use path::{PathState, PathStats};
 
 use crate::cc::{Pacer, SenderCc};
 use crate::config::EndpointConfig;
-use crate::consts::{COOKIE_LEN, CSN_WINDOW};
+use crate::consts::{ACK_HOLD_SENDING, COOKIE_LEN, CSN_WINDOW};
 use crate::reliability::{RingBitmap, RttEstimator, SeqAccept};
 use crate::rng::Rng;
 use crate::time::Instant;
@@ -82,6 +82,16 @@ pub(crate) enum CsnKind {
     Nop,
 }
 
+impl CsnKind {
+    /// Payload bytes the CSN's packet carries.
+    pub(crate) fn payload_len(self) -> usize {
+        match self {
+            CsnKind::Request { len, .. } | CsnKind::Response { len, .. } => len as usize,
+            CsnKind::Nop => 0,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CsnRecord {
     pub(crate) kind: CsnKind,
@@ -116,8 +126,11 @@ pub struct ConnectionStats {
     pub packets_lost: u64,
     /// Duplicate packets received (CSN already seen).
     pub duplicates_received: u64,
-    /// ACKs sent and received.
+    /// ACKs sent, coalesced ones included.
     pub acks_sent: u64,
+    /// ACKs sent riding on a DATA packet, in one datagram with it
+    /// (PROTOCOL §6.7).
+    pub acks_coalesced: u64,
     /// ACKs received.
     pub acks_received: u64,
     /// NAKs sent.
@@ -149,6 +162,28 @@ pub struct ConnectionStats {
     pub peer_window: u64,
     /// Per-path counters.
     pub paths: Vec<PathStats>,
+}
+
+/// When the ACKs a receiver owes go out (from the endpoint's
+/// configuration).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AckTiming {
+    /// Packets received before an ACK goes out at once.
+    pub(crate) every: u32,
+    /// The delayed-ACK timer.
+    pub(crate) delay: Duration,
+    /// How long an asked-for ACK may wait for DATA to ride on.
+    pub(crate) hold: Duration,
+}
+
+impl AckTiming {
+    pub(crate) fn of(config: &EndpointConfig) -> Self {
+        AckTiming {
+            every: config.ack_every,
+            delay: config.ack_delay,
+            hold: config.ack_hold,
+        }
+    }
 }
 
 /// A connection's transport state.
@@ -217,6 +252,12 @@ pub(crate) struct Connection {
     pub(crate) peer_grants: bool,
     /// Bytes in flight allowed before the first grant (when `peer_grants`).
     pub(crate) first_flight: u64,
+    /// ACKs may ride on DATA to the peer: it takes coalesced datagrams
+    /// (said so in the handshake) and this endpoint sends them.
+    pub(crate) peer_coalesce: bool,
+    /// When this side last sent a DATA packet: an ACK the peer asked for
+    /// waits a moment for a packet to ride on only while this side sends.
+    pub(crate) last_data_tx: Option<Instant>,
 
     // Receive side.
     pub(crate) rx_csn: RingBitmap<{ CSN_WINDOW as usize / 64 }>,
@@ -336,6 +377,8 @@ impl Connection {
             ),
             datagram_overhead: u64::from(config.datagram_overhead),
             peer_grants: false,
+            peer_coalesce: false,
+            last_data_tx: None,
             first_flight: config.first_flight_bytes,
             rx_csn: RingBitmap::new(0),
             ack_needed: false,
@@ -611,6 +654,7 @@ impl Connection {
         let p = &mut self.paths_tx[path];
         p.record_send(csn, now, size as u32, retransmit);
         let path_id = p.id;
+        self.last_data_tx = Some(now);
         self.in_flight += size as u64;
         self.pacer.sent(now, size as u64 + self.datagram_overhead);
         self.stats.data_packets_sent += 1;
@@ -661,7 +705,9 @@ impl Connection {
 
     /// Notes a received DATA packet for the ACK machinery: it came in on
     /// `path` at `arrived` (its OS receive stamp, or `now`), echoing
-    /// `tx_ts`; an ACK is owed, now or by the ACK delay.
+    /// `tx_ts`. An ACK is owed: at once if `urgent` (a hole, a duplicate)
+    /// or `ack_every` packets are unacknowledged, soon if the packet `asked`
+    /// for one ([`ack_soon`](Self::ack_soon)), else by the ACK delay.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn note_rx(
         &mut self,
@@ -669,9 +715,9 @@ impl Connection {
         arrived: Instant,
         path: u8,
         tx_ts: u32,
-        immediate: bool,
-        ack_every: u32,
-        delay: Duration,
+        urgent: bool,
+        asked: bool,
+        ack: AckTiming,
     ) {
         self.rx_seen = true;
         self.last_rx_ts = tx_ts;
@@ -681,10 +727,30 @@ impl Connection {
         self.last_rx_at = arrived;
         self.ack_needed = true;
         self.since_ack += 1;
-        if immediate || self.since_ack >= ack_every {
+        if urgent || self.since_ack >= ack.every {
             self.ack_now = true;
+        } else if asked {
+            self.ack_soon(now, ack.hold);
         } else if self.ack_deadline.is_none() {
-            self.ack_deadline = Some(now + delay);
+            self.ack_deadline = Some(now + ack.delay);
+        }
+    }
+
+    /// An ACK the peer asked for (the last packet of a message, a message
+    /// done): at once, unless this side is sending DATA to the peer
+    /// itself and the peer takes coalesced datagrams. Then it waits up to
+    /// `hold` for a DATA packet to ride on (PROTOCOL §12): a request and its
+    /// response then cost two datagrams, not four.
+    pub(crate) fn ack_soon(&mut self, now: Instant, hold: Duration) {
+        self.ack_needed = true;
+        let sending = self
+            .last_data_tx
+            .is_some_and(|t| now.saturating_since(t) <= ACK_HOLD_SENDING);
+        if self.peer_coalesce && sending && !hold.is_zero() {
+            let by = now + hold;
+            self.ack_deadline = Some(self.ack_deadline.map_or(by, |d| d.min(by)));
+        } else {
+            self.ack_now = true;
         }
     }
 
@@ -701,13 +767,25 @@ impl Connection {
         self.ack_now = true;
     }
 
-    /// Marks a stream's progress as owed to the peer.
+    /// Marks a stream's progress as owed to the peer, at once.
     pub(crate) fn mark_stream(&mut self, qpn: Qpn) {
+        self.note_stream(qpn);
+        self.ack_now = true;
+    }
+
+    /// Marks a stream's progress as owed to the peer, soon
+    /// ([`ack_soon`](Self::ack_soon)): messages done, which the response
+    /// about to go may carry.
+    pub(crate) fn mark_stream_soon(&mut self, qpn: Qpn, now: Instant, hold: Duration) {
+        self.note_stream(qpn);
+        self.ack_soon(now, hold);
+    }
+
+    fn note_stream(&mut self, qpn: Qpn) {
         if !self.dirty_streams.contains(&qpn) {
             self.dirty_streams.push(qpn);
         }
         self.ack_needed = true;
-        self.ack_now = true;
     }
 
     /// Whether an ACK must go out now.

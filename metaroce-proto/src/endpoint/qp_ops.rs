@@ -296,6 +296,7 @@ impl Endpoint {
         let Some(idx) = self.qp_index(qpn) else {
             return;
         };
+        let (now, hold) = (self.last_now, self.config.ack_hold);
         let Endpoint {
             qps,
             mrs,
@@ -344,7 +345,9 @@ impl Endpoint {
         });
         if retired > 0 {
             if let Some(c) = conns[ci].as_mut() {
-                c.mark_stream(qpn);
+                // The response about to go (a READ's, or the application's
+                // answer) may carry it.
+                c.mark_stream_soon(qpn, now, hold);
             }
         }
         // Every message before a failed one is done: now the QP fails.

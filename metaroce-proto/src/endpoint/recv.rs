@@ -2,7 +2,7 @@
 //! bookkeeping → stream (QP) placement → completions and ACK state.
 
 use super::{cookie, qp_ops::rnr_us, Endpoint, Event, StatelessReply, MAX_STATELESS_QUEUE};
-use crate::connection::{ConnectionError, ConnectionState, CsnKind, Ctrl, PathEvent};
+use crate::connection::{AckTiming, ConnectionError, ConnectionState, CsnKind, Ctrl, PathEvent};
 use crate::consts::{ACK_OPT_RECV_WINDOW, HELLO_LEN};
 use crate::reliability::SeqAccept;
 use crate::stats::RejectReason;
@@ -90,7 +90,7 @@ impl Endpoint {
         };
         match common.ptype {
             PacketType::Data => self.on_data(now, arrived, from, ecn, data),
-            PacketType::Ack => self.on_ack(now, arrived, from, data),
+            PacketType::Ack => self.on_ack_datagram(now, arrived, from, ecn, data),
             PacketType::Hello => self.on_hello(now, from, data),
             PacketType::Cookie => self.on_cookie(now, from, data),
             PacketType::Accept => self.on_accept(now, from, data),
@@ -180,6 +180,7 @@ impl Endpoint {
             return self.touch(ci, Some(now));
         }
         let peer = SocketAddr::new(from.ip(), hello.listen_port);
+        let coalesce = self.config.coalesce_acks;
         let ci = match self.new_connection(now, peer, false) {
             Ok(ci) => ci,
             Err(_) => return self.reject(RejectReason::Refused, from),
@@ -190,6 +191,7 @@ impl Endpoint {
             c.set_peer_paths(hello.max_paths);
             c.set_peer_planes(planes.as_slice());
             c.peer_grants = hello.grants;
+            c.peer_coalesce = hello.coalesce && coalesce;
             c.peer_window = handshake_window(hello.window_kib);
             c.established_at = now;
         }
@@ -232,6 +234,7 @@ impl Endpoint {
         let Some(ci) = self.conn_for(a.dst_cid, from) else {
             return;
         };
+        let coalesce = self.config.coalesce_acks;
         let Some(conn) = self.conns[ci].as_mut() else {
             return;
         };
@@ -245,6 +248,7 @@ impl Endpoint {
         conn.set_peer_paths(a.max_paths);
         conn.set_peer_planes(planes.as_slice());
         conn.peer_grants = a.grants;
+        conn.peer_coalesce = a.coalesce && coalesce;
         conn.peer_window = handshake_window(a.window_kib);
         conn.established_at = now;
         conn.state = ConnectionState::Established;
@@ -323,8 +327,7 @@ impl Endpoint {
         let Some(ci) = self.conn_for(hdr.dst_cid, from) else {
             return;
         };
-        let ack_every = self.config.ack_every;
-        let ack_delay = self.config.ack_delay;
+        let timing = AckTiming::of(&self.config);
         let Some(c) = self.conns[ci].as_mut() else {
             return;
         };
@@ -356,9 +359,9 @@ impl Endpoint {
             arrived,
             hdr.path_id,
             hdr.tx_ts,
-            wants_ack || out_of_order || !fresh,
-            ack_every,
-            ack_delay,
+            out_of_order || !fresh,
+            wants_ack,
+            timing,
         );
         self.rx_active.delivered(&mut c.rx_period, now);
         if !fresh {
@@ -735,11 +738,39 @@ impl Endpoint {
     // ACK.
     // ------------------------------------------------------------------
 
-    fn on_ack(&mut self, now: Instant, arrived: Instant, from: SocketAddr, data: &[u8]) {
+    /// A datagram that starts with an ACK: the ACK, then the DATA packet
+    /// coalesced with it, if any (PROTOCOL §6.7). The DATA must be for the
+    /// same connection, and this endpoint must have said it takes them.
+    fn on_ack_datagram(
+        &mut self,
+        now: Instant,
+        arrived: Instant,
+        from: SocketAddr,
+        ecn: super::Ecn,
+        data: &[u8],
+    ) {
         let ack = match AckPacket::parse(data, |_| false) {
             Ok(a) => a,
             Err(e) => return self.reject(e.into(), from),
         };
+        let Some(rest) = ack.coalesced() else {
+            return self.on_ack(now, arrived, from, &ack);
+        };
+        if !self.config.coalesce_acks {
+            // Not advertised: a peer that sends them anyway breaks the
+            // protocol; neither part is taken.
+            return self.reject(RejectReason::InvalidField, from);
+        }
+        match wire::peek_common(rest) {
+            Ok(c) if c.ptype == PacketType::Data && c.dst_cid == ack.header().dst_cid => {}
+            Ok(_) => return self.reject(RejectReason::InvalidField, from),
+            Err(e) => return self.reject(e.into(), from),
+        }
+        self.on_ack(now, arrived, from, &ack);
+        self.on_data(now, arrived, from, ecn, rest);
+    }
+
+    fn on_ack(&mut self, now: Instant, arrived: Instant, from: SocketAddr, ack: &AckPacket<'_>) {
         let h = *ack.header();
         let Some(ci) = self.conn_for(h.dst_cid, from) else {
             return;

@@ -6,11 +6,22 @@
 
 use super::{Ecn, Endpoint, Gather, RegionPin, Transmit};
 use crate::connection::{CsnKind, Ctrl};
-use crate::consts::ACK_OPT_RECV_WINDOW;
+use crate::consts::{
+    ACK_HEADER_LEN, ACK_OPT_RECV_WINDOW, ACK_PATH_ENTRY_MIN_LEN, ACK_STREAM_ENTRY_LEN,
+    DATA_HEADER_LEN,
+};
 
 /// ACKs after the first that repeat a stream's progress (all of them lost
 /// at 10% loss: 1 in 1,000).
 const STREAM_REPEATS: u8 = 2;
+
+/// The longest DATA header: WRITE_IMM's, with its 20-byte extension.
+const MAX_DATA_HEADER_LEN: usize = DATA_HEADER_LEN + 20;
+
+/// Room a DATA packet must leave for an ACK to ride on it: the fixed part,
+/// a path entry, a stream entry and the window option. Less, and the ACK
+/// goes on its own.
+const COALESCED_ACK_MIN: usize = ACK_HEADER_LEN + ACK_PATH_ENTRY_MIN_LEN + ACK_STREAM_ENTRY_LEN + 6;
 
 /// A request packet [`encode_data`](Endpoint::encode_data) put out with its
 /// payload, as a template for the next segments of the same message in the
@@ -220,6 +231,7 @@ impl Endpoint {
         let max_paths = self.config.paths;
         let listen_port = self.config.listen_port;
         let grants = self.rcc.enabled();
+        let coalesce = self.config.coalesce_acks;
         let extra = if self.config.plane_ips.len() > 1 {
             crate::wire::PlaneAddrs::new(&self.config.plane_ips[1..]).unwrap_or_default()
         } else {
@@ -250,6 +262,7 @@ impl Endpoint {
                         mtu: c.mtu as u16,
                         max_paths,
                         grants,
+                        coalesce,
                         window_kib: handshake_window_kib(&self.rcc, &mut self.rx_active, now),
                         cookie: c.cookie,
                     }
@@ -264,6 +277,7 @@ impl Endpoint {
                         mtu: c.mtu as u16,
                         max_paths,
                         grants,
+                        coalesce,
                         window_kib: handshake_window_kib(&self.rcc, &mut self.rx_active, now),
                     }
                     .emit(buf);
@@ -386,18 +400,30 @@ impl Endpoint {
             // A path has room (checked above), so the segment always goes out.
             let path = c.pick_path(None, mtu as u64)?;
             let csn = c.new_csn(kind);
+            // An ACK owed rides along if the segment leaves room for it.
+            let at = if full {
+                0
+            } else {
+                self.coalesce_ack(
+                    ci,
+                    now,
+                    &mut buf[..mtu],
+                    kind.payload_len(),
+                    gather.as_deref_mut(),
+                )
+            };
             let (size, template) = self.encode_data(
                 ci,
                 path,
                 csn,
                 kind,
                 now,
-                &mut buf[..mtu],
+                &mut buf[at..mtu],
                 false,
                 None,
                 gather.as_deref_mut(),
             )?;
-            let first = self.data_transmit(ci, path, size)?;
+            let first = self.data_transmit(ci, path, at + size)?;
             if !full {
                 return Some(first);
             }
@@ -902,8 +928,75 @@ impl Endpoint {
         self.rcc.hint_kbps()
     }
 
-    /// Encodes an ACK with everything the peer is owed that fits.
+    /// Sends an ACK on its own: everything the peer is owed that fits.
     fn emit_ack(&mut self, ci: usize, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+        let size = self.encode_ack(ci, now, buf, false)?;
+        let c = self.conns[ci].as_mut()?;
+        // ACKs rotate over the paths (source ports) of the plane the
+        // latest DATA arrived on.
+        let n = c.paths_tx.len();
+        let plane = c.ack_plane();
+        let pi = (0..n)
+            .map(|k| (c.path_rr + k) % n)
+            .find(|&i| c.paths_tx[i].plane == plane)
+            .unwrap_or(c.path_rr % n);
+        c.path_rr = (pi + 1) % n;
+        let plane = c.paths_tx[pi].plane;
+        Some(Transmit {
+            dst: c.plane_dst(plane),
+            src_ip: c.plane_src(plane),
+            src_port: c.paths_tx[pi].src_port,
+            ecn: Ecn::NotEct,
+            size,
+            segment_size: None,
+        })
+    }
+
+    /// Puts the ACK the peer is owed, if any, at the start of `buf` (an
+    /// MTU), coalesced with the DATA packet of `payload` bytes to follow it
+    /// (PROTOCOL §6.7), when the peer takes such datagrams and the packet
+    /// leaves room; returns its length (0: none). With a gather, the ACK is
+    /// the transmit's first chunk.
+    fn coalesce_ack(
+        &mut self,
+        ci: usize,
+        now: Instant,
+        buf: &mut [u8],
+        payload: usize,
+        gather: Option<&mut Gather>,
+    ) -> usize {
+        let Some(c) = self.conns[ci].as_ref() else {
+            return 0;
+        };
+        if !c.peer_coalesce || !c.ack_needed {
+            return 0;
+        }
+        let room = buf.len().saturating_sub(MAX_DATA_HEADER_LEN + payload);
+        if room < COALESCED_ACK_MIN {
+            return 0;
+        }
+        let Some(n) = self.encode_ack(ci, now, &mut buf[..room], true) else {
+            return 0;
+        };
+        if let Some(c) = self.conns[ci].as_mut() {
+            c.stats.acks_coalesced += 1;
+        }
+        if let Some(g) = gather {
+            g.push_buf(n);
+        }
+        n
+    }
+
+    /// Encodes an ACK with everything the peer is owed that fits into
+    /// `buf`; `coalesced`: a DATA packet will follow it in the datagram.
+    /// Returns its length.
+    fn encode_ack(
+        &mut self,
+        ci: usize,
+        now: Instant,
+        buf: &mut [u8],
+        coalesced: bool,
+    ) -> Option<usize> {
         let (hint, window) = self.grant(now);
         let c = self.conns[ci].as_mut()?;
         let hdr = AckHeader {
@@ -990,7 +1083,13 @@ impl Endpoint {
             // share of the previous ACK.
             let _ = b.push_option(ACK_OPT_RECV_WINDOW, &w.to_be_bytes());
         }
-        let size = b.finish();
+        // A coalesced ACK's options are at most 6 bytes here, well within
+        // the 255 its length byte can say.
+        let size = if coalesced {
+            b.finish_coalesced().ok()?
+        } else {
+            b.finish()
+        };
         c.stats.acks_sent += 1;
         if more {
             c.ack_now = true;
@@ -1000,24 +1099,7 @@ impl Endpoint {
             c.ack_deadline = None;
             c.since_ack = 0;
         }
-        // ACKs rotate over the paths (source ports) of the plane the
-        // latest DATA arrived on.
-        let n = c.paths_tx.len();
-        let plane = c.ack_plane();
-        let pi = (0..n)
-            .map(|k| (c.path_rr + k) % n)
-            .find(|&i| c.paths_tx[i].plane == plane)
-            .unwrap_or(c.path_rr % n);
-        c.path_rr = (pi + 1) % n;
-        let plane = c.paths_tx[pi].plane;
-        Some(Transmit {
-            dst: c.plane_dst(plane),
-            src_ip: c.plane_src(plane),
-            src_port: c.paths_tx[pi].src_port,
-            ecn: Ecn::NotEct,
-            size,
-            segment_size: None,
-        })
+        Some(size)
     }
 }
 

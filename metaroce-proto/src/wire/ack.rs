@@ -5,7 +5,7 @@
 //!
 //! | offset | size | field | meaning |
 //! |---|---|---|---|
-//! | 0 | 8 | common header | type `0x02`; byte 2 `flags`, byte 3 reserved |
+//! | 0 | 8 | common header | type `0x02`; byte 2 `flags`, byte 3 reserved (`options_len` when coalesced) |
 //! | 8 | 4 | `cum_csn` | every CSN before it has been received |
 //! | 12 | 4 | `ts_echo` | `tx_ts` of the packet that triggered this ACK |
 //! | 16 | 4 | `ack_delay_ns` | time the receiver held that packet before acking |
@@ -21,20 +21,27 @@
 //! then options as TLVs (`kind` u8, `len` u8, value) to the end of the datagram.
 //! An option whose `kind` has the high bit set is critical: a receiver that
 //! does not know it rejects the packet. Others are skipped.
+//!
+//! A **coalesced** ACK ([`ACK_FLAG_COALESCED`] in `flags`) has exactly byte 3
+//! bytes of options, and a DATA packet of the same connection follows it in
+//! the datagram ([`AckPacket::coalesced`]): an ACK riding on the data going
+//! the other way.
 
 use super::{
     check_len, check_out, expect_type, get_u16, get_u32, put_common, put_u16, put_u32, PacketType,
     WireError,
 };
 use crate::consts::{
-    ACK_HEADER_LEN, ACK_NAK_ENTRY_LEN, ACK_PATH_ENTRY_MIN_LEN, ACK_STREAM_ENTRY_LEN,
-    MAX_OPTIONS_LEN, MAX_PATHS, SACK_BYTES,
+    ACK_FLAG_COALESCED, ACK_HEADER_LEN, ACK_NAK_ENTRY_LEN, ACK_PATH_ENTRY_MIN_LEN,
+    ACK_STREAM_ENTRY_LEN, MAX_OPTIONS_LEN, MAX_PATHS, SACK_BYTES,
 };
 
 /// The fixed fields of an ACK.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct AckHeader {
-    /// Flags byte (none defined in version 1; sent as 0, ignored).
+    /// Flags byte: [`ACK_FLAG_COALESCED`], set by
+    /// [`AckBuilder::finish_coalesced`]; other bits are sent as 0 and
+    /// ignored.
     pub flags: u8,
     /// Destination connection id.
     pub dst_cid: u32,
@@ -185,13 +192,18 @@ pub struct AckPacket<'a> {
     paths_end: usize,
     n_streams: usize,
     n_naks: usize,
+    /// Where the ACK ends: the datagram's end, or where the DATA packet
+    /// coalesced with it starts.
+    end: usize,
 }
 
 impl<'a> AckPacket<'a> {
     /// Validates an ACK: lengths, entry counts, path ids, NAK codes, options.
     ///
     /// `known_option` says which option kinds the caller understands; an
-    /// unknown critical option rejects the packet.
+    /// unknown critical option rejects the packet. A coalesced ACK must be
+    /// followed by at least one byte (the packet it rides on, which this
+    /// does not check: see [`coalesced`](Self::coalesced)).
     pub fn parse(buf: &'a [u8], known_option: impl Fn(u8) -> bool) -> Result<Self, WireError> {
         expect_type(buf, PacketType::Ack, ACK_HEADER_LEN)?;
         let n_paths = usize::from(buf[24]);
@@ -216,6 +228,14 @@ impl<'a> AckPacket<'a> {
         }
         let entries_end = paths_end + n_streams * ACK_STREAM_ENTRY_LEN + n_naks * ACK_NAK_ENTRY_LEN;
         check_len(buf, entries_end)?;
+        // A coalesced ACK says where its options end; a packet follows.
+        let end = if buf[2] & ACK_FLAG_COALESCED != 0 {
+            let end = entries_end + usize::from(buf[3]);
+            check_len(buf, end + 1)?;
+            end
+        } else {
+            buf.len()
+        };
         let header = AckHeader {
             flags: buf[2],
             dst_cid: get_u32(buf, 4),
@@ -232,12 +252,13 @@ impl<'a> AckPacket<'a> {
             paths_end,
             n_streams,
             n_naks,
+            end,
         };
         let naks_at = pkt.naks_offset();
         for i in 0..n_naks {
             NakCode::from_u8(buf[naks_at + i * ACK_NAK_ENTRY_LEN + 8])?;
         }
-        let opts = &buf[entries_end..];
+        let opts = &buf[entries_end..end];
         if opts.len() > MAX_OPTIONS_LEN {
             return Err(WireError::InvalidField("options length"));
         }
@@ -270,6 +291,35 @@ impl<'a> AckPacket<'a> {
     /// The fixed fields.
     pub fn header(&self) -> &AckHeader {
         &self.header
+    }
+
+    /// The ACK's own length: the datagram's, unless it is coalesced.
+    pub fn len(&self) -> usize {
+        self.end
+    }
+
+    /// Whether the ACK is empty: never (it has a fixed part); for clippy's
+    /// sake beside [`len`](Self::len).
+    pub fn is_empty(&self) -> bool {
+        self.end == 0
+    }
+
+    /// The bytes after a coalesced ACK: the DATA packet it rides on
+    /// (`None` for an ACK alone in its datagram).
+    ///
+    /// ```
+    /// use metaroce_proto::wire::{AckBuilder, AckHeader, AckPacket};
+    /// let mut buf = [0u8; 64];
+    /// let b = AckBuilder::new(&mut buf, AckHeader { dst_cid: 7, ..Default::default() }).unwrap();
+    /// let n = b.finish_coalesced().unwrap();
+    /// buf[n..n + 4].copy_from_slice(b"DATA");
+    /// let ack = AckPacket::parse(&buf[..n + 4], |_| false).unwrap();
+    /// assert_eq!(ack.len(), n);
+    /// assert_eq!(ack.coalesced(), Some(&b"DATA"[..]));
+    /// ```
+    pub fn coalesced(&self) -> Option<&'a [u8]> {
+        let buf = self.buf;
+        (self.end < buf.len()).then(|| &buf[self.end..])
     }
 
     /// The per-path entries.
@@ -325,7 +375,7 @@ impl<'a> AckPacket<'a> {
 
     /// The options, in order.
     pub fn options(&self) -> impl Iterator<Item = AckOption<'a>> + 'a {
-        let opts = &self.buf[self.options_offset()..];
+        let opts = &self.buf[self.options_offset()..self.end];
         let mut at = 0;
         core::iter::from_fn(move || {
             if at + 2 > opts.len() {
@@ -478,6 +528,18 @@ impl<'b> AckBuilder<'b> {
     /// Finishes the ACK; returns its length.
     pub fn finish(self) -> usize {
         self.len
+    }
+
+    /// Finishes the ACK as a coalesced one, for a DATA packet to follow it
+    /// in the same datagram: sets [`ACK_FLAG_COALESCED`] and writes the
+    /// options' length into byte 3. Fails if the options take more than 255
+    /// bytes (they cannot be delimited then).
+    pub fn finish_coalesced(self) -> Result<usize, WireError> {
+        let opts = u8::try_from(self.options_len)
+            .map_err(|_| WireError::InvalidField("options length"))?;
+        self.buf[2] |= ACK_FLAG_COALESCED;
+        self.buf[3] = opts;
+        Ok(self.len)
     }
 }
 

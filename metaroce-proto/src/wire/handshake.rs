@@ -26,6 +26,11 @@ const HELLO_HAS_COOKIE: u8 = 0x01;
 /// `first_flight_bytes` until the first grant arrives.
 const CAP_GRANTS: u8 = 0x01;
 
+/// Capability bit (HELLO and ACCEPT byte 17): this side takes coalesced
+/// datagrams, an ACK followed by a DATA packet (PROTOCOL §3, §6.7), so the
+/// peer may carry its ACKs on its DATA.
+const CAP_COALESCE: u8 = 0x02;
+
 /// HELLO: a client's connection request.
 ///
 /// | offset | size | field |
@@ -35,7 +40,7 @@ const CAP_GRANTS: u8 = 0x01;
 /// | 12 | 2 | `listen_port`: UDP port the client receives on |
 /// | 14 | 2 | `mtu`: largest UDP payload the client takes |
 /// | 16 | 1 | `max_paths`: paths the client will spray over |
-/// | 17 | 1 | `caps`: `0x01` = the client grants rates in its ACKs |
+/// | 17 | 1 | `caps`: `0x01` = the client grants rates in its ACKs; `0x02` = it takes ACKs coalesced with DATA |
 /// | 18 | 2 | `window_kib`: the client's receive window for the server until its first ACK, KiB (0: none) |
 /// | 20 | 16 | `cookie` (zero when absent) |
 /// | 36 | 28 | padding (zero) |
@@ -51,6 +56,9 @@ pub struct Hello {
     pub max_paths: u8,
     /// Whether the client's ACKs carry rate grants.
     pub grants: bool,
+    /// Whether the client takes coalesced datagrams (an ACK followed by a
+    /// DATA packet), so that ACKs may ride on the data sent to it.
+    pub coalesce: bool,
     /// The client's receive window for the server until the client's first
     /// ACK gives one, in KiB (0: none; PROTOCOL §14).
     pub window_kib: u16,
@@ -90,6 +98,7 @@ impl Hello {
             mtu,
             max_paths,
             grants: buf[17] & CAP_GRANTS != 0,
+            coalesce: buf[17] & CAP_COALESCE != 0,
             window_kib: get_u16(buf, 18),
             cookie,
         })
@@ -109,7 +118,7 @@ impl Hello {
         put_u16(buf, 12, self.listen_port);
         put_u16(buf, 14, self.mtu);
         buf[16] = self.max_paths;
-        buf[17] = if self.grants { CAP_GRANTS } else { 0 };
+        buf[17] = caps(self.grants, self.coalesce);
         put_u16(buf, 18, self.window_kib);
         if let Some(c) = &self.cookie {
             buf[20..20 + COOKIE_LEN].copy_from_slice(c);
@@ -165,7 +174,7 @@ impl CookieReply {
 /// | 12 | 2 | `listen_port`: UDP port the server receives on |
 /// | 14 | 2 | `mtu`: the connection's MTU (the smaller of both) |
 /// | 16 | 1 | `max_paths`: the server's path count |
-/// | 17 | 1 | `caps`: `0x01` = the server grants rates in its ACKs |
+/// | 17 | 1 | `caps`: `0x01` = the server grants rates in its ACKs; `0x02` = it takes ACKs coalesced with DATA |
 /// | 18 | 2 | `window_kib`: the server's receive window for the client until its first ACK, KiB (0: none) |
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Accept {
@@ -181,6 +190,9 @@ pub struct Accept {
     pub max_paths: u8,
     /// Whether the server's ACKs carry rate grants.
     pub grants: bool,
+    /// Whether the server takes coalesced datagrams (an ACK followed by a
+    /// DATA packet), so that ACKs may ride on the data sent to it.
+    pub coalesce: bool,
     /// The server's receive window for the client until the server's first
     /// ACK gives one, in KiB (0: none; PROTOCOL §14).
     pub window_kib: u16,
@@ -212,6 +224,7 @@ impl Accept {
             mtu,
             max_paths,
             grants: buf[17] & CAP_GRANTS != 0,
+            coalesce: buf[17] & CAP_COALESCE != 0,
             window_kib: get_u16(buf, 18),
         })
     }
@@ -225,10 +238,22 @@ impl Accept {
         put_u16(buf, 12, self.listen_port);
         put_u16(buf, 14, self.mtu);
         buf[16] = self.max_paths;
-        buf[17] = if self.grants { CAP_GRANTS } else { 0 };
+        buf[17] = caps(self.grants, self.coalesce);
         put_u16(buf, 18, self.window_kib);
         Ok(Self::LEN)
     }
+}
+
+/// The `caps` byte of a HELLO or an ACCEPT.
+fn caps(grants: bool, coalesce: bool) -> u8 {
+    let mut c = 0;
+    if grants {
+        c |= CAP_GRANTS;
+    }
+    if coalesce {
+        c |= CAP_COALESCE;
+    }
+    c
 }
 
 /// Type byte of the plane-address extension that may follow the fixed part
@@ -516,6 +541,7 @@ mod tests {
             mtu: 4160,
             max_paths: 8,
             grants: true,
+            coalesce: false,
             window_kib: 0x1234,
             cookie: Some([7; COOKIE_LEN]),
         };
@@ -535,9 +561,17 @@ mod tests {
         h2.emit(&mut buf).unwrap();
         assert_eq!(Hello::parse(&buf[..n]).unwrap().cookie, None);
         assert!(!Hello::parse(&buf[..n]).unwrap().grants);
+        let h3 = Hello {
+            coalesce: true,
+            ..h2
+        };
+        h3.emit(&mut buf).unwrap();
+        assert_eq!(buf[17], 0x02, "coalescing is bit 1 of byte 17");
+        assert_eq!(Hello::parse(&buf[..n]).unwrap(), h3);
         // Reserved capability bits are ignored.
-        buf[17] = 0xfe;
-        assert!(!Hello::parse(&buf[..n]).unwrap().grants);
+        buf[17] = 0xfc;
+        let h4 = Hello::parse(&buf[..n]).unwrap();
+        assert!(!h4.grants && !h4.coalesce);
     }
 
     #[test]
@@ -548,6 +582,7 @@ mod tests {
             mtu: 1500,
             max_paths: 8,
             grants: false,
+            coalesce: true,
             window_kib: 0,
             cookie: None,
         };
@@ -588,11 +623,12 @@ mod tests {
             mtu: 1500,
             max_paths: 4,
             grants: true,
+            coalesce: true,
             window_kib: 0xabcd,
         };
         let n = a.emit(&mut buf).unwrap();
         assert_eq!(Accept::parse(&buf[..n]).unwrap(), a);
-        assert_eq!(buf[17], 0x01);
+        assert_eq!(buf[17], 0x03);
         assert_eq!(buf[18..20], [0xab, 0xcd]);
         assert!(n <= HELLO_LEN);
         let cl = Close {
