@@ -10,7 +10,7 @@
 //! With `metaroce`, `metaroce1` (the same stream over one path),
 //! `sleeping` (the stream without busy polling), `shallow` (16 WRITEs
 //! outstanding), `udp`, `udp-gathered` (raw UDP laid out as metaroce
-//! sends, below) or `ping-pong` (the two 8 B round trips) after the rounds,
+//! sends, below) or `ping-pong` (the 8 B round trips) after the rounds,
 //! only that throughput test runs, round after round (what
 //! `scripts/cost-per-gbit.sh` profiles).
 //!
@@ -21,6 +21,13 @@
 //! runs the stream with drivers that sleep at once, the default of a
 //! driver (and what the ping-pong, which polls both drivers from one
 //! thread, must use).
+//!
+//! The 8 B round trips: metaroce's SEND/RECV ping-pong (both drivers
+//! polled from one thread; each SEND carries the ACK of the one before it,
+//! PROTOCOL §6.7), the same with every SEND acknowledged by a datagram of
+//! its own (coalescing off), a raw UDP ping-pong whose two threads block
+//! in their receives, and one whose two sockets are polled from one thread
+//! (no wake-ups: the cost of the datagrams alone, the strictest baseline).
 //!
 //! The stream keeps 128 WRITEs outstanding, perftest's default depth for
 //! `ib_write_bw`: raw UDP sends blind and never waits for its receiver,
@@ -328,6 +335,8 @@ fn udp_gathered_gbps(secs: f64) -> Run {
     })
 }
 
+/// Raw UDP ping-pong, an echo thread and this one, each blocked in its
+/// receive until the datagram comes (woken by the kernel).
 fn udp_ping_pong_us(rounds: usize) -> (f64, f64) {
     let a = UdpSocket::bind("127.0.0.1:0").unwrap();
     let b = UdpSocket::bind("127.0.0.1:0").unwrap();
@@ -354,6 +363,37 @@ fn udp_ping_pong_us(rounds: usize) -> (f64, f64) {
     (q(0.5), q(0.99))
 }
 
+/// Raw UDP ping-pong with both sockets polled from this thread, as the
+/// metaroce ping-pong polls both of its drivers: no thread sleeps, so this
+/// is the cost of the two datagrams alone.
+fn udp_ping_pong_polled_us(rounds: usize) -> (f64, f64) {
+    let a = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let b = UdpSocket::bind("127.0.0.1:0").unwrap();
+    a.set_nonblocking(true).unwrap();
+    b.set_nonblocking(true).unwrap();
+    let (aa, ba) = (a.local_addr().unwrap(), b.local_addr().unwrap());
+    let spin = |s: &UdpSocket, buf: &mut [u8]| loop {
+        match s.recv_from(buf) {
+            Ok(r) => return r,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => panic!("{e}"),
+        }
+    };
+    let mut lat = Vec::with_capacity(rounds);
+    let mut buf = [0u8; 64];
+    for _ in 0..rounds {
+        let t0 = Instant::now();
+        a.send_to(&[1u8; 8], ba).unwrap();
+        let (n, _) = spin(&b, &mut buf);
+        b.send_to(&buf[..n], aa).unwrap();
+        spin(&a, &mut buf);
+        lat.push(t0.elapsed());
+    }
+    lat.sort();
+    let q = |x: f64| lat[((lat.len() - 1) as f64 * x) as usize].as_secs_f64() * 1e6;
+    (q(0.5), q(0.99))
+}
+
 /// Two endpoints on loopback, connected, with one QP pair.
 struct Pair {
     a: Driver,
@@ -368,10 +408,6 @@ struct Pair {
     pdb: PdHandle,
 }
 
-fn pair() -> Pair {
-    pair_with(Stream::SLEEPING)
-}
-
 /// How a metaroce WRITE stream runs.
 #[derive(Clone, Copy)]
 struct Stream {
@@ -384,6 +420,8 @@ struct Stream {
     busy_poll: Duration,
     /// WRITEs the application keeps outstanding.
     depth: u64,
+    /// ACKs ride on DATA going the other way (the endpoints' default).
+    coalesce: bool,
 }
 
 impl Stream {
@@ -398,6 +436,7 @@ impl Stream {
         paths: None,
         busy_poll: Stream::BUSY_POLL,
         depth: Stream::DEPTH,
+        coalesce: true,
     };
     /// The headline stream with 16 WRITEs outstanding (1 MiB, a few
     /// hundred microseconds of data here): a stall of the receiver longer
@@ -419,6 +458,7 @@ fn pair_with(stream: Stream) -> Pair {
     let cfg = || {
         let mut c = DriverConfig::new("127.0.0.1:0".parse().unwrap());
         c.busy_poll = stream.busy_poll;
+        c.endpoint.coalesce_acks = stream.coalesce;
         if !stream.gather {
             c.uring.gather_threshold = 0;
         }
@@ -543,8 +583,10 @@ fn metaroce_write_gbps(secs: f64, stream: Stream) -> Run {
     }
 }
 
-/// 8-byte SEND/RECV round trips, both endpoints polled from this thread.
-fn metaroce_ping_pong_us(rounds: usize) -> (f64, f64) {
+/// 8-byte SEND/RECV round trips, both endpoints polled from this thread;
+/// `coalesce`: each SEND carries the ACK of the one before it (the
+/// default), else every SEND is acknowledged by a datagram of its own.
+fn metaroce_ping_pong_us(rounds: usize, coalesce: bool) -> (f64, f64) {
     let Pair {
         mut a,
         mut b,
@@ -555,7 +597,10 @@ fn metaroce_ping_pong_us(rounds: usize) -> (f64, f64) {
         pda,
         pdb,
         ..
-    } = pair();
+    } = pair_with(Stream {
+        coalesce,
+        ..Stream::SLEEPING
+    });
     let ma = a
         .endpoint()
         .reg_mr(
@@ -670,18 +715,39 @@ fn measured(f: impl FnOnce() -> Run) -> (Run, f64) {
     (run, cpu * cpu_hz() / bytes)
 }
 
-/// The two 8 B round trips (raw UDP, then metaroce), printed with their
-/// ratios; returns the p50s (metaroce, raw UDP).
-fn round_trips() -> (f64, f64) {
+/// p50s of one round of the 8 B round trips, µs.
+struct RoundTrips {
+    metaroce: f64,
+    /// metaroce with every SEND acknowledged by a datagram of its own.
+    separate_acks: f64,
+    udp: f64,
+    /// Raw UDP polled from one thread.
+    udp_polled: f64,
+}
+
+/// The 8 B round trips (raw UDP with sleeping threads and polled, then
+/// metaroce with ACKs riding on the SENDs and apart), printed with their
+/// ratios.
+fn round_trips() -> RoundTrips {
     let (up50, up99) = udp_ping_pong_us(20_000);
-    let (mp50, mp99) = metaroce_ping_pong_us(20_000);
-    println!("  8 B round trip (us): metaroce SEND p50 {mp50:.1} p99 {mp99:.1} | raw UDP p50 {up50:.1} p99 {up99:.1}");
+    let (pp50, pp99) = udp_ping_pong_polled_us(20_000);
+    let (sp50, sp99) = metaroce_ping_pong_us(20_000, false);
+    let (mp50, mp99) = metaroce_ping_pong_us(20_000, true);
+    println!("  8 B round trip (us): metaroce SEND p50 {mp50:.1} p99 {mp99:.1} (ACKs apart: p50 {sp50:.1} p99 {sp99:.1}) | raw UDP p50 {up50:.1} p99 {up99:.1} (polled from one thread: p50 {pp50:.1} p99 {pp99:.1})");
     println!(
-        "  metaroce / raw UDP: p50 {:.2}, p99 {:.2}",
+        "  metaroce / raw UDP: p50 {:.2}, p99 {:.2}; against raw UDP polled: p50 {:.2}, p99 {:.2}; ACKs riding on SENDs / apart: p50 {:.2}",
         mp50 / up50,
-        mp99 / up99
+        mp99 / up99,
+        mp50 / pp50,
+        mp99 / pp99,
+        mp50 / sp50,
     );
-    (mp50, up50)
+    RoundTrips {
+        metaroce: mp50,
+        separate_acks: sp50,
+        udp: up50,
+        udp_polled: pp50,
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -697,10 +763,20 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn only_throughput(which: &str, secs: f64, rounds: usize) {
     let hz = cpu_hz();
     if which == "ping-pong" {
+        let (mut sleeping, mut polled, mut acks) = (vec![], vec![], vec![]);
         for round in 1..=rounds {
             println!("round {round}");
-            round_trips();
+            let rt = round_trips();
+            sleeping.push(rt.metaroce / rt.udp);
+            polled.push(rt.metaroce / rt.udp_polled);
+            acks.push(rt.metaroce / rt.separate_acks);
         }
+        println!(
+            "medians over {rounds} rounds, 8 B RTT p50: metaroce/raw UDP {:.2}, metaroce/raw UDP polled from one thread {:.2}, ACKs riding on the SENDs / apart {:.2}",
+            median(sleeping),
+            median(polled),
+            median(acks)
+        );
         return;
     }
     for round in 1..=rounds {
@@ -746,6 +822,7 @@ fn main() {
     let (mut r_udp, mut r_tcp, mut r_cyc, mut r_lat) = (vec![], vec![], vec![], vec![]);
     let (mut r_gather, mut r_one, mut r_sleep, mut r_layout) = (vec![], vec![], vec![], vec![]);
     let mut r_shallow = vec![];
+    let (mut r_lat_polled, mut r_lat_acks) = (vec![], vec![]);
     let mut r_side = [vec![], vec![]];
     for round in 1..=rounds {
         let (tcp_run, tcp_c) = measured(|| on_own_thread(|| tcp_gbps(secs)));
@@ -803,11 +880,13 @@ fn main() {
         if let Some(r) = mr_run.recovery {
             println!("  metaroce stream's loss recovery (sender): {r}");
         }
-        let (mp50, up50) = round_trips();
+        let rt = round_trips();
         r_udp.push(mr / udp);
         r_tcp.push(mr / tcp);
         r_cyc.push(mr_c / udp_c);
-        r_lat.push(mp50 / up50);
+        r_lat.push(rt.metaroce / rt.udp);
+        r_lat_polled.push(rt.metaroce / rt.udp_polled);
+        r_lat_acks.push(rt.metaroce / rt.separate_acks);
         r_gather.push(mr / mc);
         r_one.push(one / udp);
         r_sleep.push(sleeping / udp);
@@ -821,6 +900,11 @@ fn main() {
         median(r_cyc),
         median(r_lat),
         median(r_gather)
+    );
+    println!(
+        "  8 B RTT p50: metaroce/raw UDP polled from one thread {:.2}; ACKs riding on the SENDs / apart {:.2}",
+        median(r_lat_polled),
+        median(r_lat_acks)
     );
     println!(
         "  one path (no spraying): metaroce/raw UDP {:.2}; drivers that sleep at once (no busy poll): {:.2}; 16 WRITEs outstanding instead of 128: {:.2}",
