@@ -130,3 +130,27 @@ fn endpoint_datagram_on_arbitrary_bytes() {
         endpoint_datagram(&prog);
     }
 }
+
+/// The packets the fuzzers edit include ACKs riding on DATA (PROTOCOL
+/// §6.7), so that the coalesced path is fuzzed from valid datagrams.
+#[test]
+fn the_captured_exchange_holds_coalesced_datagrams() {
+    use metaroce_proto::consts::ACK_FLAG_COALESCED;
+    use metaroce_proto::wire::{AckPacket, DataHeader};
+    let fx = Fixture::new();
+    let coalesced: Vec<_> = fx
+        .corpus
+        .iter()
+        .filter_map(|c| AckPacket::parse(&c.bytes, |_| false).ok())
+        .filter(|a| a.header().flags & ACK_FLAG_COALESCED != 0)
+        .collect();
+    assert!(
+        coalesced.len() >= 2,
+        "{} coalesced datagrams",
+        coalesced.len()
+    );
+    for a in coalesced {
+        let data = a.coalesced().expect("a packet after the ACK");
+        assert!(DataHeader::parse(data).is_ok(), "a DATA packet rides on it");
+    }
+}

@@ -521,6 +521,51 @@ impl Fixture {
                 n >= 5
             });
             assert!(n >= 5, "fixture transfer did not finish");
+            // A request and its answer, twice: B's answers carry its ACKs
+            // of the requests (coalesced datagrams, PROTOCOL §6.7).
+            for round in 0..2u64 {
+                let ask = Sge {
+                    lkey: src.lkey,
+                    addr: src.addr + 8192,
+                    len: 64,
+                };
+                net.a
+                    .post_recv(
+                        qa,
+                        RecvWr {
+                            wr_id: 90 + round,
+                            sge: ask,
+                        },
+                    )
+                    .unwrap();
+                let now = net.now;
+                net.a
+                    .post_send(now, qa, SendWr::new(60 + round, SendOp::Send, sge(64)))
+                    .unwrap();
+                let deadline = net.now + Duration::from_millis(50);
+                let asked = net.run_until(deadline, |net| {
+                    let mut v = Vec::new();
+                    net.b.poll_cq(cqb, 64, &mut v).unwrap();
+                    v.iter()
+                        .any(|w| w.opcode == WcOpcode::Recv && w.byte_len == 64)
+                });
+                assert!(asked, "fixture request did not arrive");
+                let answer = Sge {
+                    lkey: rbuf.lkey,
+                    addr: rbuf.addr,
+                    len: 64,
+                };
+                let now = net.now;
+                net.b
+                    .post_send(now, qb, SendWr::new(70 + round, SendOp::Send, answer))
+                    .unwrap();
+                let answered = net.run_until(deadline, |net| {
+                    let mut v = Vec::new();
+                    net.a.poll_cq(cqa, 64, &mut v).unwrap();
+                    v.iter().any(|w| w.opcode == WcOpcode::Recv)
+                });
+                assert!(answered, "fixture answer did not arrive");
+            }
             // Leave a WRITE in flight whose packets are lost (A keeps state
             // to retransmit), and a SEND that will be retried.
             net.mute_a = true;
