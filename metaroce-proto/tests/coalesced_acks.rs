@@ -363,3 +363,21 @@ fn coalesced_datagrams_are_taken_only_as_advertised() {
         }
     }
 }
+
+/// A held ACK is still owed within the delayed-ACK time: a hold longer
+/// than it is refused.
+#[test]
+fn the_hold_is_bounded_by_the_ack_delay() {
+    let c = EndpointConfig {
+        ack_hold: Duration::from_micros(50),
+        ack_delay: Duration::from_micros(20),
+        ..EndpointConfig::default()
+    };
+    assert!(c.validate().is_err());
+    assert!(EndpointConfig {
+        ack_delay: Duration::from_micros(50),
+        ..c
+    }
+    .validate()
+    .is_ok());
+}
