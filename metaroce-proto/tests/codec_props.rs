@@ -199,9 +199,9 @@ struct AckModel {
 }
 
 impl AckModel {
-    fn encode(&self) -> Vec<u8> {
-        let mut buf = vec![0u8; 8192];
-        let mut b = AckBuilder::new(&mut buf, self.header).unwrap();
+    /// A builder over `buf` with every entry and option pushed.
+    fn build<'b>(&self, buf: &'b mut [u8]) -> AckBuilder<'b> {
+        let mut b = AckBuilder::new(buf, self.header).unwrap();
         for p in &self.paths {
             b.push_path(p).unwrap();
         }
@@ -214,7 +214,12 @@ impl AckModel {
         for (k, v) in &self.options {
             b.push_option(*k, v).unwrap();
         }
-        let n = b.finish();
+        b
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut buf = vec![0u8; 8192];
+        let n = self.build(&mut buf).finish();
         buf.truncate(n);
         buf
     }
@@ -602,20 +607,7 @@ proptest! {
     fn coalesced_ack_round_trip(a in ack_strategy(), data in prop::collection::vec(any::<u8>(), 1..64)) {
         let opts: usize = a.options.iter().map(|o| 2 + o.1.len()).sum();
         let mut buf = vec![0u8; 8192];
-        let mut b = AckBuilder::new(&mut buf, a.header).unwrap();
-        for p in &a.paths {
-            b.push_path(p).unwrap();
-        }
-        for s in &a.streams {
-            b.push_stream(s).unwrap();
-        }
-        for n in &a.naks {
-            b.push_nak(n).unwrap();
-        }
-        for (k, v) in &a.options {
-            b.push_option(*k, v).unwrap();
-        }
-        let Ok(n) = b.finish_coalesced() else {
+        let Ok(n) = a.build(&mut buf).finish_coalesced() else {
             // Only options past 255 bytes cannot be delimited.
             prop_assert!(opts > 255);
             return Ok(());
@@ -627,7 +619,7 @@ proptest! {
         let crit = a.critical_kinds();
         let p = AckPacket::parse(&buf, |k| crit.contains(&k)).unwrap();
         prop_assert_eq!(p.header().flags & ACK_FLAG_COALESCED, ACK_FLAG_COALESCED);
-        prop_assert_eq!(p.len(), n);
+        prop_assert_eq!(p.ack_len(), n);
         prop_assert_eq!(p.coalesced(), Some(&data[..]));
         prop_assert_eq!(p.paths().collect::<Vec<_>>(), a.paths.clone());
         prop_assert_eq!(p.streams().collect::<Vec<_>>(), a.streams.clone());
@@ -640,6 +632,15 @@ proptest! {
         // A plain ACK is never coalesced.
         let plain = a.encode();
         prop_assert_eq!(AckPacket::parse(&plain, |_| true).map(|p| p.coalesced()), Ok(None));
+        // ... even when its header asked for the flag: `finish` clears it.
+        let flagged = AckModel {
+            header: AckHeader {
+                flags: a.header.flags | ACK_FLAG_COALESCED,
+                ..a.header
+            },
+            ..a.clone()
+        };
+        prop_assert_eq!(flagged.encode(), plain);
     }
 
     #[test]

@@ -294,14 +294,8 @@ impl<'a> AckPacket<'a> {
     }
 
     /// The ACK's own length: the datagram's, unless it is coalesced.
-    pub fn len(&self) -> usize {
+    pub fn ack_len(&self) -> usize {
         self.end
-    }
-
-    /// Whether the ACK is empty: never (it has a fixed part); for clippy's
-    /// sake beside [`len`](Self::len).
-    pub fn is_empty(&self) -> bool {
-        self.end == 0
     }
 
     /// The bytes after a coalesced ACK: the DATA packet it rides on
@@ -314,7 +308,7 @@ impl<'a> AckPacket<'a> {
     /// let n = b.finish_coalesced().unwrap();
     /// buf[n..n + 4].copy_from_slice(b"DATA");
     /// let ack = AckPacket::parse(&buf[..n + 4], |_| false).unwrap();
-    /// assert_eq!(ack.len(), n);
+    /// assert_eq!(ack.ack_len(), n);
     /// assert_eq!(ack.coalesced(), Some(&b"DATA"[..]));
     /// ```
     pub fn coalesced(&self) -> Option<&'a [u8]> {
@@ -525,8 +519,11 @@ impl<'b> AckBuilder<'b> {
         (self.buf[24], self.buf[25], self.buf[26])
     }
 
-    /// Finishes the ACK; returns its length.
+    /// Finishes the ACK; returns its length. An ACK finished so is never
+    /// coalesced ([`ACK_FLAG_COALESCED`] is cleared whatever the header
+    /// said).
     pub fn finish(self) -> usize {
+        self.buf[2] &= !ACK_FLAG_COALESCED;
         self.len
     }
 
