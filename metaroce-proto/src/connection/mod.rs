@@ -740,7 +740,9 @@ impl Connection {
     /// done): at once, unless this side is sending DATA to the peer
     /// itself and the peer takes coalesced datagrams. Then it waits up to
     /// `hold` for a DATA packet to ride on (PROTOCOL §12): a request and its
-    /// response then cost two datagrams, not four.
+    /// response then cost two datagrams, not four. A delayed-ACK deadline
+    /// already running stays in force if it is sooner: the hold never
+    /// outlasts the ACK delay of the packet that arrived.
     pub(crate) fn ack_soon(&mut self, now: Instant, hold: Duration) {
         self.ack_needed = true;
         let sending = self
