@@ -195,38 +195,28 @@ fn ping_pong_acks_ride_on_the_answers<D: IoDriver>(name: &str) {
         for r in 0..ROUNDS {
             // A asks (message 2r), B answers (2r + 1) as soon as it has it.
             for (tag, from_a) in [(2 * r, true), (2 * r + 1, false)] {
-                let (tx, qp, m) = if from_a {
-                    (&mut p.a, p.qa, ma)
+                // The side that asks (or answers) and the side that receives.
+                let ((tx, tcq, tqp, tm), (rx, rcq, rqp, rm)) = if from_a {
+                    ((&mut p.a, p.cqa, p.qa, ma), (&mut p.b, p.cqb, p.qb, mb))
                 } else {
-                    (&mut p.b, p.qb, mb)
+                    ((&mut p.b, p.cqb, p.qb, mb), (&mut p.a, p.cqa, p.qa, ma))
                 };
-                tx.endpoint().mr_mut(m.lkey).unwrap()[..MSG].copy_from_slice(&pattern(tag, MSG));
+                tx.endpoint().mr_mut(tm.lkey).unwrap()[..MSG].copy_from_slice(&pattern(tag, MSG));
                 let now = tx.now();
-                let wr = SendWr::new(tag, SendOp::Send, sge(&m, 0));
-                tx.endpoint().post_send(now, qp, wr).unwrap();
-                let (rcq, rqp, rm) = if from_a {
-                    (p.cqb, p.qb, mb)
-                } else {
-                    (p.cqa, p.qa, ma)
-                };
+                let wr = SendWr::new(tag, SendOp::Send, sge(&tm, 0));
+                tx.endpoint().post_send(now, tqp, wr).unwrap();
                 loop {
                     assert!(p.start.elapsed() < p.limit, "{name}: round {r} timed out");
-                    p.a.poll(Duration::ZERO).unwrap();
-                    p.b.poll(Duration::ZERO).unwrap();
-                    let rx = if from_a { &mut p.b } else { &mut p.a };
+                    tx.poll(Duration::ZERO).unwrap();
+                    rx.poll(Duration::ZERO).unwrap();
                     wcs.clear();
                     rx.endpoint().poll_cq(rcq, 8, &mut wcs).unwrap();
-                    let other = if from_a { p.cqa } else { p.cqb };
-                    let tx = if from_a { &mut p.a } else { &mut p.b };
-                    let mut sends = Vec::new();
-                    tx.endpoint().poll_cq(other, 8, &mut sends).unwrap();
-                    wcs.extend(sends);
+                    tx.endpoint().poll_cq(tcq, 8, &mut wcs).unwrap();
                     assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
                     if wcs.iter().any(|w| w.opcode == WcOpcode::Recv) {
                         break;
                     }
                 }
-                let rx = if from_a { &mut p.b } else { &mut p.a };
                 let got = &rx.endpoint().mr(rm.lkey).unwrap()[MSG..];
                 assert!(got == pattern(tag, MSG), "{name}: message {tag} differs");
                 let recv = RecvWr {
