@@ -4,14 +4,15 @@
 //! small-message latency.
 //!
 //! ```sh
-//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|sleeping|shallow|udp|udp-gathered|ping-pong]]]
+//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|sleeping|shallow|udp|udp-gathered|ping-pong|ping-pong-metaroce]]]
 //! ```
 //!
 //! With `metaroce`, `metaroce1` (the same stream over one path),
 //! `sleeping` (the stream without busy polling), `shallow` (16 WRITEs
 //! outstanding), `udp`, `udp-gathered` (raw UDP laid out as metaroce
-//! sends, below) or `ping-pong` (the 8 B round trips) after the rounds,
-//! only that throughput test runs, round after round (what
+//! sends, below), `ping-pong` (the 8 B round trips) or
+//! `ping-pong-metaroce` (metaroce's round trips alone, 100,000 a round)
+//! after the rounds, only that test runs, round after round (what
 //! `scripts/cost-per-gbit.sh` profiles).
 //!
 //! Each side of a metaroce stream has a core of its own, so its driver
@@ -28,6 +29,10 @@
 //! its own (coalescing off), a raw UDP ping-pong whose two threads block
 //! in their receives, and one whose two sockets are polled from one thread
 //! (no wake-ups: the cost of the datagrams alone, the strictest baseline).
+//! Both are also run with each side on a core of its own, never sleeping:
+//! metaroce's drivers busy-polling (as perftest's `ib_send_lat` polls its
+//! completion queue) against raw UDP threads spinning on non-blocking
+//! sockets.
 //!
 //! The stream keeps 128 WRITEs outstanding, perftest's default depth for
 //! `ib_write_bw`: raw UDP sends blind and never waits for its receiver,
@@ -394,6 +399,48 @@ fn udp_ping_pong_polled_us(rounds: usize) -> (f64, f64) {
     (q(0.5), q(0.99))
 }
 
+/// Raw UDP ping-pong, an echo thread and this one on a core each, each
+/// spinning on its non-blocking socket (no thread sleeps).
+fn udp_ping_pong_spinning_us(rounds: usize) -> (f64, f64) {
+    let a = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let b = UdpSocket::bind("127.0.0.1:0").unwrap();
+    a.set_nonblocking(true).unwrap();
+    b.set_nonblocking(true).unwrap();
+    let ba = b.local_addr().unwrap();
+    fn spin(s: &UdpSocket, buf: &mut [u8]) -> (usize, SocketAddr) {
+        loop {
+            match s.recv_from(buf) {
+                Ok(r) => return r,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+    let echo = std::thread::spawn(move || {
+        pin(Side::Receiver);
+        let mut buf = [0u8; 64];
+        for _ in 0..rounds {
+            let (n, from) = spin(&b, &mut buf);
+            b.send_to(&buf[..n], from).unwrap();
+        }
+    });
+    on_own_thread(|| {
+        pin(Side::Sender);
+        let mut lat = Vec::with_capacity(rounds);
+        let mut buf = [0u8; 64];
+        for _ in 0..rounds {
+            let t0 = Instant::now();
+            a.send_to(&[1u8; 8], ba).unwrap();
+            spin(&a, &mut buf);
+            lat.push(t0.elapsed());
+        }
+        echo.join().unwrap();
+        lat.sort();
+        let q = |x: f64| lat[((lat.len() - 1) as f64 * x) as usize].as_secs_f64() * 1e6;
+        (q(0.5), q(0.99))
+    })
+}
+
 /// Two endpoints on loopback, connected, with one QP pair.
 struct Pair {
     a: Driver,
@@ -675,6 +722,126 @@ fn metaroce_ping_pong_us(rounds: usize, coalesce: bool) -> (f64, f64) {
     (q(0.5), q(0.99))
 }
 
+/// What one driver poll costs when there is nothing to do (a connected
+/// pair, no traffic), in nanoseconds: the ping-pong polls both drivers in
+/// turn, most of the time finding nothing.
+fn idle_poll_ns(polls: u32) -> f64 {
+    let Pair { mut a, .. } = pair_with(Stream::SLEEPING);
+    let t0 = Instant::now();
+    for _ in 0..polls {
+        a.poll(Duration::ZERO).unwrap();
+    }
+    t0.elapsed().as_secs_f64() * 1e9 / f64::from(polls)
+}
+
+/// 8-byte SEND/RECV round trips, each endpoint on a core of its own,
+/// busy-polling (as perftest's `ib_send_lat` polls its completion queue).
+fn metaroce_ping_pong_threads_us(rounds: usize) -> (f64, f64) {
+    let Pair {
+        mut a,
+        mut b,
+        qa,
+        qb,
+        cqa,
+        cqb,
+        pda,
+        pdb,
+        ..
+    } = pair_with(Stream::MAIN);
+    let ma = a
+        .endpoint()
+        .reg_mr(
+            pda,
+            vec![0u8; 16].into_boxed_slice(),
+            0,
+            AccessFlags::LOCAL_WRITE,
+        )
+        .unwrap();
+    let mb = b
+        .endpoint()
+        .reg_mr(
+            pdb,
+            vec![0u8; 16].into_boxed_slice(),
+            0,
+            AccessFlags::LOCAL_WRITE,
+        )
+        .unwrap();
+    let recv = |m: &MrInfo| RecvWr {
+        wr_id: 0,
+        sge: Sge {
+            lkey: m.lkey,
+            addr: 8,
+            len: 8,
+        },
+    };
+    let send = |m: &MrInfo| {
+        SendWr::new(
+            0,
+            SendOp::Send,
+            Sge {
+                lkey: m.lkey,
+                addr: 0,
+                len: 8,
+            },
+        )
+    };
+    a.endpoint().post_recv(qa, recv(&ma)).unwrap();
+    b.endpoint().post_recv(qb, recv(&mb)).unwrap();
+    let echo = std::thread::spawn(move || {
+        pin(Side::Receiver);
+        let mut wcs = Vec::new();
+        let mut n = 0;
+        while n < rounds {
+            b.poll(Duration::from_millis(1)).unwrap();
+            wcs.clear();
+            b.endpoint().poll_cq(cqb, 8, &mut wcs).unwrap();
+            for wc in &wcs {
+                if wc.opcode == WcOpcode::Recv {
+                    let now = b.now();
+                    b.endpoint().post_recv(qb, recv(&mb)).unwrap();
+                    b.endpoint().post_send(now, qb, send(&mb)).unwrap();
+                    n += 1;
+                }
+            }
+        }
+        // Until the last answer is acknowledged.
+        for _ in 0..1000 {
+            b.poll(Duration::from_micros(100)).unwrap();
+        }
+    });
+    let out = on_own_thread(|| {
+        pin(Side::Sender);
+        let mut lat = Vec::with_capacity(rounds);
+        let mut wcs = Vec::new();
+        for _ in 0..rounds {
+            let t0 = Instant::now();
+            let now = a.now();
+            a.endpoint().post_send(now, qa, send(&ma)).unwrap();
+            let mut back = false;
+            while !back {
+                a.poll(Duration::from_millis(1)).unwrap();
+                wcs.clear();
+                a.endpoint().poll_cq(cqa, 8, &mut wcs).unwrap();
+                for wc in &wcs {
+                    if wc.opcode == WcOpcode::Recv {
+                        a.endpoint().post_recv(qa, recv(&ma)).unwrap();
+                        back = true;
+                    }
+                }
+            }
+            lat.push(t0.elapsed());
+        }
+        for _ in 0..1000 {
+            a.poll(Duration::from_micros(100)).unwrap();
+        }
+        lat.sort();
+        let q = |x: f64| lat[((lat.len() - 1) as f64 * x) as usize].as_secs_f64() * 1e6;
+        (q(0.5), q(0.99))
+    });
+    echo.join().unwrap();
+    out
+}
+
 /// CPU time this process has used so far (all threads, user + system),
 /// from `/proc/self/stat` (in clock ticks of 10 ms).
 fn cpu_seconds() -> f64 {
@@ -723,6 +890,10 @@ struct RoundTrips {
     udp: f64,
     /// Raw UDP polled from one thread.
     udp_polled: f64,
+    /// metaroce with each side busy-polling on a core of its own.
+    threads: f64,
+    /// Raw UDP with each side spinning on a core of its own.
+    udp_spinning: f64,
 }
 
 /// The 8 B round trips (raw UDP with sleeping threads and polled, then
@@ -733,6 +904,8 @@ fn round_trips() -> RoundTrips {
     let (pp50, pp99) = udp_ping_pong_polled_us(20_000);
     let (sp50, sp99) = metaroce_ping_pong_us(20_000, false);
     let (mp50, mp99) = metaroce_ping_pong_us(20_000, true);
+    let (us50, us99) = udp_ping_pong_spinning_us(20_000);
+    let (mt50, mt99) = metaroce_ping_pong_threads_us(20_000);
     println!("  8 B round trip (us): metaroce SEND p50 {mp50:.1} p99 {mp99:.1} (ACKs apart: p50 {sp50:.1} p99 {sp99:.1}) | raw UDP p50 {up50:.1} p99 {up99:.1} (polled from one thread: p50 {pp50:.1} p99 {pp99:.1})");
     println!(
         "  metaroce / raw UDP: p50 {:.2}, p99 {:.2}; against raw UDP polled: p50 {:.2}, p99 {:.2}; ACKs riding on SENDs / apart: p50 {:.2}",
@@ -742,11 +915,18 @@ fn round_trips() -> RoundTrips {
         mp99 / pp99,
         mp50 / sp50,
     );
+    println!(
+        "  each side busy-polling on a core of its own: metaroce p50 {mt50:.1} p99 {mt99:.1} | raw UDP spinning p50 {us50:.1} p99 {us99:.1}: p50 {:.2}, p99 {:.2}",
+        mt50 / us50,
+        mt99 / us99
+    );
     RoundTrips {
         metaroce: mp50,
         separate_acks: sp50,
         udp: up50,
         udp_polled: pp50,
+        threads: mt50,
+        udp_spinning: us50,
     }
 }
 
@@ -763,20 +943,30 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn only_throughput(which: &str, secs: f64, rounds: usize) {
     let hz = cpu_hz();
     if which == "ping-pong" {
-        let (mut sleeping, mut polled, mut acks) = (vec![], vec![], vec![]);
+        let (mut sleeping, mut polled, mut acks, mut threads) = (vec![], vec![], vec![], vec![]);
         for round in 1..=rounds {
             println!("round {round}");
             let rt = round_trips();
             sleeping.push(rt.metaroce / rt.udp);
             polled.push(rt.metaroce / rt.udp_polled);
             acks.push(rt.metaroce / rt.separate_acks);
+            threads.push(rt.threads / rt.udp_spinning);
         }
         println!(
-            "medians over {rounds} rounds, 8 B RTT p50: metaroce/raw UDP {:.2}, metaroce/raw UDP polled from one thread {:.2}, ACKs riding on the SENDs / apart {:.2}",
+            "medians over {rounds} rounds, 8 B RTT p50: metaroce/raw UDP {:.2}, metaroce/raw UDP polled from one thread {:.2}, each side on its own core, busy-polling/spinning {:.2}, ACKs riding on the SENDs / apart {:.2}",
             median(sleeping),
             median(polled),
+            median(threads),
             median(acks)
         );
+        return;
+    }
+    if which == "ping-pong-metaroce" {
+        for round in 1..=rounds {
+            let (p50, p99) = metaroce_ping_pong_us(100_000, true);
+            let idle = idle_poll_ns(1_000_000);
+            println!("round {round}: metaroce 8 B round trip p50 {p50:.1} us, p99 {p99:.1} us; a poll that finds nothing {idle:.0} ns");
+        }
         return;
     }
     for round in 1..=rounds {
@@ -796,7 +986,7 @@ fn only_throughput(which: &str, secs: f64, rounds: usize) {
             "udp" => on_own_thread(|| udp_gso_gbps(secs)),
             "udp-gathered" => on_own_thread(|| udp_gathered_gbps(secs)),
             other => panic!(
-                "unknown test {other:?}: metaroce, metaroce1 (one path), sleeping (no busy poll), shallow (16 WRITEs outstanding), udp, udp-gathered or ping-pong"
+                "unknown test {other:?}: metaroce, metaroce1 (one path), sleeping (no busy poll), shallow (16 WRITEs outstanding), udp, udp-gathered, ping-pong or ping-pong-metaroce"
             ),
         };
         let c = run.cycles_per_byte(hz);
@@ -822,7 +1012,7 @@ fn main() {
     let (mut r_udp, mut r_tcp, mut r_cyc, mut r_lat) = (vec![], vec![], vec![], vec![]);
     let (mut r_gather, mut r_one, mut r_sleep, mut r_layout) = (vec![], vec![], vec![], vec![]);
     let mut r_shallow = vec![];
-    let (mut r_lat_polled, mut r_lat_acks) = (vec![], vec![]);
+    let (mut r_lat_polled, mut r_lat_acks, mut r_lat_threads) = (vec![], vec![], vec![]);
     let mut r_side = [vec![], vec![]];
     for round in 1..=rounds {
         let (tcp_run, tcp_c) = measured(|| on_own_thread(|| tcp_gbps(secs)));
@@ -886,6 +1076,7 @@ fn main() {
         r_cyc.push(mr_c / udp_c);
         r_lat.push(rt.metaroce / rt.udp);
         r_lat_polled.push(rt.metaroce / rt.udp_polled);
+        r_lat_threads.push(rt.threads / rt.udp_spinning);
         r_lat_acks.push(rt.metaroce / rt.separate_acks);
         r_gather.push(mr / mc);
         r_one.push(one / udp);
@@ -902,8 +1093,9 @@ fn main() {
         median(r_gather)
     );
     println!(
-        "  8 B RTT p50: metaroce/raw UDP polled from one thread {:.2}; ACKs riding on the SENDs / apart {:.2}",
+        "  8 B RTT p50: metaroce/raw UDP polled from one thread {:.2}; each side on its own core, busy-polling/spinning {:.2}; ACKs riding on the SENDs / apart {:.2}",
         median(r_lat_polled),
+        median(r_lat_threads),
         median(r_lat_acks)
     );
     println!(

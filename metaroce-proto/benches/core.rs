@@ -9,6 +9,11 @@
 //!   (`iter_custom`); the rest of the loop (ACKs back to the sender, time
 //!   steps, completions) runs untimed. Every timed packet is a new one of a
 //!   live transfer, so the work per iteration is real.
+//! - `core/ping_pong_8b`: the core's whole share of an 8-byte SEND/RECV
+//!   round trip between two endpoints (post, transmit, receive, complete,
+//!   repost, and the timer checks a driver makes each turn), the ACK of
+//!   each SEND riding on the answer (PROTOCOL §6.7): what the core adds to
+//!   a small message's latency on top of the system calls.
 //!
 //! Run: `cargo bench -p metaroce-proto --bench core -- --quick`.
 
@@ -400,11 +405,168 @@ fn core(c: &mut Criterion) {
     g.finish();
 }
 
+/// Two connected endpoints exchanging 8-byte SENDs, driven the way a
+/// driver's turn drives them: the timer check, every transmit, every
+/// datagram in, then the completions.
+struct PingPong {
+    eps: [Endpoint; 2],
+    addrs: [SocketAddr; 2],
+    qps: [Qpn; 2],
+    cqs: [CqHandle; 2],
+    mrs: [MrInfo; 2],
+    now: Instant,
+    buf: Vec<u8>,
+    wcs: Vec<WorkCompletion>,
+}
+
+impl PingPong {
+    fn new() -> PingPong {
+        let addrs: [SocketAddr; 2] = [
+            "10.0.0.1:4792".parse().unwrap(),
+            "10.0.0.2:4792".parse().unwrap(),
+        ];
+        let mut eps = [1, 2].map(|seed| Endpoint::new(EndpointConfig::default(), seed).unwrap());
+        let pds = [eps[0].alloc_pd(), eps[1].alloc_pd()];
+        let cqs = [eps[0].create_cq(64), eps[1].create_cq(64)];
+        let mrs = [0, 1].map(|i| {
+            eps[i]
+                .reg_mr(
+                    pds[i],
+                    vec![0u8; 16].into_boxed_slice(),
+                    0,
+                    AccessFlags::LOCAL_WRITE,
+                )
+                .unwrap()
+        });
+        let qps = [0, 1].map(|i| {
+            eps[i]
+                .create_qp(QpInit::new(pds[i], cqs[i], cqs[i]))
+                .unwrap()
+        });
+        let now = Instant::ZERO;
+        let conn_a = eps[0].connect(now, addrs[1]).unwrap();
+        let mut p = PingPong {
+            eps,
+            addrs,
+            qps,
+            cqs,
+            mrs,
+            now,
+            buf: vec![0u8; 9000],
+            wcs: Vec::new(),
+        };
+        let mut conn_b = None;
+        for _ in 0..100 {
+            p.turn(0);
+            p.turn(1);
+            while let Some(e) = p.eps[1].poll_event() {
+                if let Event::Incoming { conn, .. } = e {
+                    conn_b = Some(conn);
+                }
+            }
+            if conn_b.is_some() {
+                break;
+            }
+        }
+        let conn_b = conn_b.expect("handshake");
+        p.eps[0].connect_qp(qps[0], conn_a, qps[1]).unwrap();
+        p.eps[1].connect_qp(qps[1], conn_b, qps[0]).unwrap();
+        for i in 0..2 {
+            p.eps[i].post_recv(p.qps[i], p.recv_wr(i)).unwrap();
+        }
+        p
+    }
+
+    fn recv_wr(&self, i: usize) -> RecvWr {
+        RecvWr {
+            wr_id: 0,
+            sge: Sge {
+                lkey: self.mrs[i].lkey,
+                addr: 8,
+                len: 8,
+            },
+        }
+    }
+
+    fn send(&mut self, i: usize) {
+        let wr = SendWr::new(
+            1,
+            SendOp::Send,
+            Sge {
+                lkey: self.mrs[i].lkey,
+                addr: 0,
+                len: 8,
+            },
+        );
+        self.eps[i].post_send(self.now, self.qps[i], wr).unwrap();
+    }
+
+    /// A driver's turn at side `i`: timers, then what it sends goes
+    /// straight into the other side.
+    fn turn(&mut self, i: usize) {
+        self.now = self.now + Duration::from_nanos(500);
+        if self.eps[i].poll_timeout().is_some_and(|t| t <= self.now) {
+            self.eps[i].handle_timeout(self.now);
+        }
+        while let Some(x) = self.eps[i].poll_transmit(self.now, &mut self.buf) {
+            let from = SocketAddr::new(self.addrs[i].ip(), x.src_port);
+            self.eps[1 - i].handle_datagram(self.now, from, x.ecn, &self.buf[..x.size]);
+        }
+    }
+
+    /// Side `i`'s completions: true if a message arrived (its RECV reposted).
+    fn received(&mut self, i: usize) -> bool {
+        self.wcs.clear();
+        self.eps[i].poll_cq(self.cqs[i], 8, &mut self.wcs).unwrap();
+        let mut got = false;
+        for k in 0..self.wcs.len() {
+            assert_eq!(self.wcs[k].status, WcStatus::Success);
+            if self.wcs[k].opcode == WcOpcode::Recv {
+                got = true;
+                self.eps[i].post_recv(self.qps[i], self.recv_wr(i)).unwrap();
+            }
+        }
+        got
+    }
+
+    /// One round trip: A's SEND to B, B's answer back.
+    fn round_trip(&mut self) {
+        self.send(0);
+        self.turn(0);
+        self.turn(1);
+        assert!(self.received(1), "the SEND arrived");
+        self.send(1);
+        self.turn(1);
+        self.turn(0);
+        assert!(self.received(0), "the answer arrived");
+    }
+}
+
+fn ping_pong(c: &mut Criterion) {
+    let mut g = c.benchmark_group("core");
+    g.throughput(Throughput::Elements(1));
+    let mut p = PingPong::new();
+    for _ in 0..1000 {
+        p.round_trip();
+    }
+    g.bench_function("ping_pong_8b", |b| b.iter(|| p.round_trip()));
+    // What was timed is the exchange the protocol means: each ACK rode on
+    // the answer, two datagrams a round trip.
+    let sent = |p: &PingPong| p.eps[0].stats().datagrams_sent + p.eps[1].stats().datagrams_sent;
+    let before = sent(&p);
+    for _ in 0..1000 {
+        p.round_trip();
+    }
+    let per_rt = (sent(&p) - before) as f64 / 1000.0;
+    assert!(per_rt < 2.05, "{per_rt} datagrams a round trip");
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    targets = codec, core
+    targets = codec, core, ping_pong
 }
 criterion_main!(benches);
