@@ -323,7 +323,7 @@ impl UringDriver {
     /// receive: a poll armed by another thread is replaced).
     fn arm_wake(&mut self) -> Result<(), DriverError> {
         let Some(w) = &self.wake else { return Ok(()) };
-        let me = std::thread::current().id();
+        let me = sys::this_thread();
         match self.wake_armed {
             Some((_, owner)) if owner == me => return Ok(()),
             Some((gen, _)) => self.ring.cancel(TAG_WAKE | gen)?,
@@ -359,16 +359,19 @@ impl UringDriver {
         }
         let progress = self.work()?;
         let mut want = 0;
-        if !progress {
+        if !progress && !max_wait.is_zero() {
+            // (A turn that must not wait reads no clock for it: a
+            // ping-pong polled from one thread runs six turns a round trip.)
+            let now = self.clock.now();
             let mut wait = max_wait;
             if let Some(t) = self.ep.poll_timeout() {
-                wait = wait.min(self.clock.until(t));
+                wait = wait.min(t.saturating_since(now));
             }
             if let Some(t) = self.faults.as_ref().and_then(|f| f.next_due()) {
-                wait = wait.min(self.clock.until(t));
+                wait = wait.min(t.saturating_since(now));
             }
             if !wait.is_zero() {
-                let deadline = self.clock.now() + wait;
+                let deadline = now + wait;
                 if self.busy_poll(wait)? {
                     return Ok(());
                 }

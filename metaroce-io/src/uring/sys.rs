@@ -572,7 +572,7 @@ impl Ring {
     /// socket (one receive per socket); generations are unique across
     /// sockets.
     pub(super) fn arm_recv(&mut self, k: usize, fd: RawFd) -> io::Result<bool> {
-        let me = std::thread::current().id();
+        let me = this_thread();
         if self.recv.len() <= k {
             self.recv.resize(k + 1, None);
         }
@@ -904,4 +904,13 @@ pub(super) fn probe_kernel() -> Result<UringCaps, String> {
     Ok(UringCaps {
         sendmsg_zc: p.is_supported(opcode::SendMsgZc::CODE),
     })
+}
+
+/// The calling thread's id, read once per thread (`thread::current`
+/// clones a handle each call, and every turn asks for every socket).
+pub(super) fn this_thread() -> std::thread::ThreadId {
+    thread_local! {
+        static ME: std::thread::ThreadId = std::thread::current().id();
+    }
+    ME.with(|me| *me)
 }

@@ -277,7 +277,7 @@ impl PathTx {
         slack: Duration,
         out: impl FnMut(PathEvent),
     ) -> usize {
-        let Some(srtt) = self.rtt.srtt() else {
+        let (Some(srtt), Some(oldest)) = (self.rtt.srtt(), self.oldest_outstanding()) else {
             return 0;
         };
         // Never quicker than a quarter of the minimum RTO: on a host stack
@@ -287,9 +287,10 @@ impl PathTx {
             .max(self.late_floor());
         let by_age = Instant::from_nanos(now.as_nanos().saturating_sub(crate::time::nanos(wait)));
         let cutoff = by_age.min(Instant::from_nanos(evidence.as_nanos().saturating_sub(1)));
-        match self.oldest_outstanding() {
-            Some(oldest) if oldest <= cutoff => self.expire(cutoff, out),
-            _ => 0,
+        if oldest <= cutoff {
+            self.expire(cutoff, out)
+        } else {
+            0
         }
     }
 

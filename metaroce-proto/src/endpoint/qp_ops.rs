@@ -205,6 +205,12 @@ impl Endpoint {
         let failing: Vec<usize> = (0..c.paths_tx.len())
             .filter(|&i| {
                 let p = &c.paths_tx[i];
+                // Most paths lose nothing: the cheap test first.
+                if p.state != crate::connection::PathState::Active
+                    || p.consecutive_lost < crate::consts::PATH_FAIL_LOSSES
+                {
+                    return false;
+                }
                 // Random loss loses a packet now and then; a dead route loses
                 // everything and delivers nothing for several RTTs, and for
                 // longer than its RTT varies: a deep queue whose delay varies
@@ -235,10 +241,7 @@ impl Endpoint {
                         .enumerate()
                         .any(|(j, o)| j != i && o.newest_delivered > lost)
                 });
-                p.state == crate::connection::PathState::Active
-                    && silent
-                    && p.consecutive_lost >= crate::consts::PATH_FAIL_LOSSES
-                    && overtaken
+                silent && overtaken
             })
             .collect();
         for pi in failing {
@@ -663,11 +666,16 @@ impl Endpoint {
         if !c.csn_room() {
             return false;
         }
-        let cwnd = paced_ok && c.cwnd_room(c.mtu as u64);
+        // The window is asked once, and only if some QP has work for it.
+        let mut cwnd = None;
         c.qps.iter().any(|&qpn| {
             self.qp_index(qpn)
                 .and_then(|i| self.qps[i].as_ref())
-                .is_some_and(|q| q.probe_pending || cwnd && q.has_send_work(now))
+                .is_some_and(|q| {
+                    q.probe_pending
+                        || q.has_send_work(now)
+                            && *cwnd.get_or_insert_with(|| paced_ok && c.cwnd_room(c.mtu as u64))
+                })
         })
     }
 
