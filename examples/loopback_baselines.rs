@@ -4,14 +4,16 @@
 //! small-message latency.
 //!
 //! ```sh
-//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|sleeping|shallow|udp|udp-gathered|ping-pong|ping-pong-metaroce]]]
+//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|sleeping|shallow|jumbo|udp|udp-gathered|udp-jumbo|udp-gathered-jumbo|ping-pong|ping-pong-metaroce]]]
 //! ```
 //!
 //! With `metaroce`, `metaroce1` (the same stream over one path),
 //! `sleeping` (the stream without busy polling), `shallow` (16 WRITEs
-//! outstanding), `udp`, `udp-gathered` (raw UDP laid out as metaroce
-//! sends, below), `ping-pong` (the 8 B round trips) or
-//! `ping-pong-metaroce` (metaroce's round trips alone, 100,000 a round)
+//! outstanding), `jumbo` (8 KiB payloads), `udp`, `udp-gathered` (raw UDP
+//! laid out as metaroce sends, below), `udp-jumbo` and
+//! `udp-gathered-jumbo` (the same in jumbo datagrams), `ping-pong` (the
+//! 8 B round trips) or `ping-pong-metaroce` (metaroce's round trips alone, 100,000 a round,
+//! with the user and kernel CPU time they took, against raw UDP polled)
 //! after the rounds, only that test runs, round after round (what
 //! `scripts/cost-per-gbit.sh` profiles).
 //!
@@ -64,6 +66,10 @@
 //! raw UDP keeps both its threads busy, so a side that spends 1.25 times
 //! its cycles per byte cannot move more than 0.8 of its bytes on one core.
 //!
+//! Each round also runs metaroce and raw UDP in jumbo datagrams (8 KiB
+//! payloads, as a fabric with a 9000-byte MTU carries them): half the
+//! pieces per byte for the kernel to gather.
+//!
 //! The metaroce stream also reports what its sender's loss recovery did.
 //! Loopback loses a datagram only when a socket's receive queue overflows;
 //! a declared loss whose packet arrived after all was spurious: the packet
@@ -79,7 +85,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Datagram size of the headline runs: metaroce's default MTU (a 4 KiB
+/// payload, RoCE's largest, and its 64-byte header), for raw UDP too.
 const DATAGRAM: usize = 4160;
+/// Jumbo datagrams (an 8 KiB payload and its header, within a 9000-byte
+/// Ethernet MTU), for metaroce and raw UDP alike.
+const JUMBO: usize = 8192 + 64;
+/// metaroce's header ahead of each payload.
+const HEADER: usize = 64;
 
 /// The two sides of a throughput test.
 #[derive(Clone, Copy)]
@@ -114,6 +127,21 @@ fn thread_cpu() -> Duration {
     let s = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
     let ns = s.split_whitespace().next().and_then(|x| x.parse().ok());
     Duration::from_nanos(ns.unwrap_or(0))
+}
+
+/// User and kernel CPU time the calling thread has used so far
+/// (`getrusage(RUSAGE_THREAD)`, microsecond resolution).
+fn thread_user_sys() -> (Duration, Duration) {
+    // SAFETY: `getrusage` writes one `rusage` into the zeroed local it is
+    // given, which outlives the call.
+    let r = unsafe {
+        let mut r: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_THREAD, &mut r);
+        r
+    };
+    let d =
+        |t: libc::timeval| Duration::from_micros(t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64);
+    (d(r.ru_utime), d(r.ru_stime))
 }
 
 /// Runs `f` on a thread of its own (which `f` may pin), so that the
@@ -260,41 +288,42 @@ fn udp_stream(secs: f64, mut send: impl FnMut(&UdpSocket, SocketAddr)) -> Run {
     }
 }
 
-/// The baseline: every GSO send one contiguous buffer of whole datagrams.
-fn udp_gso_gbps(secs: f64) -> Run {
+/// The baseline: every GSO send one contiguous buffer of whole datagrams
+/// of `datagram` bytes.
+fn udp_gso_gbps(secs: f64, datagram: usize) -> Run {
     let mut state = None;
     let mut payload = Vec::new();
     udp_stream(secs, |tx, dst| {
         let st = state.get_or_insert_with(|| {
             let st = UdpSocketState::new(UdpSockRef::from(tx)).unwrap();
             // A GSO send is at most one 64 KiB UDP payload.
-            let segs = st.max_gso_segments().clamp(1, 65_507 / DATAGRAM);
-            payload = vec![9u8; DATAGRAM * segs];
+            let segs = st.max_gso_segments().clamp(1, 65_507 / datagram);
+            payload = vec![9u8; datagram * segs];
             st
         });
         let t = Transmit {
             destination: dst,
             ecn: None,
             contents: &payload,
-            segment_size: (payload.len() > DATAGRAM).then_some(DATAGRAM),
+            segment_size: (payload.len() > datagram).then_some(datagram),
             src_ip: None,
         };
         let _ = st.try_send(UdpSockRef::from(tx), &t);
     })
 }
 
-/// Raw UDP sent the way metaroce's io_uring driver sends: each datagram a
-/// 64-byte header from one buffer followed by a 4096-byte payload straight
-/// from a 1 MiB region (16 slots of 64 KiB, in turn), 15 datagrams (30
-/// pieces) per GSO `sendmsg`. The kernel gathers the pieces as it copies;
+/// Raw UDP sent the way metaroce's io_uring driver sends: each datagram
+/// (of `datagram` bytes) a 64-byte header from one buffer followed by its
+/// payload straight from a 1 MiB region (16 slots of 64 KiB, in turn), as
+/// many datagrams as fit 64 KiB per GSO `sendmsg` (with 4 KiB payloads 15
+/// datagrams, 30 pieces). The kernel gathers the pieces as it copies;
 /// what that costs against one contiguous buffer is the ceiling any
 /// protocol that puts its own header on payloads it does not copy works
 /// under.
-fn udp_gathered_gbps(secs: f64) -> Run {
-    const HEADER: usize = DATAGRAM - PAYLOAD;
-    const PAYLOAD: usize = 4096;
-    const SEGS: usize = 65_507 / DATAGRAM;
-    let headers = vec![1u8; HEADER * SEGS];
+fn udp_gathered_gbps(secs: f64, datagram: usize) -> Run {
+    let payload = datagram - HEADER;
+    let segs = 65_507 / datagram;
+    let headers = vec![1u8; HEADER * segs];
     let region = vec![9u8; 16 << 16];
     // The GSO segment size, as the cmsg UDP_SEGMENT (a u16).
     let mut control = vec![0u8; 64];
@@ -316,18 +345,18 @@ fn udp_gathered_gbps(secs: f64) -> Run {
                 cmsg_type: libc::UDP_SEGMENT,
             },
         );
-        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), DATAGRAM as u16);
+        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), datagram as u16);
         space
     };
     let mut slot = 0usize;
     udp_stream(secs, |tx, dst| {
         let base = (slot % 16) << 16;
         slot += 1;
-        let pieces: Vec<std::io::IoSlice> = (0..SEGS)
+        let pieces: Vec<std::io::IoSlice> = (0..segs)
             .flat_map(|i| {
                 [
                     std::io::IoSlice::new(&headers[i * HEADER..(i + 1) * HEADER]),
-                    std::io::IoSlice::new(&region[base + i * PAYLOAD..base + (i + 1) * PAYLOAD]),
+                    std::io::IoSlice::new(&region[base + i * payload..base + (i + 1) * payload]),
                 ]
             })
             .collect();
@@ -469,6 +498,8 @@ struct Stream {
     depth: u64,
     /// ACKs ride on DATA going the other way (the endpoints' default).
     coalesce: bool,
+    /// The endpoints' MTU (UDP payload bytes of a datagram).
+    mtu: usize,
 }
 
 impl Stream {
@@ -484,6 +515,7 @@ impl Stream {
         busy_poll: Stream::BUSY_POLL,
         depth: Stream::DEPTH,
         coalesce: true,
+        mtu: DATAGRAM,
     };
     /// The headline stream with 16 WRITEs outstanding (1 MiB, a few
     /// hundred microseconds of data here): a stall of the receiver longer
@@ -491,6 +523,11 @@ impl Stream {
     /// blind, never is.
     const SHALLOW: Stream = Stream {
         depth: 16,
+        ..Stream::MAIN
+    };
+    /// The headline stream in jumbo datagrams.
+    const JUMBO: Stream = Stream {
+        mtu: JUMBO,
         ..Stream::MAIN
     };
     /// A driver's defaults: drivers that sleep at once.
@@ -506,6 +543,7 @@ fn pair_with(stream: Stream) -> Pair {
         let mut c = DriverConfig::new("127.0.0.1:0".parse().unwrap());
         c.busy_poll = stream.busy_poll;
         c.endpoint.coalesce_acks = stream.coalesce;
+        c.endpoint.mtu = u16::try_from(stream.mtu).unwrap();
         if !stream.gather {
             c.uring.gather_threshold = 0;
         }
@@ -938,8 +976,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Runs one throughput test alone, `rounds` times: `metaroce` (64 KiB
 /// WRITEs, payloads gathered, busy polling, 128 outstanding), `metaroce1`
 /// (the same over one path), `sleeping` (without busy polling), `shallow`
-/// (16 outstanding), `udp` (raw UDP with GSO/GRO) or `udp-gathered` (raw
-/// UDP laid out as metaroce sends).
+/// (16 outstanding), `jumbo` (8 KiB payloads), `udp` (raw UDP with
+/// GSO/GRO), `udp-gathered` (raw UDP laid out as metaroce sends),
+/// `udp-jumbo` or `udp-gathered-jumbo` (those two in jumbo datagrams); or
+/// the round trips, `ping-pong` (all of them) or `ping-pong-metaroce`
+/// (metaroce's alone, with their CPU time).
 fn only_throughput(which: &str, secs: f64, rounds: usize) {
     let hz = cpu_hz();
     if which == "ping-pong" {
@@ -963,9 +1004,21 @@ fn only_throughput(which: &str, secs: f64, rounds: usize) {
     }
     if which == "ping-pong-metaroce" {
         for round in 1..=rounds {
-            let (p50, p99) = metaroce_ping_pong_us(100_000, true);
+            const N: usize = 100_000;
+            let t0 = thread_user_sys();
+            let (p50, p99) = metaroce_ping_pong_us(N, true);
+            let t1 = thread_user_sys();
+            let (u50, _) = udp_ping_pong_polled_us(N);
+            let t2 = thread_user_sys();
             let idle = idle_poll_ns(1_000_000);
-            println!("round {round}: metaroce 8 B round trip p50 {p50:.1} us, p99 {p99:.1} us; a poll that finds nothing {idle:.0} ns");
+            let per = |a: Duration, b: Duration| (b - a).as_secs_f64() * 1e6 / N as f64;
+            println!(
+                "round {round}: metaroce 8 B round trip p50 {p50:.1} us, p99 {p99:.1} us, CPU a round trip (setup included) user {:.1} us, kernel {:.1} us | raw UDP polled p50 {u50:.1} us, user {:.1} us, kernel {:.1} us | a poll that finds nothing {idle:.0} ns",
+                per(t0.0, t1.0),
+                per(t0.1, t1.1),
+                per(t1.0, t2.0),
+                per(t1.1, t2.1)
+            );
         }
         return;
     }
@@ -983,10 +1036,13 @@ fn only_throughput(which: &str, secs: f64, rounds: usize) {
             }),
             "sleeping" => on_own_thread(|| metaroce_write_gbps(secs, Stream::SLEEPING)),
             "shallow" => on_own_thread(|| metaroce_write_gbps(secs, Stream::SHALLOW)),
-            "udp" => on_own_thread(|| udp_gso_gbps(secs)),
-            "udp-gathered" => on_own_thread(|| udp_gathered_gbps(secs)),
+            "udp" => on_own_thread(|| udp_gso_gbps(secs, DATAGRAM)),
+            "udp-gathered" => on_own_thread(|| udp_gathered_gbps(secs, DATAGRAM)),
+            "jumbo" => on_own_thread(|| metaroce_write_gbps(secs, Stream::JUMBO)),
+            "udp-jumbo" => on_own_thread(|| udp_gso_gbps(secs, JUMBO)),
+            "udp-gathered-jumbo" => on_own_thread(|| udp_gathered_gbps(secs, JUMBO)),
             other => panic!(
-                "unknown test {other:?}: metaroce, metaroce1 (one path), sleeping (no busy poll), shallow (16 WRITEs outstanding), udp, udp-gathered, ping-pong or ping-pong-metaroce"
+                "unknown test {other:?}: metaroce, metaroce1 (one path), sleeping (no busy poll), shallow (16 WRITEs outstanding), jumbo (8 KiB payloads), udp, udp-gathered, udp-jumbo, udp-gathered-jumbo, ping-pong or ping-pong-metaroce"
             ),
         };
         let c = run.cycles_per_byte(hz);
@@ -1011,13 +1067,15 @@ fn main() {
     // alike; the ratios are medians over the rounds' own ratios.
     let (mut r_udp, mut r_tcp, mut r_cyc, mut r_lat) = (vec![], vec![], vec![], vec![]);
     let (mut r_gather, mut r_one, mut r_sleep, mut r_layout) = (vec![], vec![], vec![], vec![]);
-    let mut r_shallow = vec![];
+    let (mut r_shallow, mut r_jumbo) = (vec![], vec![]);
     let (mut r_lat_polled, mut r_lat_acks, mut r_lat_threads) = (vec![], vec![], vec![]);
     let mut r_side = [vec![], vec![]];
     for round in 1..=rounds {
         let (tcp_run, tcp_c) = measured(|| on_own_thread(|| tcp_gbps(secs)));
-        let (udp_run, udp_c) = measured(|| on_own_thread(|| udp_gso_gbps(secs)));
-        let udp_gathered = on_own_thread(|| udp_gathered_gbps(secs)).gbps;
+        let (udp_run, udp_c) = measured(|| on_own_thread(|| udp_gso_gbps(secs, DATAGRAM)));
+        let udp_gathered = on_own_thread(|| udp_gathered_gbps(secs, DATAGRAM)).gbps;
+        let udp_jumbo = on_own_thread(|| udp_gso_gbps(secs, JUMBO)).gbps;
+        let mr_jumbo = on_own_thread(|| metaroce_write_gbps(secs, Stream::JUMBO)).gbps;
         let (mr_run, mr_c) = measured(|| on_own_thread(|| metaroce_write_gbps(secs, Stream::MAIN)));
         let copied = Stream {
             gather: false,
@@ -1044,6 +1102,10 @@ fn main() {
             "  raw UDP laid out as metaroce / raw UDP = {:.2}   metaroce / raw UDP laid out as metaroce = {:.2}",
             udp_gathered / udp,
             mr / udp_gathered
+        );
+        println!(
+            "  jumbo datagrams ({JUMBO} bytes, 8 KiB payloads), both sides: metaroce {mr_jumbo:.2}, raw UDP {udp_jumbo:.2}: metaroce / raw UDP = {:.2}",
+            mr_jumbo / udp_jumbo
         );
         println!("  CPU cycles per byte (both ends): metaroce {mr_c:.2} (copied {mc_c:.2}) | raw UDP {udp_c:.2} | TCP {tcp_c:.2}");
         let busy = |r: Run| format!("{:.2}/{:.2}", r.busy[0], r.busy[1]);
@@ -1083,6 +1145,7 @@ fn main() {
         r_sleep.push(sleeping / udp);
         r_shallow.push(shallow / udp);
         r_layout.push(udp_gathered / udp);
+        r_jumbo.push(mr_jumbo / udp_jumbo);
     }
     println!(
         "medians over {rounds} rounds: metaroce/raw UDP {:.2}, metaroce/TCP {:.2}, cycles per byte metaroce/raw UDP {:.2}, 8 B RTT p50 metaroce/raw UDP {:.2}, gathered/copied {:.2}",
@@ -1107,6 +1170,10 @@ fn main() {
     println!(
         "  raw UDP laid out as metaroce (64-byte headers and 4 KiB payloads from apart, 30 pieces a send) / raw UDP: {:.2}",
         median(r_layout)
+    );
+    println!(
+        "  jumbo datagrams (8 KiB payloads) on both sides: metaroce/raw UDP {:.2}",
+        median(r_jumbo)
     );
     let [rs, rr] = r_side;
     println!(
