@@ -369,6 +369,24 @@ fn udp_gathered_gbps(secs: f64, datagram: usize) -> Run {
     })
 }
 
+/// The p50 and p99 of round-trip times, in microseconds.
+fn p50_p99(mut lat: Vec<Duration>) -> (f64, f64) {
+    lat.sort();
+    let q = |x: f64| lat[((lat.len() - 1) as f64 * x) as usize].as_secs_f64() * 1e6;
+    (q(0.5), q(0.99))
+}
+
+/// One datagram from non-blocking `s`, spinning until it comes.
+fn spin_recv(s: &UdpSocket, buf: &mut [u8]) -> (usize, SocketAddr) {
+    loop {
+        match s.recv_from(buf) {
+            Ok(r) => return r,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
 /// Raw UDP ping-pong, an echo thread and this one, each blocked in its
 /// receive until the datagram comes (woken by the kernel).
 fn udp_ping_pong_us(rounds: usize) -> (f64, f64) {
@@ -392,9 +410,7 @@ fn udp_ping_pong_us(rounds: usize) -> (f64, f64) {
     }
     echo.join().unwrap();
     let _ = aa;
-    lat.sort();
-    let q = |x: f64| lat[((lat.len() - 1) as f64 * x) as usize].as_secs_f64() * 1e6;
-    (q(0.5), q(0.99))
+    p50_p99(lat)
 }
 
 /// Raw UDP ping-pong with both sockets polled from this thread, as the
@@ -406,26 +422,17 @@ fn udp_ping_pong_polled_us(rounds: usize) -> (f64, f64) {
     a.set_nonblocking(true).unwrap();
     b.set_nonblocking(true).unwrap();
     let (aa, ba) = (a.local_addr().unwrap(), b.local_addr().unwrap());
-    let spin = |s: &UdpSocket, buf: &mut [u8]| loop {
-        match s.recv_from(buf) {
-            Ok(r) => return r,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            Err(e) => panic!("{e}"),
-        }
-    };
     let mut lat = Vec::with_capacity(rounds);
     let mut buf = [0u8; 64];
     for _ in 0..rounds {
         let t0 = Instant::now();
         a.send_to(&[1u8; 8], ba).unwrap();
-        let (n, _) = spin(&b, &mut buf);
+        let (n, _) = spin_recv(&b, &mut buf);
         b.send_to(&buf[..n], aa).unwrap();
-        spin(&a, &mut buf);
+        spin_recv(&a, &mut buf);
         lat.push(t0.elapsed());
     }
-    lat.sort();
-    let q = |x: f64| lat[((lat.len() - 1) as f64 * x) as usize].as_secs_f64() * 1e6;
-    (q(0.5), q(0.99))
+    p50_p99(lat)
 }
 
 /// Raw UDP ping-pong, an echo thread and this one on a core each, each
@@ -436,20 +443,11 @@ fn udp_ping_pong_spinning_us(rounds: usize) -> (f64, f64) {
     a.set_nonblocking(true).unwrap();
     b.set_nonblocking(true).unwrap();
     let ba = b.local_addr().unwrap();
-    fn spin(s: &UdpSocket, buf: &mut [u8]) -> (usize, SocketAddr) {
-        loop {
-            match s.recv_from(buf) {
-                Ok(r) => return r,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                Err(e) => panic!("{e}"),
-            }
-        }
-    }
     let echo = std::thread::spawn(move || {
         pin(Side::Receiver);
         let mut buf = [0u8; 64];
         for _ in 0..rounds {
-            let (n, from) = spin(&b, &mut buf);
+            let (n, from) = spin_recv(&b, &mut buf);
             b.send_to(&buf[..n], from).unwrap();
         }
     });
@@ -460,13 +458,11 @@ fn udp_ping_pong_spinning_us(rounds: usize) -> (f64, f64) {
         for _ in 0..rounds {
             let t0 = Instant::now();
             a.send_to(&[1u8; 8], ba).unwrap();
-            spin(&a, &mut buf);
+            spin_recv(&a, &mut buf);
             lat.push(t0.elapsed());
         }
         echo.join().unwrap();
-        lat.sort();
-        let q = |x: f64| lat[((lat.len() - 1) as f64 * x) as usize].as_secs_f64() * 1e6;
-        (q(0.5), q(0.99))
+        p50_p99(lat)
     })
 }
 
@@ -668,10 +664,21 @@ fn metaroce_write_gbps(secs: f64, stream: Stream) -> Run {
     }
 }
 
-/// 8-byte SEND/RECV round trips, both endpoints polled from this thread;
-/// `coalesce`: each SEND carries the ACK of the one before it (the
-/// default), else every SEND is acknowledged by a datagram of its own.
-fn metaroce_ping_pong_us(rounds: usize, coalesce: bool) -> (f64, f64) {
+/// A connected pair set up for 8-byte SEND/RECV round trips: a 16-byte
+/// region each side (SENDs from its first 8 bytes, RECVs into its last 8)
+/// and a RECV posted on each QP.
+struct PingPongPair {
+    a: Driver,
+    b: Driver,
+    qa: Qpn,
+    qb: Qpn,
+    cqa: CqHandle,
+    cqb: CqHandle,
+    ma: MrInfo,
+    mb: MrInfo,
+}
+
+fn ping_pong_pair(stream: Stream) -> PingPongPair {
     let Pair {
         mut a,
         mut b,
@@ -682,55 +689,78 @@ fn metaroce_ping_pong_us(rounds: usize, coalesce: bool) -> (f64, f64) {
         pda,
         pdb,
         ..
-    } = pair_with(Stream {
-        coalesce,
-        ..Stream::SLEEPING
-    });
+    } = pair_with(stream);
+    let region = || vec![0u8; 16].into_boxed_slice();
     let ma = a
         .endpoint()
-        .reg_mr(
-            pda,
-            vec![0u8; 16].into_boxed_slice(),
-            0,
-            AccessFlags::LOCAL_WRITE,
-        )
+        .reg_mr(pda, region(), 0, AccessFlags::LOCAL_WRITE)
         .unwrap();
     let mb = b
         .endpoint()
-        .reg_mr(
-            pdb,
-            vec![0u8; 16].into_boxed_slice(),
-            0,
-            AccessFlags::LOCAL_WRITE,
-        )
+        .reg_mr(pdb, region(), 0, AccessFlags::LOCAL_WRITE)
         .unwrap();
-    let recv = |m: &MrInfo| RecvWr {
+    a.endpoint().post_recv(qa, recv_wr(&ma)).unwrap();
+    b.endpoint().post_recv(qb, recv_wr(&mb)).unwrap();
+    PingPongPair {
+        a,
+        b,
+        qa,
+        qb,
+        cqa,
+        cqb,
+        ma,
+        mb,
+    }
+}
+
+/// A RECV of 8 bytes into the last half of `m`.
+fn recv_wr(m: &MrInfo) -> RecvWr {
+    RecvWr {
         wr_id: 0,
         sge: Sge {
             lkey: m.lkey,
             addr: 8,
             len: 8,
         },
-    };
-    let send = |m: &MrInfo| {
-        SendWr::new(
-            0,
-            SendOp::Send,
-            Sge {
-                lkey: m.lkey,
-                addr: 0,
-                len: 8,
-            },
-        )
-    };
-    a.endpoint().post_recv(qa, recv(&ma)).unwrap();
-    b.endpoint().post_recv(qb, recv(&mb)).unwrap();
+    }
+}
+
+/// A SEND of the first 8 bytes of `m`.
+fn send_wr(m: &MrInfo) -> SendWr {
+    SendWr::new(
+        0,
+        SendOp::Send,
+        Sge {
+            lkey: m.lkey,
+            addr: 0,
+            len: 8,
+        },
+    )
+}
+
+/// 8-byte SEND/RECV round trips, both endpoints polled from this thread;
+/// `coalesce`: each SEND carries the ACK of the one before it (the
+/// default), else every SEND is acknowledged by a datagram of its own.
+fn metaroce_ping_pong_us(rounds: usize, coalesce: bool) -> (f64, f64) {
+    let PingPongPair {
+        mut a,
+        mut b,
+        qa,
+        qb,
+        cqa,
+        cqb,
+        ma,
+        mb,
+    } = ping_pong_pair(Stream {
+        coalesce,
+        ..Stream::SLEEPING
+    });
     let mut lat = Vec::with_capacity(rounds);
     let mut wcs = Vec::new();
     for _ in 0..rounds {
         let t0 = Instant::now();
         let now = a.now();
-        a.endpoint().post_send(now, qa, send(&ma)).unwrap();
+        a.endpoint().post_send(now, qa, send_wr(&ma)).unwrap();
         let mut back = false;
         while !back {
             a.poll(Duration::ZERO).unwrap();
@@ -740,24 +770,22 @@ fn metaroce_ping_pong_us(rounds: usize, coalesce: bool) -> (f64, f64) {
             for wc in &wcs {
                 if wc.opcode == WcOpcode::Recv {
                     let now = b.now();
-                    b.endpoint().post_recv(qb, recv(&mb)).unwrap();
-                    b.endpoint().post_send(now, qb, send(&mb)).unwrap();
+                    b.endpoint().post_recv(qb, recv_wr(&mb)).unwrap();
+                    b.endpoint().post_send(now, qb, send_wr(&mb)).unwrap();
                 }
             }
             wcs.clear();
             a.endpoint().poll_cq(cqa, 8, &mut wcs).unwrap();
             for wc in &wcs {
                 if wc.opcode == WcOpcode::Recv {
-                    a.endpoint().post_recv(qa, recv(&ma)).unwrap();
+                    a.endpoint().post_recv(qa, recv_wr(&ma)).unwrap();
                     back = true;
                 }
             }
         }
         lat.push(t0.elapsed());
     }
-    lat.sort();
-    let q = |x: f64| lat[((lat.len() - 1) as f64 * x) as usize].as_secs_f64() * 1e6;
-    (q(0.5), q(0.99))
+    p50_p99(lat)
 }
 
 /// What one driver poll costs when there is nothing to do (a connected
@@ -775,56 +803,16 @@ fn idle_poll_ns(polls: u32) -> f64 {
 /// 8-byte SEND/RECV round trips, each endpoint on a core of its own,
 /// busy-polling (as perftest's `ib_send_lat` polls its completion queue).
 fn metaroce_ping_pong_threads_us(rounds: usize) -> (f64, f64) {
-    let Pair {
+    let PingPongPair {
         mut a,
         mut b,
         qa,
         qb,
         cqa,
         cqb,
-        pda,
-        pdb,
-        ..
-    } = pair_with(Stream::MAIN);
-    let ma = a
-        .endpoint()
-        .reg_mr(
-            pda,
-            vec![0u8; 16].into_boxed_slice(),
-            0,
-            AccessFlags::LOCAL_WRITE,
-        )
-        .unwrap();
-    let mb = b
-        .endpoint()
-        .reg_mr(
-            pdb,
-            vec![0u8; 16].into_boxed_slice(),
-            0,
-            AccessFlags::LOCAL_WRITE,
-        )
-        .unwrap();
-    let recv = |m: &MrInfo| RecvWr {
-        wr_id: 0,
-        sge: Sge {
-            lkey: m.lkey,
-            addr: 8,
-            len: 8,
-        },
-    };
-    let send = |m: &MrInfo| {
-        SendWr::new(
-            0,
-            SendOp::Send,
-            Sge {
-                lkey: m.lkey,
-                addr: 0,
-                len: 8,
-            },
-        )
-    };
-    a.endpoint().post_recv(qa, recv(&ma)).unwrap();
-    b.endpoint().post_recv(qb, recv(&mb)).unwrap();
+        ma,
+        mb,
+    } = ping_pong_pair(Stream::MAIN);
     let echo = std::thread::spawn(move || {
         pin(Side::Receiver);
         let mut wcs = Vec::new();
@@ -836,8 +824,8 @@ fn metaroce_ping_pong_threads_us(rounds: usize) -> (f64, f64) {
             for wc in &wcs {
                 if wc.opcode == WcOpcode::Recv {
                     let now = b.now();
-                    b.endpoint().post_recv(qb, recv(&mb)).unwrap();
-                    b.endpoint().post_send(now, qb, send(&mb)).unwrap();
+                    b.endpoint().post_recv(qb, recv_wr(&mb)).unwrap();
+                    b.endpoint().post_send(now, qb, send_wr(&mb)).unwrap();
                     n += 1;
                 }
             }
@@ -854,7 +842,7 @@ fn metaroce_ping_pong_threads_us(rounds: usize) -> (f64, f64) {
         for _ in 0..rounds {
             let t0 = Instant::now();
             let now = a.now();
-            a.endpoint().post_send(now, qa, send(&ma)).unwrap();
+            a.endpoint().post_send(now, qa, send_wr(&ma)).unwrap();
             let mut back = false;
             while !back {
                 a.poll(Duration::from_millis(1)).unwrap();
@@ -862,7 +850,7 @@ fn metaroce_ping_pong_threads_us(rounds: usize) -> (f64, f64) {
                 a.endpoint().poll_cq(cqa, 8, &mut wcs).unwrap();
                 for wc in &wcs {
                     if wc.opcode == WcOpcode::Recv {
-                        a.endpoint().post_recv(qa, recv(&ma)).unwrap();
+                        a.endpoint().post_recv(qa, recv_wr(&ma)).unwrap();
                         back = true;
                     }
                 }
@@ -872,9 +860,7 @@ fn metaroce_ping_pong_threads_us(rounds: usize) -> (f64, f64) {
         for _ in 0..1000 {
             a.poll(Duration::from_micros(100)).unwrap();
         }
-        lat.sort();
-        let q = |x: f64| lat[((lat.len() - 1) as f64 * x) as usize].as_secs_f64() * 1e6;
-        (q(0.5), q(0.99))
+        p50_p99(lat)
     });
     echo.join().unwrap();
     out
