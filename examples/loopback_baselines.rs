@@ -376,6 +376,13 @@ fn p50_p99(mut lat: Vec<Duration>) -> (f64, f64) {
     (q(0.5), q(0.99))
 }
 
+/// A UDP socket on loopback whose receives never block.
+fn nonblocking_socket() -> UdpSocket {
+    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+    s.set_nonblocking(true).unwrap();
+    s
+}
+
 /// One datagram from non-blocking `s`, spinning until it comes.
 fn spin_recv(s: &UdpSocket, buf: &mut [u8]) -> (usize, SocketAddr) {
     loop {
@@ -417,10 +424,7 @@ fn udp_ping_pong_us(rounds: usize) -> (f64, f64) {
 /// metaroce ping-pong polls both of its drivers: no thread sleeps, so this
 /// is the cost of the two datagrams alone.
 fn udp_ping_pong_polled_us(rounds: usize) -> (f64, f64) {
-    let a = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let b = UdpSocket::bind("127.0.0.1:0").unwrap();
-    a.set_nonblocking(true).unwrap();
-    b.set_nonblocking(true).unwrap();
+    let (a, b) = (nonblocking_socket(), nonblocking_socket());
     let (aa, ba) = (a.local_addr().unwrap(), b.local_addr().unwrap());
     let mut lat = Vec::with_capacity(rounds);
     let mut buf = [0u8; 64];
@@ -438,10 +442,7 @@ fn udp_ping_pong_polled_us(rounds: usize) -> (f64, f64) {
 /// Raw UDP ping-pong, an echo thread and this one on a core each, each
 /// spinning on its non-blocking socket (no thread sleeps).
 fn udp_ping_pong_spinning_us(rounds: usize) -> (f64, f64) {
-    let a = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let b = UdpSocket::bind("127.0.0.1:0").unwrap();
-    a.set_nonblocking(true).unwrap();
-    b.set_nonblocking(true).unwrap();
+    let (a, b) = (nonblocking_socket(), nonblocking_socket());
     let ba = b.local_addr().unwrap();
     let echo = std::thread::spawn(move || {
         pin(Side::Receiver);
