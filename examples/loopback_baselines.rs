@@ -714,6 +714,32 @@ fn ping_pong_pair(stream: Stream) -> PingPongPair {
     }
 }
 
+/// The RECVs completed on `cq` since the last call, each reposted (and,
+/// with `answer`, answered with a SEND): how many there were.
+fn received(
+    d: &mut Driver,
+    cq: CqHandle,
+    qp: Qpn,
+    m: &MrInfo,
+    answer: bool,
+    wcs: &mut Vec<WorkCompletion>,
+) -> usize {
+    wcs.clear();
+    d.endpoint().poll_cq(cq, 8, wcs).unwrap();
+    let mut n = 0;
+    for wc in wcs.iter() {
+        if wc.opcode == WcOpcode::Recv {
+            let now = d.now();
+            d.endpoint().post_recv(qp, recv_wr(m)).unwrap();
+            if answer {
+                d.endpoint().post_send(now, qp, send_wr(m)).unwrap();
+            }
+            n += 1;
+        }
+    }
+    n
+}
+
 /// A RECV of 8 bytes into the last half of `m`.
 fn recv_wr(m: &MrInfo) -> RecvWr {
     RecvWr {
@@ -766,23 +792,8 @@ fn metaroce_ping_pong_us(rounds: usize, coalesce: bool) -> (f64, f64) {
         while !back {
             a.poll(Duration::ZERO).unwrap();
             b.poll(Duration::ZERO).unwrap();
-            wcs.clear();
-            b.endpoint().poll_cq(cqb, 8, &mut wcs).unwrap();
-            for wc in &wcs {
-                if wc.opcode == WcOpcode::Recv {
-                    let now = b.now();
-                    b.endpoint().post_recv(qb, recv_wr(&mb)).unwrap();
-                    b.endpoint().post_send(now, qb, send_wr(&mb)).unwrap();
-                }
-            }
-            wcs.clear();
-            a.endpoint().poll_cq(cqa, 8, &mut wcs).unwrap();
-            for wc in &wcs {
-                if wc.opcode == WcOpcode::Recv {
-                    a.endpoint().post_recv(qa, recv_wr(&ma)).unwrap();
-                    back = true;
-                }
-            }
+            received(&mut b, cqb, qb, &mb, true, &mut wcs);
+            back = received(&mut a, cqa, qa, &ma, false, &mut wcs) > 0;
         }
         lat.push(t0.elapsed());
     }
@@ -820,16 +831,7 @@ fn metaroce_ping_pong_threads_us(rounds: usize) -> (f64, f64) {
         let mut n = 0;
         while n < rounds {
             b.poll(Duration::from_millis(1)).unwrap();
-            wcs.clear();
-            b.endpoint().poll_cq(cqb, 8, &mut wcs).unwrap();
-            for wc in &wcs {
-                if wc.opcode == WcOpcode::Recv {
-                    let now = b.now();
-                    b.endpoint().post_recv(qb, recv_wr(&mb)).unwrap();
-                    b.endpoint().post_send(now, qb, send_wr(&mb)).unwrap();
-                    n += 1;
-                }
-            }
+            n += received(&mut b, cqb, qb, &mb, true, &mut wcs);
         }
         // Until the last answer is acknowledged.
         for _ in 0..1000 {
@@ -847,14 +849,7 @@ fn metaroce_ping_pong_threads_us(rounds: usize) -> (f64, f64) {
             let mut back = false;
             while !back {
                 a.poll(Duration::from_millis(1)).unwrap();
-                wcs.clear();
-                a.endpoint().poll_cq(cqa, 8, &mut wcs).unwrap();
-                for wc in &wcs {
-                    if wc.opcode == WcOpcode::Recv {
-                        a.endpoint().post_recv(qa, recv_wr(&ma)).unwrap();
-                        back = true;
-                    }
-                }
+                back = received(&mut a, cqa, qa, &ma, false, &mut wcs) > 0;
             }
             lat.push(t0.elapsed());
         }
