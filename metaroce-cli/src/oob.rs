@@ -24,7 +24,11 @@ use crate::perf::Op;
 /// the server's stream, [`Msg::Done`] goes both ways and carries the
 /// sender's own figures). A v1 peer's `Hello` still parses, so it gets a
 /// clear version mismatch rather than a protocol error.
-pub const VERSION: u32 = 2;
+///
+/// v3: a new payload pattern (`perf::pattern`, cheaper to write and to
+/// check): a v2 peer would see every byte of a v3 peer's messages as
+/// corrupt, so the two refuse each other instead.
+pub const VERSION: u32 = 3;
 
 /// Largest control message accepted, bytes (they are all tiny).
 const MAX_MSG: u32 = 1 << 20;

@@ -5,14 +5,17 @@
 //! client endpoint in one process, each on its own thread and its own UDP
 //! sockets on 127.0.0.1, talking the full protocol through the kernel.
 //!
-//! Verification: every 8-byte word of message `i` is `pattern(i, k)`, so a
-//! byte placed at the wrong offset, from the wrong message, or stale, is
-//! caught. WRITEs carry immediate data (the iteration) so that the server
+//! Verification: every 8-byte word of message `i` follows a pattern of its
+//! own ([`pattern`]), so a byte placed at the wrong offset, from the wrong
+//! message, or stale, is caught. WRITEs carry immediate data (the iteration) so that the server
 //! sees each one land and checks it before it lets the slot be reused: a
 //! slot is reused only after its receive is posted again, and the protocol
 //! refuses (RNR) a WRITE_IMM that has no receive.
 
+mod pattern;
+
 use crate::oob::{Link, Msg, PerfError, Region, RunParams, VERSION};
+use pattern::{check, fill};
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand, ValueEnum};
 use metaroce_io::{Backend, Driver, DriverConfig, DriverError};
@@ -366,43 +369,6 @@ struct ServerResult {
     verified_bytes: u64,
     corrupt_bytes: u64,
     messages: u64,
-}
-
-/// Word `k` of message `iter`.
-#[inline]
-fn pattern(iter: u64, k: u64) -> u64 {
-    (iter << 40) ^ k.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5bd1_e995
-}
-
-fn fill(buf: &mut [u8], iter: u64) {
-    let mut words = buf.chunks_exact_mut(8);
-    let mut k = 0u64;
-    for w in &mut words {
-        w.copy_from_slice(&pattern(iter, k).to_le_bytes());
-        k += 1;
-    }
-    let rest = words.into_remainder();
-    let v = pattern(iter, k).to_le_bytes();
-    rest.copy_from_slice(&v[..rest.len()]);
-}
-
-/// Returns the number of bytes that differ from the pattern of `iter`.
-fn check(buf: &[u8], iter: u64) -> u64 {
-    let mut words = buf.chunks_exact(8);
-    let mut k = 0u64;
-    let mut bad = 0u64;
-    for w in &mut words {
-        let got = u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]);
-        let diff = got ^ pattern(iter, k);
-        if diff != 0 {
-            bad += u64::from((0..8).filter(|i| (diff >> (8 * i)) & 0xff != 0).count() as u32);
-        }
-        k += 1;
-    }
-    let rest = words.remainder();
-    let v = pattern(iter, k).to_le_bytes();
-    bad += rest.iter().zip(&v).filter(|(a, b)| a != b).count() as u64;
-    bad
 }
 
 fn endpoint_config(paths: u8) -> EndpointConfig {
@@ -1511,20 +1477,6 @@ mod tests {
         assert_eq!(parse_size("100"), Ok(100));
         assert!(parse_size("5G").is_err());
         assert!(parse_size("x").is_err());
-    }
-
-    #[test]
-    fn pattern_catches_misplacement() {
-        let mut a = vec![0u8; 100];
-        fill(&mut a, 7);
-        assert_eq!(check(&a, 7), 0);
-        assert!(check(&a, 8) > 0, "another message's bytes are caught");
-        let mut shifted = vec![0u8; 100];
-        shifted[8..].copy_from_slice(&a[..92]);
-        assert!(
-            check(&shifted, 7) > 0,
-            "bytes at the wrong offset are caught"
-        );
     }
 }
 
