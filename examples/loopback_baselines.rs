@@ -4,7 +4,7 @@
 //! small-message latency.
 //!
 //! ```sh
-//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|sleeping|shallow|jumbo|udp|udp-gathered|udp-jumbo|udp-gathered-jumbo|ping-pong|ping-pong-metaroce]]]
+//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|sleeping|shallow|jumbo|udp|udp-gathered|udp-jumbo|udp-gathered-jumbo|udp-pieces|ping-pong|ping-pong-metaroce]]]
 //! ```
 //!
 //! With `metaroce`, `metaroce1` (the same stream over one path),
@@ -12,8 +12,11 @@
 //! outstanding), `jumbo` (8 KiB payloads), `udp`, `udp-gathered` (raw UDP
 //! laid out as metaroce sends, below), `udp-jumbo` and
 //! `udp-gathered-jumbo` (the same in jumbo datagrams), `ping-pong` (the
-//! 8 B round trips) or `ping-pong-metaroce` (metaroce's round trips alone, 100,000 a round,
+//! 8 B round trips), `ping-pong-metaroce` (metaroce's round trips alone, 100,000 a round,
 //! with the user and kernel CPU time they took, against raw UDP polled)
+//! or `udp-pieces` (raw UDP's buffer sent whole and in 64-byte `iovec`s:
+//! what the kernel spends on a piece, of which metaroce's gathered sends
+//! have two a datagram)
 //! after the rounds, only that test runs, round after round (what
 //! `scripts/cost-per-gbit.sh` profiles).
 //!
@@ -312,19 +315,31 @@ fn udp_gso_gbps(secs: f64, datagram: usize) -> Run {
     })
 }
 
-/// Raw UDP sent the way metaroce's io_uring driver sends: each datagram
-/// (of `datagram` bytes) a 64-byte header from one buffer followed by its
-/// payload straight from a 1 MiB region (16 slots of 64 KiB, in turn), as
-/// many datagrams as fit 64 KiB per GSO `sendmsg` (with 4 KiB payloads 15
-/// datagrams, 30 pieces). The kernel gathers the pieces as it copies;
-/// what that costs against one contiguous buffer is the ceiling any
-/// protocol that puts its own header on payloads it does not copy works
-/// under.
-fn udp_gathered_gbps(secs: f64, datagram: usize) -> Run {
+/// How a raw UDP GSO send hands the kernel its bytes ([`udp_pieces_gbps`]).
+#[derive(Clone, Copy)]
+enum Pieces {
+    /// As metaroce's io_uring driver sends: each datagram a 64-byte header
+    /// from one buffer followed by its payload straight from a 1 MiB
+    /// region (16 slots of 64 KiB, in turn): with 4 KiB payloads 15
+    /// datagrams, 30 pieces a send.
+    Gathered,
+    /// The baseline's contiguous buffer cut into `iovec`s of this many
+    /// bytes: the same bytes from the same place, only in more pieces.
+    Cut(usize),
+}
+
+/// Raw UDP whose every GSO `sendmsg` (as many datagrams of `datagram`
+/// bytes as fit 64 KiB) gives the kernel its bytes in pieces, which it
+/// gathers as it copies. `Gathered`, against the contiguous baseline, is
+/// the ceiling any protocol that puts its own header on payloads it does
+/// not copy works under; `Cut(64)` sends the baseline's own buffer in
+/// 64-byte pieces, and so measures what the kernel spends on a piece.
+fn udp_pieces_gbps(secs: f64, datagram: usize, layout: Pieces) -> Run {
     let payload = datagram - HEADER;
     let segs = 65_507 / datagram;
     let headers = vec![1u8; HEADER * segs];
     let region = vec![9u8; 16 << 16];
+    let contiguous = vec![9u8; datagram * segs];
     // The GSO segment size, as the cmsg UDP_SEGMENT (a u16).
     let mut control = vec![0u8; 64];
     // SAFETY: `control` is 64 bytes, more than CMSG_SPACE(2), and outlives
@@ -350,16 +365,23 @@ fn udp_gathered_gbps(secs: f64, datagram: usize) -> Run {
     };
     let mut slot = 0usize;
     udp_stream(secs, |tx, dst| {
-        let base = (slot % 16) << 16;
-        slot += 1;
-        let pieces: Vec<std::io::IoSlice> = (0..segs)
-            .flat_map(|i| {
-                [
-                    std::io::IoSlice::new(&headers[i * HEADER..(i + 1) * HEADER]),
-                    std::io::IoSlice::new(&region[base + i * payload..base + (i + 1) * payload]),
-                ]
-            })
-            .collect();
+        let pieces: Vec<std::io::IoSlice> = match layout {
+            Pieces::Gathered => {
+                let base = (slot % 16) << 16;
+                slot += 1;
+                (0..segs)
+                    .flat_map(|i| {
+                        [
+                            std::io::IoSlice::new(&headers[i * HEADER..(i + 1) * HEADER]),
+                            std::io::IoSlice::new(
+                                &region[base + i * payload..base + (i + 1) * payload],
+                            ),
+                        ]
+                    })
+                    .collect()
+            }
+            Pieces::Cut(n) => contiguous.chunks(n).map(std::io::IoSlice::new).collect(),
+        };
         let dst = socket2::SockAddr::from(dst);
         let m = socket2::MsgHdr::new()
             .with_addr(&dst)
@@ -367,6 +389,11 @@ fn udp_gathered_gbps(secs: f64, datagram: usize) -> Run {
             .with_control(&control[..control_len]);
         let _ = socket2::SockRef::from(tx).sendmsg(&m, 0);
     })
+}
+
+/// Raw UDP laid out as metaroce sends ([`Pieces::Gathered`]).
+fn udp_gathered_gbps(secs: f64, datagram: usize) -> Run {
+    udp_pieces_gbps(secs, datagram, Pieces::Gathered)
 }
 
 /// The p50 and p99 of round-trip times, in microseconds.
@@ -962,7 +989,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// GSO/GRO), `udp-gathered` (raw UDP laid out as metaroce sends),
 /// `udp-jumbo` or `udp-gathered-jumbo` (those two in jumbo datagrams); or
 /// the round trips, `ping-pong` (all of them) or `ping-pong-metaroce`
-/// (metaroce's alone, with their CPU time).
+/// (metaroce's alone, with their CPU time); or `udp-pieces`, what the
+/// kernel spends on each `iovec` piece of a send.
 fn only_throughput(which: &str, secs: f64, rounds: usize) {
     let hz = cpu_hz();
     if which == "ping-pong" {
@@ -981,6 +1009,29 @@ fn only_throughput(which: &str, secs: f64, rounds: usize) {
             median(polled),
             median(threads),
             median(acks)
+        );
+        return;
+    }
+    if which == "udp-pieces" {
+        // What the kernel spends on an `iovec` piece: the baseline's own
+        // buffer sent whole, then in 64-byte pieces, alternately.
+        let bytes = (65_507 / DATAGRAM * DATAGRAM) as f64;
+        let pieces = bytes / 64.0;
+        let mut per_piece = vec![];
+        for round in 1..=rounds {
+            let whole = on_own_thread(|| udp_gso_gbps(secs, DATAGRAM)).gbps;
+            let cut = on_own_thread(|| udp_pieces_gbps(secs, DATAGRAM, Pieces::Cut(64))).gbps;
+            // Microseconds a send takes, whole and cut.
+            let (tw, tc) = (bytes * 8.0 / whole / 1e3, bytes * 8.0 / cut / 1e3);
+            let ns = (tc - tw) * 1e3 / (pieces - 1.0);
+            per_piece.push(ns);
+            println!(
+                "round {round}: raw UDP {whole:.2} Gbit/s whole ({tw:.1} us a {bytes} B send), {cut:.2} Gbit/s in {pieces} pieces of 64 B ({tc:.1} us): {ns:.0} ns a piece"
+            );
+        }
+        println!(
+            "median over {rounds} rounds: {:.0} ns a piece; metaroce's 4 KiB datagrams take 2 a datagram, 30 a send",
+            median(per_piece)
         );
         return;
     }
@@ -1024,7 +1075,7 @@ fn only_throughput(which: &str, secs: f64, rounds: usize) {
             "udp-jumbo" => on_own_thread(|| udp_gso_gbps(secs, JUMBO)),
             "udp-gathered-jumbo" => on_own_thread(|| udp_gathered_gbps(secs, JUMBO)),
             other => panic!(
-                "unknown test {other:?}: metaroce, metaroce1 (one path), sleeping (no busy poll), shallow (16 WRITEs outstanding), jumbo (8 KiB payloads), udp, udp-gathered, udp-jumbo, udp-gathered-jumbo, ping-pong or ping-pong-metaroce"
+                "unknown test {other:?}: metaroce, metaroce1 (one path), sleeping (no busy poll), shallow (16 WRITEs outstanding), jumbo (8 KiB payloads), udp, udp-gathered, udp-jumbo, udp-gathered-jumbo, udp-pieces, ping-pong or ping-pong-metaroce"
             ),
         };
         let c = run.cycles_per_byte(hz);

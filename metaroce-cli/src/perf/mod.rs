@@ -15,12 +15,12 @@
 mod pattern;
 
 use crate::oob::{Link, Msg, PerfError, Region, RunParams, VERSION};
-use pattern::{check, fill};
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand, ValueEnum};
 use metaroce_io::{Backend, Driver, DriverConfig, DriverError};
 use metaroce_proto::verbs::*;
 use metaroce_proto::{Endpoint, EndpointConfig, Event, PathState};
+use pattern::{check, fill};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
