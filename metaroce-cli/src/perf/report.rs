@@ -1,0 +1,204 @@
+//! What a run of `metaroce perf` reports: per direction, per path, and
+//! the perftest-style table (or `--json`).
+
+use super::*;
+
+/// One path's line of the report.
+#[derive(Debug, Serialize)]
+pub(super) struct PathReport {
+    pub(super) id: u8,
+    pub(super) src_port: u16,
+    pub(super) packets: u64,
+    /// Bytes of the DATA packets sent (whole datagrams).
+    pub(super) bytes: u64,
+    pub(super) retransmits: u64,
+    pub(super) lost: u64,
+    /// Packets declared lost that arrived after all.
+    pub(super) spurious: u64,
+    pub(super) ecn_marks: u64,
+    pub(super) rtt_us: f64,
+    /// Times declared failed (moved to a new source port, probed back).
+    pub(super) failures: u64,
+    /// Times moved to a new source port because the route stayed congested.
+    pub(super) moves: u64,
+    /// `active`, or `probing` (declared failed, testing its new route).
+    pub(super) state: &'static str,
+}
+
+/// One direction of a run: the client's own stream (`tx`) or, with
+/// `--bidir`, the server's back to it (`rx`).
+#[derive(Debug, Default, Clone, Copy, Serialize)]
+pub(super) struct Direction {
+    pub(super) iterations: u64,
+    pub(super) bytes: u64,
+    pub(super) duration_s: f64,
+    pub(super) gbps: f64,
+    pub(super) verified_bytes: u64,
+    pub(super) corrupt_bytes: u64,
+    pub(super) retransmits: u64,
+}
+
+impl Direction {
+    pub(super) fn new(
+        iterations: u64,
+        size: u64,
+        secs: f64,
+        checked: (u64, u64),
+        retransmits: u64,
+    ) -> Self {
+        let bytes = iterations * size;
+        Direction {
+            iterations,
+            bytes,
+            duration_s: secs,
+            gbps: if secs > 0.0 {
+                bytes as f64 * 8.0 / secs / 1e9
+            } else {
+                0.0
+            },
+            verified_bytes: checked.0,
+            corrupt_bytes: checked.1,
+            retransmits,
+        }
+    }
+
+    /// This side's own stream; `peer` is what the peer checked of it (the
+    /// requester checks READs itself).
+    pub(super) fn of(r: &Requester, peer: &ServerResult, retransmits: u64, size: u64) -> Self {
+        let checked = if r.p.op == Op::Read {
+            (r.verified, r.corrupt)
+        } else {
+            (peer.verified_bytes, peer.corrupt_bytes)
+        };
+        Direction::new(r.completed, size, r.elapsed(), checked, retransmits)
+    }
+
+    /// The peer's stream, as its `Done` told and as checked here.
+    pub(super) fn from_peer(d: &PeerDone, own: &ServerResult, op: Op, size: u64) -> Self {
+        let checked = if op == Op::Read {
+            (d.verified_bytes, d.corrupt_bytes)
+        } else {
+            (own.verified_bytes, own.corrupt_bytes)
+        };
+        Direction::new(d.iterations, size, d.elapsed_s, checked, d.retransmits)
+    }
+}
+
+/// What `--json` prints. With `--bidir` the totals (`iterations`, `bytes`,
+/// `gbps`, `msg_rate_mps`, `retransmits`, `verified_bytes`,
+/// `corrupt_bytes`) are sums of both directions, given apart in `tx` and
+/// `rx`; latency is the client's own requests'.
+#[derive(Debug, Serialize)]
+pub(super) struct Report {
+    pub(super) op: Op,
+    pub(super) backend: String,
+    /// This side's `--busy-poll`, microseconds.
+    pub(super) busy_poll_us: u64,
+    pub(super) msg_size: u64,
+    pub(super) qps: u32,
+    pub(super) bidir: bool,
+    pub(super) iterations: u64,
+    pub(super) bytes: u64,
+    pub(super) duration_s: f64,
+    pub(super) gbps: f64,
+    pub(super) msg_rate_mps: f64,
+    pub(super) lat_min_us: f64,
+    pub(super) lat_p50_us: f64,
+    pub(super) lat_avg_us: f64,
+    pub(super) lat_p99_us: f64,
+    pub(super) lat_p999_us: f64,
+    pub(super) retransmits: u64,
+    pub(super) rto_fires: u64,
+    pub(super) verified_bytes: u64,
+    pub(super) corrupt_bytes: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) tx: Option<Direction>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) rx: Option<Direction>,
+    pub(super) paths: Vec<PathReport>,
+}
+
+/// What the server saw.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct ServerResult {
+    pub(super) verified_bytes: u64,
+    pub(super) corrupt_bytes: u64,
+    pub(super) messages: u64,
+}
+
+pub(super) fn print_report(r: &Report, paths: u8, depth: u32, where_: &str) {
+    let line = "-".repeat(96);
+    let name = match r.op {
+        Op::Write => "RDMA_Write",
+        Op::Read => "RDMA_Read",
+        Op::Send => "Send",
+    };
+    println!("{line}");
+    println!(
+        "                    {name} BW Test (metaroce, {where_}, {} backend)",
+        r.backend
+    );
+    println!(
+        " Number of qps   : {}\t\tPaths per connection : {paths}",
+        r.qps
+    );
+    println!(" Tx depth        : {depth}\t\tVerification         : every byte");
+    println!(" Busy poll       : {} us", r.busy_poll_us);
+    if r.bidir {
+        println!(" Direction       : both (tx: client -> server requests, rx: server -> client)");
+    }
+    println!("{line}");
+    println!(" #bytes     #iterations    BW average[Gb/sec]   MsgRate[Mpps]   Retransmits   RTOs");
+    if let (Some(tx), Some(rx)) = (&r.tx, &r.rx) {
+        for (what, d) in [("tx", tx), ("rx", rx)] {
+            println!(
+                " {:<10} {:<14} {:<20.3} {:<15.6} {:<13} {what}",
+                r.msg_size,
+                d.iterations,
+                d.gbps,
+                d.iterations as f64 / d.duration_s.max(1e-9) / 1e6,
+                d.retransmits
+            );
+        }
+    }
+    println!(
+        " {:<10} {:<14} {:<20.3} {:<15.6} {:<13} {}{}",
+        r.msg_size,
+        r.iterations,
+        r.gbps,
+        r.msg_rate_mps,
+        r.retransmits,
+        r.rto_fires,
+        if r.bidir { " (sum of both ways)" } else { "" }
+    );
+    println!("{line}");
+    println!(
+        " latency [usec]  t_min {:.1}  t_typical {:.1}  t_avg {:.1}  p99 {:.1}  p99.9 {:.1}",
+        r.lat_min_us, r.lat_p50_us, r.lat_avg_us, r.lat_p99_us, r.lat_p999_us
+    );
+    println!(
+        " verified bytes  {}   corrupt bytes {}",
+        r.verified_bytes, r.corrupt_bytes
+    );
+    println!("{line}");
+    println!(
+        " path src_port packets    bytes         retx     lost     ecn      rtt[usec] state   fail/move"
+    );
+    for p in &r.paths {
+        println!(
+            " {:<4} {:<8} {:<10} {:<13} {:<8} {:<8} {:<8} {:<9.1} {:<7} {}/{}",
+            p.id,
+            p.src_port,
+            p.packets,
+            p.bytes,
+            p.retransmits,
+            p.lost,
+            p.ecn_marks,
+            p.rtt_us,
+            p.state,
+            p.failures,
+            p.moves
+        );
+    }
+    println!("{line}");
+}

@@ -1,0 +1,619 @@
+//! The data phase of a run, on either side: where each iteration goes,
+//! the requester that posts and times the work requests, the responder
+//! that checks what lands, and the drivers that carry them.
+
+use super::*;
+
+/// Where each iteration goes: iteration `i` is posted on QP `i % qps`, lands
+/// in server slot `i % slots`, and uses client slot `(i % qps) * per_qp +
+/// (i / qps) % per_qp`. Each QP has at most `per_qp` work requests
+/// outstanding and `2 * per_qp` receives, so per QP the single-QP argument
+/// holds: a server slot is reused only after its message was verified.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Layout {
+    pub(super) qps: u64,
+    pub(super) per_qp: u64,
+    pub(super) slots: u64,
+}
+
+impl Layout {
+    pub(super) fn new(p: &RunParams) -> Layout {
+        let qps = u64::from(p.qps.max(1));
+        let per_qp = u64::from(p.depth).div_ceil(qps).max(1);
+        Layout {
+            qps,
+            per_qp,
+            slots: qps * per_qp * 2,
+        }
+    }
+    pub(super) fn qp_of(&self, iter: u64) -> usize {
+        (iter % self.qps) as usize
+    }
+    pub(super) fn client_slot(&self, iter: u64) -> u64 {
+        (iter % self.qps) * self.per_qp + (iter / self.qps) % self.per_qp
+    }
+    /// The iteration QP `j`'s `k`-th receive is for.
+    pub(super) fn recv_iter(&self, j: usize, k: u64) -> u64 {
+        j as u64 + k * self.qps
+    }
+}
+
+pub(super) fn endpoint_config(paths: u8) -> EndpointConfig {
+    EndpointConfig {
+        paths,
+        ..EndpointConfig::default()
+    }
+}
+
+/// How a side's driver is set up: the flags both sides have.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Tuning {
+    pub(super) paths: u8,
+    pub(super) backend: Backend,
+    pub(super) busy_poll: Duration,
+}
+
+impl Tuning {
+    pub(super) fn new(paths: u8, backend: Backend, busy_poll_us: u64) -> Self {
+        Tuning {
+            paths,
+            backend,
+            busy_poll: Duration::from_micros(busy_poll_us),
+        }
+    }
+}
+
+/// Binds a driver on `listen`; an address in use becomes [`PerfError::PortInUse`].
+pub(super) fn bind(listen: SocketAddr, t: Tuning, seed: u64) -> anyhow::Result<Driver> {
+    bind_mtu(listen, t, seed, None)
+}
+
+/// [`bind`] with the endpoint's MTU bounded by `mtu` (the route's largest
+/// UDP payload), so that no datagram is too large for the network.
+pub(super) fn bind_mtu(
+    listen: SocketAddr,
+    t: Tuning,
+    seed: u64,
+    mtu: Option<usize>,
+) -> anyhow::Result<Driver> {
+    let Tuning {
+        paths,
+        backend,
+        busy_poll,
+    } = t;
+    let mut cfg = DriverConfig::new(listen);
+    cfg.backend = backend;
+    cfg.busy_poll = busy_poll;
+    cfg.endpoint = endpoint_config(paths);
+    if let Some(m) = mtu {
+        let m = m.clamp(
+            usize::from(metaroce_proto::consts::MIN_MTU),
+            usize::from(cfg.endpoint.mtu),
+        );
+        cfg.endpoint.mtu = m as u16;
+    }
+    cfg.send_sockets = 2 * usize::from(paths);
+    cfg.seed = seed;
+    match Driver::bind(cfg) {
+        Ok(d) => Ok(d),
+        Err(DriverError::Bind { addr, source }) => Err(PerfError::PortInUse {
+            what: "UDP",
+            addr,
+            cause: source,
+        }
+        .into()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Runs `drv` until `done` says so or `limit` passes.
+pub(super) fn drive(
+    drv: &mut Driver,
+    limit: Duration,
+    mut done: impl FnMut(&mut Driver) -> bool,
+) -> anyhow::Result<bool> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if done(drv) {
+            return Ok(true);
+        }
+        drv.poll(Duration::from_millis(1))?;
+    }
+    Ok(done(drv))
+}
+
+/// Runs `drv` until the next control message arrives (at most `limit`),
+/// handing every endpoint event to `on_event` meanwhile.
+pub(super) fn drive_until_msg(
+    drv: &mut Driver,
+    link: &Link,
+    limit: Duration,
+    mut on_event: impl FnMut(Event),
+) -> anyhow::Result<Msg> {
+    let mut msg = None;
+    let mut err = None;
+    drive(drv, limit, |d| {
+        while let Some(e) = d.endpoint().poll_event() {
+            on_event(e);
+        }
+        match link.try_recv() {
+            Ok(Some(m)) => msg = Some(m),
+            Ok(None) => {}
+            Err(e) => err = Some(e),
+        }
+        msg.is_some() || err.is_some()
+    })?;
+    if let Some(e) = err {
+        return Err(e.into());
+    }
+    msg.ok_or_else(|| PerfError::Protocol(format!("no control message within {limit:?}")).into())
+}
+
+/// Turns an unexpected control message into an error.
+pub(super) fn unexpected(m: Msg, wanted: &str) -> anyhow::Error {
+    match m {
+        Msg::Abort { reason } => PerfError::Protocol(format!("the peer aborted: {reason}")).into(),
+        other => PerfError::Protocol(format!("expected {wanted}, got {other:?}")).into(),
+    }
+}
+
+/// One side's own stream: `op` work requests posted round robin over its
+/// QPs against the peer's region for the run's duration, each timed and
+/// (READ) checked on completion.
+pub(super) struct Requester {
+    pub(super) p: RunParams,
+    pub(super) lay: Layout,
+    pub(super) qps: Vec<Qpn>,
+    pub(super) cq: CqHandle,
+    pub(super) mr: MrInfo,
+    pub(super) remote: Region,
+    pub(super) hist: hdrhistogram::Histogram<u64>,
+    pub(super) post_times: Vec<Instant>,
+    pub(super) next_iter: u64,
+    pub(super) completed: u64,
+    pub(super) outstanding: u64,
+    pub(super) qp_out: Vec<u64>,
+    pub(super) verified: u64,
+    pub(super) corrupt: u64,
+    pub(super) error: Option<WcStatus>,
+    pub(super) t0: Instant,
+    pub(super) elapsed: Option<f64>,
+    pub(super) wcs: Vec<WorkCompletion>,
+}
+
+impl Requester {
+    /// Registers the local buffer; `cq` is the QPs' send CQ.
+    pub(super) fn new(
+        ep: &mut Endpoint,
+        pd: PdHandle,
+        cq: CqHandle,
+        qps: &[Qpn],
+        p: &RunParams,
+        remote: Region,
+    ) -> anyhow::Result<Requester> {
+        let lay = Layout::new(p);
+        let local_slots = lay.qps * lay.per_qp;
+        let mr = ep.reg_mr(
+            pd,
+            RegionBuf::zeroed((local_slots * p.size).max(1) as usize),
+            0,
+            AccessFlags::LOCAL_WRITE,
+        )?;
+        Ok(Requester {
+            p: p.clone(),
+            lay,
+            qps: qps.to_vec(),
+            cq,
+            mr,
+            remote,
+            hist: hdrhistogram::Histogram::new_with_bounds(1, 60_000_000_000, 3)?,
+            post_times: vec![Instant::now(); local_slots as usize],
+            next_iter: 0,
+            completed: 0,
+            outstanding: 0,
+            qp_out: vec![0; qps.len()],
+            verified: 0,
+            corrupt: 0,
+            error: None,
+            t0: Instant::now(),
+            elapsed: None,
+            wcs: Vec::new(),
+        })
+    }
+
+    /// The clock of the run starts now.
+    pub(super) fn start(&mut self) {
+        self.t0 = Instant::now();
+    }
+
+    /// Reaps completions and posts what the depth allows; true once the run
+    /// is over (its time is up and nothing is outstanding) or a request failed.
+    pub(super) fn step(&mut self, d: &mut Driver) -> bool {
+        if self.elapsed.is_some() {
+            return true;
+        }
+        let size = self.p.size;
+        let lay = self.lay;
+        let ep = d.endpoint();
+        self.wcs.clear();
+        let _ = ep.poll_cq(self.cq, 64, &mut self.wcs);
+        for wc in &self.wcs {
+            if wc.status != WcStatus::Success {
+                self.error.get_or_insert(wc.status);
+            }
+            let iter = wc.wr_id;
+            let ls = lay.client_slot(iter);
+            let lat = self.post_times[ls as usize].elapsed();
+            self.hist.saturating_record(lat.as_nanos().max(1) as u64);
+            if self.p.op == Op::Read && self.p.verify && wc.status == WcStatus::Success {
+                if let Some(buf) = ep.mr(self.mr.lkey) {
+                    let b = &buf[(ls * size) as usize..((ls + 1) * size) as usize];
+                    let bad = check(b, iter % self.remote.slots);
+                    self.corrupt += bad;
+                    self.verified += size - bad;
+                }
+            }
+            self.completed += 1;
+            self.outstanding -= 1;
+            self.qp_out[lay.qp_of(iter)] -= 1;
+        }
+        if self.error.is_some() {
+            self.elapsed = Some(self.t0.elapsed().as_secs_f64());
+            return true;
+        }
+        let sending = self.t0.elapsed() < Duration::from_secs_f64(self.p.duration);
+        let now = d.now();
+        let ep = d.endpoint();
+        while sending && self.outstanding < u64::from(self.p.depth) {
+            let i = self.next_iter;
+            let ls = lay.client_slot(i);
+            let local = Sge {
+                lkey: self.mr.lkey,
+                addr: ls * size,
+                len: size as u32,
+            };
+            let remote = RemoteAddr {
+                rkey: self.remote.rkey,
+                addr: self.remote.addr + (i % self.remote.slots) * size,
+            };
+            let op = match self.p.op {
+                Op::Write => SendOp::WriteImm(remote, i as u32),
+                Op::Read => SendOp::Read(remote),
+                Op::Send => SendOp::SendImm(i as u32),
+            };
+            let j = lay.qp_of(i);
+            // Round robin: wait for this QP rather than skip it; its slot
+            // for `i` is free once it has fewer than `per_qp` outstanding.
+            if self.qp_out[j] >= lay.per_qp {
+                break;
+            }
+            if self.p.verify && self.p.op != Op::Read {
+                if let Some(buf) = ep.mr_mut(self.mr.lkey) {
+                    fill(
+                        &mut buf[(ls * size) as usize..((ls + 1) * size) as usize],
+                        i,
+                    );
+                }
+            }
+            if ep
+                .post_send(now, self.qps[j], SendWr::new(i, op, local))
+                .is_err()
+            {
+                break;
+            }
+            self.post_times[ls as usize] = Instant::now();
+            self.next_iter += 1;
+            self.outstanding += 1;
+            self.qp_out[j] += 1;
+        }
+        if !sending && self.outstanding == 0 {
+            self.elapsed = Some(self.t0.elapsed().as_secs_f64());
+            return true;
+        }
+        false
+    }
+
+    pub(super) fn elapsed(&self) -> f64 {
+        self.elapsed
+            .unwrap_or_else(|| self.t0.elapsed().as_secs_f64())
+    }
+}
+
+/// One side's part in the peer's stream: a region the peer targets, the
+/// receives its messages complete, and the check of every message.
+pub(super) struct Responder {
+    pub(super) p: RunParams,
+    pub(super) lay: Layout,
+    pub(super) qps: Vec<Qpn>,
+    pub(super) cq: CqHandle,
+    pub(super) mr: MrInfo,
+    pub(super) posted: Vec<u64>,
+    pub(super) res: ServerResult,
+    pub(super) expected: Option<u64>,
+    pub(super) wcs: Vec<WorkCompletion>,
+}
+
+impl Responder {
+    /// Registers the region and fills it (READ) or posts every receive;
+    /// `cq` is the QPs' receive CQ.
+    pub(super) fn new(
+        ep: &mut Endpoint,
+        pd: PdHandle,
+        cq: CqHandle,
+        qps: &[Qpn],
+        p: &RunParams,
+    ) -> anyhow::Result<Responder> {
+        let lay = Layout::new(p);
+        let (size, slots) = (p.size, lay.slots);
+        let mr = ep.reg_mr(
+            pd,
+            RegionBuf::zeroed((slots * size).max(1) as usize),
+            0x1000_0000,
+            AccessFlags::ALL,
+        )?;
+        let mut posted = vec![0u64; qps.len()];
+        if p.op == Op::Read {
+            // The peer reads slots; each slot holds the pattern of its index.
+            let buf = ep.mr_mut(mr.lkey).context("region vanished")?;
+            for s in 0..slots {
+                fill(&mut buf[(s * size) as usize..((s + 1) * size) as usize], s);
+            }
+        } else {
+            for (j, &qp) in qps.iter().enumerate() {
+                for _ in 0..2 * lay.per_qp {
+                    ep.post_recv(qp, recv_wr(p.op, &mr, &lay, j, posted[j], size))?;
+                    posted[j] += 1;
+                }
+            }
+        }
+        Ok(Responder {
+            p: p.clone(),
+            lay,
+            qps: qps.to_vec(),
+            cq,
+            mr,
+            posted,
+            res: ServerResult::default(),
+            expected: None,
+            wcs: Vec::new(),
+        })
+    }
+
+    pub(super) fn region(&self) -> Region {
+        Region {
+            rkey: self.mr.rkey,
+            addr: self.mr.addr,
+            slots: self.lay.slots,
+        }
+    }
+
+    /// Checks what arrived and lets the peer reuse each checked slot; true
+    /// once the peer said how many messages it sent and all are in.
+    pub(super) fn step(&mut self, d: &mut Driver) -> bool {
+        let (size, slots) = (self.p.size, self.lay.slots);
+        self.wcs.clear();
+        let ep = d.endpoint();
+        let _ = ep.poll_cq(self.cq, 64, &mut self.wcs);
+        for wc in &self.wcs {
+            if wc.status != WcStatus::Success {
+                self.res.corrupt_bytes += u64::from(wc.byte_len);
+                continue;
+            }
+            let iter = wc.imm.map_or(self.res.messages, u64::from);
+            let slot = iter % slots;
+            if self.p.verify {
+                if let Some(buf) = ep.mr(self.mr.lkey) {
+                    let b =
+                        &buf[(slot * size) as usize..(slot * size) as usize + wc.byte_len as usize];
+                    let bad = check(b, iter);
+                    self.res.corrupt_bytes += bad;
+                    self.res.verified_bytes += u64::from(wc.byte_len) - bad;
+                }
+            }
+            self.res.messages += 1;
+            // The slot is checked: let the peer reuse it.
+            if let Some(j) = self.qps.iter().position(|&q| q == wc.qpn) {
+                let wr = recv_wr(self.p.op, &self.mr, &self.lay, j, self.posted[j], size);
+                let _ = ep.post_recv(self.qps[j], wr);
+                self.posted[j] += 1;
+            }
+        }
+        match self.expected {
+            None => false,
+            // READs complete at the reader; nothing arrives here.
+            Some(_) if self.p.op == Op::Read => true,
+            Some(n) => self.res.messages >= n,
+        }
+    }
+}
+
+/// What the peer said about its own stream when it ended (its `Done`).
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct PeerDone {
+    pub(super) iterations: u64,
+    pub(super) elapsed_s: f64,
+    pub(super) verified_bytes: u64,
+    pub(super) corrupt_bytes: u64,
+    pub(super) retransmits: u64,
+}
+
+/// What the data phase learned from the peer.
+#[derive(Debug, Default)]
+pub(super) struct Exchange {
+    /// The peer's check of our stream (its answer to our `Done`).
+    pub(super) peer_result: Option<ServerResult>,
+    /// The peer's own stream, when it ran one.
+    pub(super) peer_done: Option<PeerDone>,
+}
+
+/// The data phase of one side: runs its own stream (`req`) and its part in
+/// the peer's (`resp`) at once, until its stream is over and checked by
+/// the peer, and the peer's stream is over and checked here. `started`:
+/// whether `req` runs from the start or waits for the peer's `Start`.
+pub(super) fn data_phase(
+    drv: &mut Driver,
+    link: &Link,
+    conn: ConnectionHandle,
+    mut req: Option<&mut Requester>,
+    mut resp: Option<&mut Responder>,
+    mut started: bool,
+) -> anyhow::Result<Exchange> {
+    let duration = req
+        .as_ref()
+        .map(|r| r.p.duration)
+        .or(resp.as_ref().map(|r| r.p.duration))
+        .unwrap_or(0.0);
+    if started {
+        if let Some(r) = req.as_deref_mut() {
+            r.start();
+        }
+    }
+    let mut ex = Exchange::default();
+    let mut done_sent = false;
+    let mut result_sent = false;
+    let mut err: Option<anyhow::Error> = None;
+    let finished = drive(drv, Duration::from_secs_f64(duration + 30.0), |d| {
+        loop {
+            match link.try_recv() {
+                Ok(None) => break,
+                Ok(Some(Msg::Start)) if !started && req.is_some() => {
+                    started = true;
+                    if let Some(r) = req.as_deref_mut() {
+                        r.start();
+                    }
+                }
+                Ok(Some(Msg::Done {
+                    iterations,
+                    elapsed_s,
+                    verified_bytes,
+                    corrupt_bytes,
+                    retransmits,
+                })) if ex.peer_done.is_none() && resp.is_some() => {
+                    ex.peer_done = Some(PeerDone {
+                        iterations,
+                        elapsed_s,
+                        verified_bytes,
+                        corrupt_bytes,
+                        retransmits,
+                    });
+                    if let Some(r) = resp.as_deref_mut() {
+                        r.expected = Some(iterations);
+                    }
+                }
+                Ok(Some(Msg::Result {
+                    verified_bytes,
+                    corrupt_bytes,
+                    messages,
+                })) if done_sent && ex.peer_result.is_none() => {
+                    ex.peer_result = Some(ServerResult {
+                        verified_bytes,
+                        corrupt_bytes,
+                        messages,
+                    });
+                }
+                Ok(Some(m)) => {
+                    err = Some(unexpected(m, "Start, Done or Result"));
+                    break;
+                }
+                Err(e) => {
+                    err = Some(e.into());
+                    break;
+                }
+            }
+        }
+        if err.is_some() {
+            return true;
+        }
+        if let Some(r) = req.as_deref_mut() {
+            if started && !done_sent && r.step(d) {
+                if let Some(st) = r.error {
+                    err = Some(anyhow::anyhow!("a work request failed with {st:?}"));
+                    return true;
+                }
+                let retransmits = d
+                    .endpoint()
+                    .connection_stats(conn)
+                    .map_or(0, |s| s.retransmits);
+                link.send(Msg::Done {
+                    iterations: r.completed,
+                    elapsed_s: r.elapsed(),
+                    verified_bytes: r.verified,
+                    corrupt_bytes: r.corrupt,
+                    retransmits,
+                });
+                done_sent = true;
+            }
+        }
+        if let Some(r) = resp.as_deref_mut() {
+            if !result_sent && r.step(d) {
+                link.send(Msg::Result {
+                    verified_bytes: r.res.verified_bytes,
+                    corrupt_bytes: r.res.corrupt_bytes,
+                    messages: r.res.messages,
+                });
+                result_sent = true;
+            }
+        }
+        (req.is_none() || ex.peer_result.is_some()) && (resp.is_none() || result_sent)
+    });
+    let failure = match finished {
+        Err(e) => Some(e),
+        Ok(_) if err.is_some() => err,
+        Ok(true) => None,
+        Ok(false) => Some(match (&req, &resp) {
+            (Some(r), _) if !done_sent => {
+                anyhow::anyhow!("{} work requests did not complete", r.outstanding)
+            }
+            (Some(_), _) if ex.peer_result.is_none() => {
+                anyhow::anyhow!("the peer never said what it verified")
+            }
+            (_, Some(r)) => anyhow::anyhow!(
+                "not every message arrived ({} of {:?})",
+                r.res.messages,
+                r.expected
+            ),
+            _ => anyhow::anyhow!("the run did not finish"),
+        }),
+    };
+    if let Some(e) = failure {
+        link.send(Msg::Abort {
+            reason: format!("{e:#}"),
+        });
+        return Err(e);
+    }
+    Ok(ex)
+}
+
+/// Creates a run's QPs (each with room for its share of the send depth and
+/// twice that many receives), a send CQ and a receive CQ.
+pub(super) fn create_qps(
+    ep: &mut Endpoint,
+    p: &RunParams,
+) -> anyhow::Result<(PdHandle, CqHandle, CqHandle, Vec<Qpn>)> {
+    let lay = Layout::new(p);
+    let pd = ep.alloc_pd();
+    let send_cq = ep.create_cq(lay.slots as usize * 2);
+    let recv_cq = ep.create_cq(lay.slots as usize * 2);
+    let mut qps = Vec::new();
+    for _ in 0..lay.qps {
+        let mut init = QpInit::new(pd, send_cq, recv_cq);
+        init.max_send_wr = lay.per_qp as u32;
+        init.max_recv_wr = (2 * lay.per_qp) as u32;
+        qps.push(ep.create_qp(init)?);
+    }
+    Ok((pd, send_cq, recv_cq, qps))
+}
+
+pub(super) fn recv_wr(op: Op, mr: &MrInfo, lay: &Layout, j: usize, k: u64, size: u64) -> RecvWr {
+    let iter = lay.recv_iter(j, k);
+    let sge = match op {
+        // WRITE_IMM lands by address; the receive only carries the immediate.
+        Op::Write => Sge::default(),
+        _ => Sge {
+            lkey: mr.lkey,
+            addr: mr.addr + (iter % lay.slots) * size,
+            len: size as u32,
+        },
+    };
+    RecvWr { wr_id: iter, sge }
+}
