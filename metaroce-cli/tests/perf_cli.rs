@@ -58,7 +58,53 @@ fn default_run_picks_a_backend() {
     let backend = v["backend"].as_str().unwrap();
     assert!(backend == "io_uring" || backend == "portable", "{backend}");
     assert_eq!(v["busy_poll_us"], 50, "each side polls 50 µs by default");
+    assert_eq!(v["mtu"], 4160, "4 KiB payloads by default");
     check(&v, "write");
+}
+
+/// The average DATA datagram of a run's paths, bytes.
+fn mean_datagram(v: &serde_json::Value) -> f64 {
+    let paths = v["paths"].as_array().unwrap();
+    let bytes: u64 = paths.iter().map(|p| p["bytes"].as_u64().unwrap()).sum();
+    let packets: u64 = paths.iter().map(|p| p["packets"].as_u64().unwrap()).sum();
+    bytes as f64 / packets.max(1) as f64
+}
+
+#[test]
+fn jumbo_datagrams_carry_every_byte() {
+    for op in ["write", "read"] {
+        let v = perf(&["--op", op, "-D", "0.3", "--mtu", "8256"]);
+        assert_eq!(v["mtu"], 8256, "{v}");
+        assert_eq!(v["mtu_asked"], 8256, "{v}");
+        check(&v, op);
+    }
+    // The WRITEs really went in 8 KiB payloads: 64 KiB messages in
+    // datagrams of up to 8,256 bytes average well above 4,160.
+    let v = perf(&["-D", "0.3", "--mtu", "8256"]);
+    let mean = mean_datagram(&v);
+    assert!(
+        mean > 6000.0 && mean <= 8256.0,
+        "mean datagram {mean} bytes"
+    );
+    let v = perf(&["-D", "0.3"]);
+    let mean = mean_datagram(&v);
+    assert!(
+        mean <= 4160.0,
+        "mean datagram {mean} bytes at the default MTU"
+    );
+}
+
+#[test]
+fn an_mtu_out_of_range_is_refused() {
+    for bad in ["100", "9001"] {
+        let out = Command::new(BIN)
+            .args(["perf", "--mtu", bad])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "--mtu {bad} was taken");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--mtu") && err.contains("256..=9000"), "{err}");
+    }
 }
 
 #[test]

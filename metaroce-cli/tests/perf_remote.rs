@@ -74,6 +74,21 @@ fn default_backend_single_qp_write() {
 }
 
 #[test]
+fn the_smaller_mtu_of_client_and_server_is_used() {
+    // A server at the default MTU holds a jumbo client to it; one with
+    // jumbo datagrams too lets it have them.
+    for (server_mtu, used) in [("4160", 4160), ("8256", 8256)] {
+        let (srv, addr) = start_server(&["--mtu", server_mtu]);
+        let v = client_json(&addr, &["-D", "0.3", "--mtu", "8256"]);
+        assert_eq!(v["mtu"], used, "{v}");
+        assert_eq!(v["mtu_asked"], 8256, "{v}");
+        assert_eq!(v["corrupt_bytes"], 0, "{v}");
+        assert!(v["verified_bytes"].as_u64().unwrap() > 0, "{v}");
+        assert!(server_exit(srv, Duration::from_secs(20)));
+    }
+}
+
+#[test]
 fn bidir_between_processes_checks_both_ways() {
     let (srv, addr) = start_server(&["--backend", "portable"]);
     let v = client_json(&addr, &[&["--bidir"][..], &SHORT_PORTABLE].concat());

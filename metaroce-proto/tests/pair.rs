@@ -166,6 +166,44 @@ fn send_recv_and_immediate() {
 /// ACKs of in-order traffic carry no SACK bytes: a one-way WRITE of 2 MB
 /// sprayed over 8 paths is answered by ACKs that average well under what a
 /// single path entry with its full 32-byte SACK vector would add to each.
+/// Endpoints with different MTUs agree on the smaller, whichever side
+/// connects: no datagram either sends is larger, and a WRITE of many
+/// segments arrives whole.
+#[test]
+fn the_smaller_mtu_of_the_two_is_used() {
+    let big = EndpointConfig {
+        mtu: 8256,
+        ..EndpointConfig::default()
+    };
+    let small = EndpointConfig::default();
+    let small_mtu = small.mtu;
+    for (ca, cb) in [(big.clone(), small.clone()), (small, big)] {
+        let mut p = Pair::new(ca, cb, 5, LinkConfig::perfect());
+        let largest = std::rc::Rc::new(std::cell::Cell::new(0usize));
+        let seen = largest.clone();
+        p.on_wire = Some(Box::new(move |_, d| seen.set(seen.get().max(d.len()))));
+        p.connect();
+        let (conn_a, conn_b) = (p.conn_a.unwrap(), p.conn_b.unwrap());
+        assert_eq!(p.a.connection_mtu(conn_a), Some(small_mtu));
+        assert_eq!(p.b.connection_mtu(conn_b), Some(small_mtu));
+        let v = Verbs::setup(&mut p);
+        let len = 200_000;
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
+        let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+        p.a.post_send(p.now, v.qa, write_whole(1, &src, &win, len))
+            .unwrap();
+        let wcs = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(1));
+        assert_eq!(wcs[0].status, WcStatus::Success);
+        assert_eq!(p.b.mr(win.lkey).unwrap(), &data[..]);
+        assert!(
+            largest.get() <= usize::from(small_mtu) && largest.get() > usize::from(small_mtu) / 2,
+            "largest datagram {} bytes, MTU {small_mtu}",
+            largest.get()
+        );
+    }
+}
+
 #[test]
 fn acks_of_in_order_data_are_short() {
     // 10 Gbit/s, so packets arrive spread out and ACKs go every few.

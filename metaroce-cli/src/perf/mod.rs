@@ -21,6 +21,7 @@ use crate::oob::{Link, Msg, PerfError, Region, RunParams, VERSION};
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand, ValueEnum};
 use metaroce_io::{Backend, Driver, DriverConfig, DriverError};
+use metaroce_proto::consts::{DEFAULT_MTU, MAX_MTU, MIN_MTU};
 use metaroce_proto::verbs::*;
 use metaroce_proto::{Endpoint, EndpointConfig, Event, PathState};
 use pattern::{check, fill};
@@ -91,6 +92,10 @@ struct ServerArgs {
     /// sleeps at once). Polling spares the peer the cost of waking it.
     #[arg(long = "busy-poll", value_name = "US", default_value_t = DEFAULT_BUSY_POLL_US)]
     busy_poll_us: u64,
+    /// Largest datagram, UDP payload bytes (as `--mtu` of the client; a
+    /// connection uses the smaller of the two sides').
+    #[arg(short = 'm', long, value_name = "BYTES", default_value_t = DEFAULT_MTU, value_parser = mtu_range())]
+    mtu: u16,
 }
 
 /// Arguments of `metaroce perf client`.
@@ -145,6 +150,18 @@ struct RunOpts {
     /// polls its completion queue.
     #[arg(long = "busy-poll", value_name = "US", default_value_t = DEFAULT_BUSY_POLL_US)]
     busy_poll_us: u64,
+    /// Largest datagram, UDP payload bytes, 64 of them metaroce's header:
+    /// 4160 (the default) carries 4 KiB payloads, RoCE's largest MTU; 8256
+    /// carries 8 KiB in a 9000-byte frame. A connection uses the smaller
+    /// of the two sides' (the server has `--mtu` too), and a client keeps
+    /// within its route's MTU.
+    #[arg(short = 'm', long, value_name = "BYTES", default_value_t = DEFAULT_MTU, value_parser = mtu_range())]
+    mtu: u16,
+}
+
+/// What `--mtu` takes: what an endpoint accepts.
+fn mtu_range() -> clap::builder::RangedI64ValueParser<u16> {
+    clap::value_parser!(u16).range(i64::from(MIN_MTU)..=i64::from(MAX_MTU))
 }
 
 /// `--busy-poll`'s default: 50 µs (`docs/BENCHMARKS.md`, session 14).
@@ -152,7 +169,7 @@ const DEFAULT_BUSY_POLL_US: u64 = 50;
 
 impl RunOpts {
     fn tuning(&self) -> Tuning {
-        Tuning::new(self.paths, self.backend, self.busy_poll_us)
+        Tuning::new(self.paths, self.backend, self.busy_poll_us, self.mtu)
     }
 
     fn params(&self) -> RunParams {
@@ -283,7 +300,11 @@ fn run_server(a: ServerArgs) -> anyhow::Result<()> {
     if a.paths == 0 {
         bail!(PerfError::BadFlags("--paths must be at least 1".into()));
     }
-    let mut drv = bind(a.bind, Tuning::new(a.paths, a.backend, a.busy_poll_us), 1)?;
+    let mut drv = bind(
+        a.bind,
+        Tuning::new(a.paths, a.backend, a.busy_poll_us, a.mtu),
+        1,
+    )?;
     let udp = drv.local_addr();
     let ctrl = SocketAddr::new(a.bind.ip(), a.ctrl_port.unwrap_or(udp.port()));
     let listener = TcpListener::bind(ctrl).map_err(|cause| PerfError::PortInUse {
@@ -407,7 +428,7 @@ mod remote_tests {
     #[test]
     fn a_client_of_another_version_is_refused() {
         let lo: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let mut drv = bind(lo, Tuning::new(1, Backend::Portable, 0), 1).unwrap();
+        let mut drv = bind(lo, Tuning::new(1, Backend::Portable, 0, DEFAULT_MTU), 1).unwrap();
         let (srv, cli) = Link::pair();
         let opts = RunOpts {
             op: Op::Write,
@@ -421,6 +442,7 @@ mod remote_tests {
             json: true,
             backend: Backend::Portable,
             busy_poll_us: 0,
+            mtu: DEFAULT_MTU,
         };
         cli.send(Msg::Hello {
             version: VERSION + 1,

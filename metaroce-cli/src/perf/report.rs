@@ -95,6 +95,11 @@ pub(super) struct Report {
     /// This side's `--busy-poll`, microseconds.
     pub(super) busy_poll_us: u64,
     pub(super) msg_size: u64,
+    /// The connection's MTU (UDP payload bytes of a datagram): the smaller
+    /// of the two sides' `--mtu`, within the client's route.
+    pub(super) mtu: u16,
+    /// This side's `--mtu`.
+    pub(super) mtu_asked: u16,
     pub(super) qps: u32,
     pub(super) bidir: bool,
     pub(super) iterations: u64,
@@ -143,7 +148,18 @@ pub(super) fn print_report(r: &Report, paths: u8, depth: u32, where_: &str) {
         r.qps
     );
     println!(" Tx depth        : {depth}\t\tVerification         : every byte");
-    println!(" Busy poll       : {} us", r.busy_poll_us);
+    let asked = if r.mtu_asked == r.mtu {
+        String::new()
+    } else {
+        format!(
+            " (asked {}: the peer's or the route's is smaller)",
+            r.mtu_asked
+        )
+    };
+    println!(
+        " Busy poll       : {} us\t\tMTU                  : {} B{asked}",
+        r.busy_poll_us, r.mtu
+    );
     if r.bidir {
         println!(" Direction       : both (tx: client -> server requests, rx: server -> client)");
     }

@@ -238,6 +238,8 @@ pub(super) fn client_run(
         backend: drv.backend().to_string(),
         busy_poll_us: opts.busy_poll_us,
         msg_size: size,
+        mtu: drv.endpoint().connection_mtu(conn).unwrap_or(0),
+        mtu_asked: opts.mtu,
         qps: p.qps,
         bidir: p.bidir,
         iterations: both(|d| d.iterations),

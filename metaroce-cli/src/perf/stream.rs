@@ -51,14 +51,17 @@ pub(super) struct Tuning {
     pub(super) paths: u8,
     pub(super) backend: Backend,
     pub(super) busy_poll: Duration,
+    /// The endpoint's MTU (`--mtu`).
+    pub(super) mtu: u16,
 }
 
 impl Tuning {
-    pub(super) fn new(paths: u8, backend: Backend, busy_poll_us: u64) -> Self {
+    pub(super) fn new(paths: u8, backend: Backend, busy_poll_us: u64, mtu: u16) -> Self {
         Tuning {
             paths,
             backend,
             busy_poll: Duration::from_micros(busy_poll_us),
+            mtu,
         }
     }
 }
@@ -68,24 +71,26 @@ pub(super) fn bind(listen: SocketAddr, t: Tuning, seed: u64) -> anyhow::Result<D
     bind_mtu(listen, t, seed, None)
 }
 
-/// [`bind`] with the endpoint's MTU bounded by `mtu` (the route's largest
-/// UDP payload), so that no datagram is too large for the network.
+/// [`bind`] with the endpoint's MTU bounded by `route_mtu` (the route's
+/// largest UDP payload), so that no datagram is too large for the network.
 pub(super) fn bind_mtu(
     listen: SocketAddr,
     t: Tuning,
     seed: u64,
-    mtu: Option<usize>,
+    route_mtu: Option<usize>,
 ) -> anyhow::Result<Driver> {
     let Tuning {
         paths,
         backend,
         busy_poll,
+        mtu: own_mtu,
     } = t;
     let mut cfg = DriverConfig::new(listen);
     cfg.backend = backend;
     cfg.busy_poll = busy_poll;
     cfg.endpoint = endpoint_config(paths);
-    if let Some(m) = mtu {
+    cfg.endpoint.mtu = own_mtu;
+    if let Some(m) = route_mtu {
         let m = m.clamp(
             usize::from(metaroce_proto::consts::MIN_MTU),
             usize::from(cfg.endpoint.mtu),

@@ -472,6 +472,24 @@ impl Endpoint {
         self.conn(conn).map(|c| c.snapshot())
     }
 
+    /// The MTU a connection sends with (UDP payload bytes of a datagram):
+    /// this endpoint's [`EndpointConfig::mtu`] until the handshake ends,
+    /// then the smaller of the two endpoints' (each side says its own in
+    /// its HELLO or ACCEPT).
+    ///
+    /// ```
+    /// use metaroce_proto::{Endpoint, EndpointConfig, Instant};
+    /// let cfg = EndpointConfig { mtu: 8256, ..EndpointConfig::default() };
+    /// let mut ep = Endpoint::new(cfg, 1).unwrap();
+    /// let conn = ep.connect(Instant::ZERO, "10.0.0.2:4792".parse().unwrap()).unwrap();
+    /// // No ACCEPT yet: this side's own.
+    /// assert_eq!(ep.connection_mtu(conn), Some(8256));
+    /// ```
+    pub fn connection_mtu(&self, conn: ConnectionHandle) -> Option<u16> {
+        self.conn(conn)
+            .map(|c| u16::try_from(c.mtu).unwrap_or(u16::MAX))
+    }
+
     /// A connection's state.
     pub fn connection_state(&self, conn: ConnectionHandle) -> Option<ConnectionState> {
         self.conn(conn).map(|c| c.state)
