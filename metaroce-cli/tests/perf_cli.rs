@@ -222,3 +222,80 @@ fn bidir_text_report_shows_each_direction_and_the_sum() {
     assert!(tx > 0.0 && rx > 0.0, "{text}");
     assert!((sum - (tx + rx)).abs() < 0.002, "{text}");
 }
+
+/// `metaroce perf` with `args`, text report: its stdout.
+fn perf_text(args: &[&str]) -> String {
+    let out = Command::new(BIN)
+        .arg("perf")
+        .args(args)
+        .output()
+        .expect("run metaroce perf");
+    assert_success(&out, format!("metaroce perf {args:?} failed: "));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn messages_larger_than_a_step_are_filled_and_checked_in_pieces() {
+    // 4 MiB messages take 16 steps of filling at the client and of
+    // checking at the server (READs: at the client): every byte still
+    // counted once.
+    for op in ["write", "read"] {
+        let v = perf(&["--op", op, "-s", "4M", "-t", "4", "-D", "0.3"]);
+        check(&v, op);
+    }
+}
+
+#[test]
+fn all_sizes_run_one_after_another() {
+    let out = Command::new(BIN)
+        .args(["perf", "-a", "-D", "0.05", "--json"])
+        .output()
+        .unwrap();
+    assert_success(&out, "metaroce perf -a failed: ");
+    let runs: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON object a line"))
+        .collect();
+    let sizes: Vec<u64> = runs
+        .iter()
+        .map(|v| v["msg_size"].as_u64().unwrap())
+        .collect();
+    let want: Vec<u64> = (1..=23).map(|k| 1u64 << k).collect();
+    assert_eq!(sizes, want, "2 bytes to 8 MiB, in order");
+    for v in &runs {
+        assert_eq!(v["corrupt_bytes"], 0, "{v}");
+        assert_eq!(
+            v["verified_bytes"].as_u64().unwrap(),
+            v["iterations"].as_u64().unwrap() * v["msg_size"].as_u64().unwrap(),
+            "{v}"
+        );
+    }
+    // Up to 64 KiB there is time for many messages even unoptimised.
+    assert!(runs[..15]
+        .iter()
+        .all(|v| v["iterations"].as_u64().unwrap() > 0));
+
+    // The text report: one header, a row per size, the totals.
+    let text = perf_text(&["--all", "-D", "0.02"]);
+    assert_eq!(text.matches("BW Test").count(), 1, "{text}");
+    for size in &want {
+        assert!(
+            text.lines()
+                .any(|l| l.split_whitespace().next() == Some(&size.to_string())),
+            "no row for {size}: {text}"
+        );
+    }
+    assert!(text.contains("23 sizes, verified bytes"), "{text}");
+    assert!(text.contains("corrupt bytes 0"), "{text}");
+}
+
+#[test]
+fn all_sizes_and_one_size_do_not_go_together() {
+    let out = Command::new(BIN)
+        .args(["perf", "-a", "-s", "4K"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
+}

@@ -89,6 +89,34 @@ fn the_smaller_mtu_of_client_and_server_is_used() {
 }
 
 #[test]
+fn all_sizes_against_a_server_are_a_run_each() {
+    // A server that serves run after run (no --once; the guard ends it).
+    let mut cmd = Command::new(BIN);
+    cmd.args(["perf", "server", "--bind", "127.0.0.1:0"]);
+    let (_srv, addr) = spawn_server(cmd);
+    let out = run_bounded(
+        &["perf", "client", &addr, "--json", "-a", "-D", "0.02"],
+        Duration::from_secs(120),
+    );
+    assert_success(&out, "client -a failed: ");
+    let runs: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON object a line"))
+        .collect();
+    assert_eq!(runs.len(), 23);
+    for (k, v) in (1..=23).zip(&runs) {
+        assert_eq!(v["msg_size"], 1u64 << k);
+        assert_eq!(v["corrupt_bytes"], 0, "{v}");
+        assert_eq!(
+            v["verified_bytes"].as_u64().unwrap(),
+            v["iterations"].as_u64().unwrap() * v["msg_size"].as_u64().unwrap(),
+            "{v}"
+        );
+    }
+}
+
+#[test]
 fn bidir_between_processes_checks_both_ways() {
     let (srv, addr) = start_server(&["--backend", "portable"]);
     let v = client_json(&addr, &[&["--bidir"][..], &SHORT_PORTABLE].concat());

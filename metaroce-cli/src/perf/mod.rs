@@ -24,7 +24,7 @@ use metaroce_io::{Backend, Driver, DriverConfig, DriverError};
 use metaroce_proto::consts::{DEFAULT_MTU, MAX_MTU, MIN_MTU};
 use metaroce_proto::verbs::*;
 use metaroce_proto::{Endpoint, EndpointConfig, Event, PathState};
-use pattern::{check, fill};
+use pattern::{check_at, fill, fill_at};
 use report::*;
 use serde::{Deserialize, Serialize};
 use session::*;
@@ -157,7 +157,17 @@ struct RunOpts {
     /// within its route's MTU.
     #[arg(short = 'm', long, value_name = "BYTES", default_value_t = DEFAULT_MTU, value_parser = mtu_range())]
     mtu: u16,
+    /// Every message size from 2 bytes to 8 MiB, powers of two, one run
+    /// each of `-D` seconds (perftest's `-a`), instead of `-s`: a row per
+    /// size, or with `--json` one object per line. Against a server, each
+    /// size is a run of its own (a server started with `--once` serves the
+    /// first only).
+    #[arg(short = 'a', long, conflicts_with = "size")]
+    all: bool,
 }
+
+/// The sizes `--all` runs: 2 bytes to 8 MiB, perftest's `-a`.
+const ALL_SIZES: std::ops::RangeInclusive<u32> = 1..=23;
 
 /// What `--mtu` takes: what an endpoint accepts.
 fn mtu_range() -> clap::builder::RangedI64ValueParser<u16> {
@@ -168,6 +178,34 @@ fn mtu_range() -> clap::builder::RangedI64ValueParser<u16> {
 const DEFAULT_BUSY_POLL_US: u64 = 50;
 
 impl RunOpts {
+    /// The message sizes to run, in order.
+    fn sizes(&self) -> Vec<u64> {
+        if self.all {
+            ALL_SIZES.map(|k| 1u64 << k).collect()
+        } else {
+            vec![self.size]
+        }
+    }
+
+    /// These options for one of [`sizes`](Self::sizes).
+    fn with_size(&self, size: u64) -> RunOpts {
+        RunOpts {
+            size,
+            ..self.clone()
+        }
+    }
+
+    /// Refuses flags no run could take, before any runs.
+    fn check(&self) -> anyhow::Result<()> {
+        if self.paths == 0 {
+            bail!(PerfError::BadFlags("--paths must be at least 1".into()));
+        }
+        for size in self.sizes() {
+            validate(&self.with_size(size).params())?;
+        }
+        Ok(())
+    }
+
     fn tuning(&self) -> Tuning {
         Tuning::new(self.paths, self.backend, self.busy_poll_us, self.mtu)
     }
@@ -252,25 +290,32 @@ pub fn run(args: PerfArgs) -> anyhow::Result<()> {
     }
 }
 
-/// The loopback test: a server and a client endpoint in one process.
+/// The loopback test: a server and a client endpoint in one process, a run
+/// for each size.
 fn run_loopback(opts: RunOpts) -> anyhow::Result<()> {
-    if opts.paths == 0 {
-        bail!(PerfError::BadFlags("--paths must be at least 1".into()));
+    opts.check()?;
+    let mut out = Output::new(&opts, "loopback".into());
+    for size in opts.sizes() {
+        out.show(loopback_run(&opts.with_size(size))?)?;
     }
-    validate(&opts.params())?;
+    out.finish()
+}
+
+/// One loopback run: fresh endpoints, a connection, the data phase.
+fn loopback_run(opts: &RunOpts) -> anyhow::Result<Report> {
     let lo: SocketAddr = "127.0.0.1:0".parse()?;
     let tuning = opts.tuning();
     let mut server_drv = bind(lo, tuning, 1).context("binding the server")?;
     let server_ip = server_drv.local_addr().ip();
     let mut client = bind(lo, tuning, 2).context("binding the client")?;
     let (srv_link, cli_link) = Link::pair();
-    let res = std::thread::scope(|s| -> anyhow::Result<Report> {
+    std::thread::scope(|s| -> anyhow::Result<Report> {
         let srv = s.spawn(move || {
             let r = serve_run(&mut server_drv, &srv_link, None);
             drop(srv_link);
             r
         });
-        let rep = client_run(&opts, &mut client, &cli_link, server_ip);
+        let rep = client_run(opts, &mut client, &cli_link, server_ip);
         let sres = srv
             .join()
             .map_err(|_| anyhow::anyhow!("server thread panicked"))?;
@@ -278,21 +323,70 @@ fn run_loopback(opts: RunOpts) -> anyhow::Result<()> {
             (Ok(r), Ok(_)) => Ok(r),
             (Err(e), _) | (Ok(_), Err(e)) => Err(e),
         }
-    });
-    finish(&opts, res?, "loopback")
+    })
 }
 
-/// Prints the report; corrupt bytes make the run fail.
-fn finish(opts: &RunOpts, rep: Report, where_: &str) -> anyhow::Result<()> {
-    if opts.json {
-        println!("{}", serde_json::to_string(&rep)?);
-    } else {
-        print_report(&rep, opts.paths, opts.depth, where_);
+/// Prints reports as runs end: perftest's report for one run; with
+/// `--all` its header once and a row per size; with `--json` an object
+/// per run, a line each. Corrupt bytes fail the command.
+struct Output {
+    json: bool,
+    all: bool,
+    paths: u8,
+    depth: u32,
+    where_: String,
+    shown: usize,
+    verified: u64,
+    corrupt: u64,
+}
+
+impl Output {
+    fn new(opts: &RunOpts, where_: String) -> Output {
+        Output {
+            json: opts.json,
+            all: opts.all,
+            paths: opts.paths,
+            depth: opts.depth,
+            where_,
+            shown: 0,
+            verified: 0,
+            corrupt: 0,
+        }
     }
-    if rep.corrupt_bytes > 0 {
-        bail!("{} corrupt bytes", rep.corrupt_bytes);
+
+    /// Prints one run's report (it stops the runs if bytes were corrupt).
+    fn show(&mut self, rep: Report) -> anyhow::Result<()> {
+        if self.json {
+            println!("{}", serde_json::to_string(&rep)?);
+        } else if !self.all {
+            print_report(&rep, self.paths, self.depth, &self.where_);
+        } else {
+            if self.shown == 0 {
+                print_header(&rep, self.paths, self.depth, &self.where_);
+            }
+            print_rows(&rep);
+        }
+        let _ = std::io::stdout().flush();
+        self.shown += 1;
+        self.verified += rep.verified_bytes;
+        self.corrupt += rep.corrupt_bytes;
+        if rep.corrupt_bytes > 0 {
+            bail!(
+                "{} corrupt bytes in the run of {}-byte messages",
+                rep.corrupt_bytes,
+                rep.msg_size
+            );
+        }
+        Ok(())
     }
-    Ok(())
+
+    /// After the last run: `--all`'s totals.
+    fn finish(self) -> anyhow::Result<()> {
+        if self.all && !self.json {
+            print_totals(self.shown, self.verified, self.corrupt);
+        }
+        Ok(())
+    }
 }
 
 /// `metaroce perf server`: binds, prints where, serves runs one at a time.
@@ -361,13 +455,11 @@ fn run_server(a: ServerArgs) -> anyhow::Result<()> {
     }
 }
 
-/// `metaroce perf client`: reaches the server over TCP, runs, reports.
+/// `metaroce perf client`: reaches the server over TCP, runs, reports; with
+/// `--all`, a run for each size.
 fn run_client(c: ClientArgs) -> anyhow::Result<()> {
     let opts = c.opts;
-    if opts.paths == 0 {
-        bail!(PerfError::BadFlags("--paths must be at least 1".into()));
-    }
-    validate(&opts.params())?;
+    opts.check()?;
     let target = with_default_port(&c.addr);
     let unreachable = |cause| PerfError::Unreachable {
         addr: c.addr.clone(),
@@ -381,15 +473,24 @@ fn run_client(c: ClientArgs) -> anyhow::Result<()> {
     if let Some(p) = c.ctrl_port {
         addr.set_port(p);
     }
-    let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(unreachable)?;
-    let local_ip = stream.local_addr()?.ip();
-    let link = Link::tcp(stream)?;
     // Datagrams must fit the route: a 1500-byte network gets 1472-byte ones.
     let route_mtu = metaroce_io::max_udp_payload(addr).ok();
-    let mut drv = bind_mtu(SocketAddr::new(local_ip, 0), opts.tuning(), 2, route_mtu)
-        .context("binding the client")?;
-    let rep = client_run(&opts, &mut drv, &link, addr.ip())?;
-    finish(&opts, rep, &format!("remote {}", c.addr))
+    let mut out = Output::new(&opts, format!("remote {}", c.addr));
+    for size in opts.sizes() {
+        let stream =
+            TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(unreachable)?;
+        let local_ip = stream.local_addr()?.ip();
+        let link = Link::tcp(stream)?;
+        let mut drv = bind_mtu(SocketAddr::new(local_ip, 0), opts.tuning(), 2, route_mtu)
+            .context("binding the client")?;
+        out.show(client_run(
+            &opts.with_size(size),
+            &mut drv,
+            &link,
+            addr.ip(),
+        )?)?;
+    }
+    out.finish()
 }
 
 /// `HOST[:PORT]` with perftest's port when none is given (IPv6 literals
@@ -443,6 +544,7 @@ mod remote_tests {
             backend: Backend::Portable,
             busy_poll_us: 0,
             mtu: DEFAULT_MTU,
+            all: false,
         };
         cli.send(Msg::Hello {
             version: VERSION + 1,

@@ -47,10 +47,19 @@ fn lanes(seed: u64, k: u64) -> [u64; 4] {
 /// Writes message `iter`'s pattern over `buf` (a message of `buf.len()`
 /// bytes; a last partial word gets the first bytes of its word).
 pub(crate) fn fill(buf: &mut [u8], iter: u64) {
+    fill_at(buf, iter, 0);
+}
+
+/// Writes the part of message `iter`'s pattern from byte `at` on (a
+/// multiple of 8: whole words) over `buf`: a message filled piece by
+/// piece is the same as one filled at once.
+pub(crate) fn fill_at(buf: &mut [u8], iter: u64, at: u64) {
+    debug_assert_eq!(at % 8, 0, "pieces start on a word");
+    let first = at / 8;
     let s = seed(iter);
-    let tail_word = (buf.len() / 32 * 4) as u64;
+    let tail_word = first + (buf.len() / 32 * 4) as u64;
     let mut quads = buf.chunks_exact_mut(32);
-    let mut w = lanes(s, 0);
+    let mut w = lanes(s, first);
     for q in &mut quads {
         for (l, v) in w.iter_mut().enumerate() {
             q[8 * l..8 * l + 8].copy_from_slice(&v.to_le_bytes());
@@ -66,10 +75,19 @@ pub(crate) fn fill(buf: &mut [u8], iter: u64) {
 
 /// The number of bytes of `buf` that differ from message `iter`'s pattern
 /// (zero: intact).
+#[cfg(test)]
 pub(crate) fn check(buf: &[u8], iter: u64) -> u64 {
+    check_at(buf, iter, 0)
+}
+
+/// The number of bytes of `buf` that differ from the part of message
+/// `iter`'s pattern from byte `at` on (a multiple of 8): a message checked
+/// piece by piece counts what one checked at once does.
+pub(crate) fn check_at(buf: &[u8], iter: u64, at: u64) -> u64 {
+    debug_assert_eq!(at % 8, 0, "pieces start on a word");
     let s = seed(iter);
     let mut bad = 0;
-    let mut k = 0u64;
+    let mut k = at / 8;
     for block in buf.chunks(BLOCK) {
         let mut quads = block.chunks_exact(32);
         let mut w = lanes(s, k);
@@ -127,6 +145,34 @@ mod tests {
             fill(&mut a, 5);
             assert_eq!(a, reference(len, 5), "length {len}");
             assert_eq!(check(&a, 5), 0, "length {len}");
+        }
+    }
+
+    #[test]
+    fn a_message_in_pieces_is_the_message_at_once() {
+        for (len, piece) in [(1003usize, 256usize), (65_536, 4096), (1000, 8), (77, 40)] {
+            let mut whole = vec![0u8; len];
+            fill(&mut whole, 3);
+            let mut pieces = vec![0u8; len];
+            for (i, c) in pieces.chunks_mut(piece).enumerate() {
+                fill_at(c, 3, (i * piece) as u64);
+            }
+            assert_eq!(pieces, whole, "{len} bytes in pieces of {piece}");
+            // One wrong byte in every other piece, counted piece by piece.
+            let mut bad = 0;
+            for (i, c) in pieces.chunks_mut(piece).enumerate() {
+                if i % 2 == 1 {
+                    c[c.len() / 2] ^= 1;
+                    bad += 1;
+                }
+            }
+            let counted: u64 = pieces
+                .chunks(piece)
+                .enumerate()
+                .map(|(i, c)| check_at(c, 3, (i * piece) as u64))
+                .sum();
+            assert_eq!(counted, bad, "{len} bytes in pieces of {piece}");
+            assert_eq!(check(&pieces, 3), bad);
         }
     }
 

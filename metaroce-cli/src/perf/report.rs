@@ -131,8 +131,23 @@ pub(super) struct ServerResult {
     pub(super) messages: u64,
 }
 
+/// Prints the report of one run, perftest's way: the set-up, the row of
+/// figures, latency and verification, and a line per path.
 pub(super) fn print_report(r: &Report, paths: u8, depth: u32, where_: &str) {
-    let line = "-".repeat(96);
+    print_header(r, paths, depth, where_);
+    print_rows(r);
+    print_footer(r);
+}
+
+/// A line of dashes, perftest's separator.
+fn line() -> String {
+    "-".repeat(96)
+}
+
+/// The set-up of a run (of the first run, with `--all`) and the header of
+/// the rows.
+pub(super) fn print_header(r: &Report, paths: u8, depth: u32, where_: &str) {
+    let line = line();
     let name = match r.op {
         Op::Write => "RDMA_Write",
         Op::Read => "RDMA_Read",
@@ -165,6 +180,10 @@ pub(super) fn print_report(r: &Report, paths: u8, depth: u32, where_: &str) {
     }
     println!("{line}");
     println!(" #bytes     #iterations    BW average[Gb/sec]   MsgRate[Mpps]   Retransmits   RTOs");
+}
+
+/// A run's row of figures (with `--bidir`, one per direction and their sum).
+pub(super) fn print_rows(r: &Report) {
     if let (Some(tx), Some(rx)) = (&r.tx, &r.rx) {
         for (what, d) in [("tx", tx), ("rx", rx)] {
             println!(
@@ -187,6 +206,11 @@ pub(super) fn print_report(r: &Report, paths: u8, depth: u32, where_: &str) {
         r.rto_fires,
         if r.bidir { " (sum of both ways)" } else { "" }
     );
+}
+
+/// A run's latency, what was verified, and its paths.
+fn print_footer(r: &Report) {
+    let line = line();
     println!("{line}");
     println!(
         " latency [usec]  t_min {:.1}  t_typical {:.1}  t_avg {:.1}  p99 {:.1}  p99.9 {:.1}",
@@ -217,4 +241,11 @@ pub(super) fn print_report(r: &Report, paths: u8, depth: u32, where_: &str) {
         );
     }
     println!("{line}");
+}
+
+/// After the rows of `--all`: what was verified over every size.
+pub(super) fn print_totals(sizes: usize, verified: u64, corrupt: u64) {
+    println!("{}", line());
+    println!(" {sizes} sizes, verified bytes {verified}   corrupt bytes {corrupt}");
+    println!("{}", line());
 }
