@@ -228,8 +228,8 @@ pub(super) struct Arrived {
 }
 
 impl Arrived {
-    /// Checks up to `budget` more bytes of the message in `region` (all of
-    /// it counted done if `region` is gone); returns the bytes checked.
+    /// Checks up to `budget` more bytes of the message in `region` (each
+    /// counted wrong if `region` is gone); returns the bytes checked.
     fn check_some(&mut self, region: Option<&[u8]>, budget: u64) -> u64 {
         let n = (self.len - self.checked).min(budget);
         let start = (self.at + self.checked) as usize;
