@@ -11,7 +11,7 @@
 //! Both ends run over every byte of every message, on the threads that
 //! drive the transport, so both are written to be cheap: four words at a
 //! time, each lane stepping by `4 * STEP`, which the compiler turns into
-//! vector adds, and [`check`] only ORs the differences together, block by
+//! vector adds, and [`check_at`] only ORs the differences together, block by
 //! block, counting the wrong bytes of a block only if it has any.
 
 /// The step between consecutive words of a message (odd: invertible
@@ -19,7 +19,7 @@
 const STEP: u64 = 0x9e37_79b9_7f4a_7c15;
 /// Four steps: one lane's step when four words go at a time.
 const STEP4: u64 = STEP.wrapping_mul(4);
-/// Bytes [`check`] compares before it looks at whether any differed.
+/// Bytes [`check_at`] compares before it looks at whether any differed.
 const BLOCK: usize = 256;
 
 /// Word 0 of message `iter`.
