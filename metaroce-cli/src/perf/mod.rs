@@ -82,20 +82,48 @@ struct ServerArgs {
     /// Serve one run, then exit (non-zero if it failed).
     #[arg(long)]
     once: bool,
-    /// Paths the server's endpoint sprays over (its ACKs and READ responses).
+    #[command(flatten)]
+    side: SideArgs,
+}
+
+/// How a side's driver is set up: the flags the server, the client and the
+/// loopback test share.
+#[derive(Debug, Args, Clone, Copy)]
+struct SideArgs {
+    /// Paths each connection sprays over (a server's: its ACKs, READ
+    /// responses and `--bidir` stream).
     #[arg(long, default_value_t = 8)]
     paths: u8,
     /// I/O backend: auto (io_uring when the kernel has it), io_uring, portable.
     #[arg(long, default_value = "auto")]
     backend: Backend,
-    /// Microseconds the driver watches for work before it sleeps (0: it
-    /// sleeps at once). Polling spares the peer the cost of waking it.
+    /// Microseconds each side's driver watches for work before it sleeps
+    /// (0: it sleeps at once). Each side runs on a thread of its own, and
+    /// polling spares the other side the cost of waking it, as perftest
+    /// polls its completion queue.
     #[arg(long = "busy-poll", value_name = "US", default_value_t = DEFAULT_BUSY_POLL_US)]
     busy_poll_us: u64,
-    /// Largest datagram, UDP payload bytes (as `--mtu` of the client; a
-    /// connection uses the smaller of the two sides').
+    /// Largest datagram, UDP payload bytes, 64 of them metaroce's header:
+    /// 4160 (the default) carries 4 KiB payloads, RoCE's largest MTU; 8256
+    /// carries 8 KiB in a 9000-byte frame. A connection uses the smaller
+    /// of the two sides' (the server has `--mtu` too), and a client keeps
+    /// within its route's MTU.
     #[arg(short = 'm', long, value_name = "BYTES", default_value_t = DEFAULT_MTU, value_parser = mtu_range())]
     mtu: u16,
+}
+
+impl SideArgs {
+    /// Refuses flags no driver could take.
+    fn check(&self) -> Result<(), PerfError> {
+        if self.paths == 0 {
+            return Err(PerfError::BadFlags("--paths must be at least 1".into()));
+        }
+        Ok(())
+    }
+
+    fn tuning(&self) -> Tuning {
+        Tuning::new(self.paths, self.backend, self.busy_poll_us, self.mtu)
+    }
 }
 
 /// Arguments of `metaroce perf client`.
@@ -128,9 +156,6 @@ struct RunOpts {
     /// Queue pairs; work requests go to them round robin.
     #[arg(short = 'q', long = "qps", default_value_t = 1)]
     qps: u32,
-    /// Paths each connection sprays over.
-    #[arg(long, default_value_t = 8)]
-    paths: u8,
     /// Skip payload verification.
     #[arg(long)]
     no_verify: bool,
@@ -141,22 +166,8 @@ struct RunOpts {
     /// Print one JSON object instead of the report.
     #[arg(long)]
     json: bool,
-    /// I/O backend: auto (io_uring when the kernel has it), io_uring, portable.
-    #[arg(long, default_value = "auto")]
-    backend: Backend,
-    /// Microseconds each side's driver watches for work before it sleeps
-    /// (0: it sleeps at once). Each side runs on a thread of its own, and
-    /// polling spares the other side the cost of waking it, as perftest
-    /// polls its completion queue.
-    #[arg(long = "busy-poll", value_name = "US", default_value_t = DEFAULT_BUSY_POLL_US)]
-    busy_poll_us: u64,
-    /// Largest datagram, UDP payload bytes, 64 of them metaroce's header:
-    /// 4160 (the default) carries 4 KiB payloads, RoCE's largest MTU; 8256
-    /// carries 8 KiB in a 9000-byte frame. A connection uses the smaller
-    /// of the two sides' (the server has `--mtu` too), and a client keeps
-    /// within its route's MTU.
-    #[arg(short = 'm', long, value_name = "BYTES", default_value_t = DEFAULT_MTU, value_parser = mtu_range())]
-    mtu: u16,
+    #[command(flatten)]
+    side: SideArgs,
     /// Every message size from 2 bytes to 8 MiB, powers of two, one run
     /// each of `-D` seconds (perftest's `-a`), instead of `-s`: a row per
     /// size, or with `--json` one object per line. Against a server, each
@@ -197,9 +208,7 @@ impl RunOpts {
 
     /// Refuses flags no run could take, before any runs.
     fn check(&self) -> anyhow::Result<()> {
-        if self.paths == 0 {
-            bail!(PerfError::BadFlags("--paths must be at least 1".into()));
-        }
+        self.side.check()?;
         for size in self.sizes() {
             validate(&self.with_size(size).params())?;
         }
@@ -207,7 +216,7 @@ impl RunOpts {
     }
 
     fn tuning(&self) -> Tuning {
-        Tuning::new(self.paths, self.backend, self.busy_poll_us, self.mtu)
+        self.side.tuning()
     }
 
     fn params(&self) -> RunParams {
@@ -345,7 +354,7 @@ impl Output {
         Output {
             json: opts.json,
             all: opts.all,
-            paths: opts.paths,
+            paths: opts.side.paths,
             depth: opts.depth,
             where_,
             shown: 0,
@@ -391,14 +400,8 @@ impl Output {
 
 /// `metaroce perf server`: binds, prints where, serves runs one at a time.
 fn run_server(a: ServerArgs) -> anyhow::Result<()> {
-    if a.paths == 0 {
-        bail!(PerfError::BadFlags("--paths must be at least 1".into()));
-    }
-    let mut drv = bind(
-        a.bind,
-        Tuning::new(a.paths, a.backend, a.busy_poll_us, a.mtu),
-        1,
-    )?;
+    a.side.check()?;
+    let mut drv = bind(a.bind, a.side.tuning(), 1)?;
     let udp = drv.local_addr();
     let ctrl = SocketAddr::new(a.bind.ip(), a.ctrl_port.unwrap_or(udp.port()));
     let listener = TcpListener::bind(ctrl).map_err(|cause| PerfError::PortInUse {
@@ -537,13 +540,15 @@ mod remote_tests {
             duration: 0.1,
             depth: 4,
             qps: 1,
-            paths: 1,
             no_verify: false,
             bidir: false,
             json: true,
-            backend: Backend::Portable,
-            busy_poll_us: 0,
-            mtu: DEFAULT_MTU,
+            side: SideArgs {
+                paths: 1,
+                backend: Backend::Portable,
+                busy_poll_us: 0,
+                mtu: DEFAULT_MTU,
+            },
             all: false,
         };
         cli.send(Msg::Hello {

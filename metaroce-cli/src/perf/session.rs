@@ -236,10 +236,10 @@ pub(super) fn client_run(
     Ok(Report {
         op: p.op,
         backend: drv.backend().to_string(),
-        busy_poll_us: opts.busy_poll_us,
+        busy_poll_us: opts.side.busy_poll_us,
         msg_size: size,
         mtu: drv.endpoint().connection_mtu(conn).unwrap_or(0),
-        mtu_asked: opts.mtu,
+        mtu_asked: opts.side.mtu,
         qps: p.qps,
         bidir: p.bidir,
         iterations: both(|d| d.iterations),
