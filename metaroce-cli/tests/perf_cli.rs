@@ -291,6 +291,26 @@ fn all_sizes_run_one_after_another() {
 }
 
 #[test]
+fn all_sizes_leave_out_what_a_deep_queue_cannot_hold() {
+    // 130 slots of 8 MiB would be over 1 GiB: -a with -t 65 stops at 4 MiB.
+    let out = Command::new(BIN)
+        .args(["perf", "-a", "-t", "65", "-D", "0.01", "--json"])
+        .output()
+        .unwrap();
+    assert_success(&out, "metaroce perf -a -t 65 failed: ");
+    let last = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["msg_size"]
+                .as_u64()
+                .unwrap()
+        })
+        .max();
+    assert_eq!(last, Some(4 << 20));
+}
+
+#[test]
 fn all_sizes_and_one_size_do_not_go_together() {
     let out = Command::new(BIN)
         .args(["perf", "-a", "-s", "4K"])

@@ -172,7 +172,8 @@ struct RunOpts {
     /// each of `-D` seconds (perftest's `-a`), instead of `-s`: a row per
     /// size, or with `--json` one object per line. Against a server, each
     /// size is a run of its own (a server started with `--once` serves the
-    /// first only).
+    /// first only). Sizes whose slots would not fit the server's 1 GiB
+    /// region (a deep `-t`) are left out.
     #[arg(short = 'a', long, conflicts_with = "size")]
     all: bool,
 }
@@ -189,10 +190,17 @@ fn mtu_range() -> clap::builder::RangedI64ValueParser<u16> {
 const DEFAULT_BUSY_POLL_US: u64 = 50;
 
 impl RunOpts {
-    /// The message sizes to run, in order.
+    /// The message sizes to run, in order: with `--all` those whose slots
+    /// fit the server's region (a deep queue leaves the largest out).
     fn sizes(&self) -> Vec<u64> {
         if self.all {
-            ALL_SIZES.map(|k| 1u64 << k).collect()
+            ALL_SIZES
+                .map(|k| 1u64 << k)
+                .take_while(|&size| {
+                    let slots = Layout::new(&self.with_size(size).params()).slots;
+                    slots.saturating_mul(size) <= MAX_REGION
+                })
+                .collect()
         } else {
             vec![self.size]
         }
@@ -209,7 +217,10 @@ impl RunOpts {
     /// Refuses flags no run could take, before any runs.
     fn check(&self) -> anyhow::Result<()> {
         self.side.check()?;
-        for size in self.sizes() {
+        let sizes = self.sizes();
+        // `--all` with a queue too deep for even its smallest size: what
+        // that size says is wrong.
+        for size in sizes.iter().copied().chain(sizes.is_empty().then_some(2)) {
             validate(&self.with_size(size).params())?;
         }
         Ok(())
