@@ -34,6 +34,14 @@ impl RegionBuf {
     pub const PAGE: usize = 4096;
 
     /// `len` zero bytes starting on a page boundary.
+    ///
+    /// Like any zeroed allocation, its pages are mapped on first touch, and
+    /// registering the buffer does not touch them (`ibv_reg_mr` pins a
+    /// region's pages; this does not). The first transfer into or out of a
+    /// large region then takes those page faults on the thread that drives
+    /// it; write the bytes once first (`buf.fill(0)` after a store of
+    /// anything else, or the data itself) if a transfer must not
+    /// (`metaroce perf` does, as perftest sets its buffers).
     pub fn zeroed(len: usize) -> Self {
         // Up to a page more than asked for, and the bytes start at the
         // first page boundary inside: no unsafe allocation needed.
