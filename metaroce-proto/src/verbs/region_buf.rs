@@ -39,9 +39,9 @@ impl RegionBuf {
     /// registering the buffer does not touch them (`ibv_reg_mr` pins a
     /// region's pages; this does not). The first transfer into or out of a
     /// large region then takes those page faults on the thread that drives
-    /// it; write the bytes once first (`buf.fill(0)` after a store of
-    /// anything else, or the data itself) if a transfer must not
-    /// (`metaroce perf` does, as perftest sets its buffers).
+    /// it. If a transfer must not, write every page once first: with the
+    /// data, or with a byte other than zero, which no compiler can take
+    /// for a no-op (`metaroce perf` does, as perftest sets its buffers).
     pub fn zeroed(len: usize) -> Self {
         // Up to a page more than asked for, and the bytes start at the
         // first page boundary inside: no unsafe allocation needed.
