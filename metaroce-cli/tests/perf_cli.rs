@@ -235,6 +235,18 @@ fn perf_text(args: &[&str]) -> String {
 }
 
 #[test]
+fn a_run_without_verification_says_so() {
+    let v = perf(&["-D", "0.2", "--no-verify"]);
+    assert_eq!(v["verify"], false);
+    assert_eq!(v["verified_bytes"], 0);
+    assert!(v["iterations"].as_u64().unwrap() > 0);
+    let text = perf_text(&["-D", "0.2", "--no-verify"]);
+    assert!(text.contains("Verification         : off"), "{text}");
+    let text = perf_text(&["-D", "0.2"]);
+    assert!(text.contains("Verification         : every byte"), "{text}");
+}
+
+#[test]
 fn messages_larger_than_a_step_are_filled_and_checked_in_pieces() {
     // 4 MiB messages take 16 steps of filling at the client and of
     // checking at the server (READs: at the client): every byte still

@@ -102,6 +102,8 @@ pub(super) struct Report {
     pub(super) mtu_asked: u16,
     pub(super) qps: u32,
     pub(super) bidir: bool,
+    /// Whether payloads were checked (off with `--no-verify`).
+    pub(super) verify: bool,
     pub(super) iterations: u64,
     pub(super) bytes: u64,
     pub(super) duration_s: f64,
@@ -162,7 +164,12 @@ pub(super) fn print_header(r: &Report, paths: u8, depth: u32, where_: &str) {
         " Number of qps   : {}\t\tPaths per connection : {paths}",
         r.qps
     );
-    println!(" Tx depth        : {depth}\t\tVerification         : every byte");
+    let verification = if r.verify {
+        "every byte"
+    } else {
+        "off (--no-verify)"
+    };
+    println!(" Tx depth        : {depth}\t\tVerification         : {verification}");
     let asked = if r.mtu_asked == r.mtu {
         String::new()
     } else {

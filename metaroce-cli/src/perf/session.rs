@@ -242,6 +242,7 @@ pub(super) fn client_run(
         mtu_asked: opts.side.mtu,
         qps: p.qps,
         bidir: p.bidir,
+        verify: p.verify,
         iterations: both(|d| d.iterations),
         bytes: both(|d| d.bytes),
         duration_s: elapsed,
