@@ -196,10 +196,7 @@ impl RunOpts {
         if self.all {
             ALL_SIZES
                 .map(|k| 1u64 << k)
-                .take_while(|&size| {
-                    let slots = Layout::new(&self.with_size(size).params()).slots;
-                    slots.saturating_mul(size) <= MAX_REGION
-                })
+                .take_while(|&size| region_fits(&self.with_size(size).params()))
                 .collect()
         } else {
             vec![self.size]
@@ -224,10 +221,6 @@ impl RunOpts {
             validate(&self.with_size(size).params())?;
         }
         Ok(())
-    }
-
-    fn tuning(&self) -> Tuning {
-        self.side.tuning()
     }
 
     fn params(&self) -> RunParams {
@@ -270,15 +263,21 @@ fn validate(p: &RunParams) -> Result<(), PerfError> {
     if p.size > u64::from(u32::MAX) {
         return Err(PerfError::BadFlags("message size exceeds 4 GiB - 1".into()));
     }
-    let slots = Layout::new(p).slots;
-    if slots.saturating_mul(p.size.max(1)) > MAX_REGION {
+    if !region_fits(p) {
         return Err(PerfError::BadFlags(format!(
-            "{slots} slots of {} bytes exceed the server's {} MiB region limit",
+            "{} slots of {} bytes exceed the server's {} MiB region limit",
+            Layout::new(p).slots,
             p.size,
             MAX_REGION >> 20
         )));
     }
     Ok(())
+}
+
+/// Whether the server's region for a run (its slots of the run's size)
+/// stays within [`MAX_REGION`].
+fn region_fits(p: &RunParams) -> bool {
+    Layout::new(p).slots.saturating_mul(p.size.max(1)) <= MAX_REGION
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -324,7 +323,7 @@ fn run_loopback(opts: RunOpts) -> anyhow::Result<()> {
 /// One loopback run: fresh endpoints, a connection, the data phase.
 fn loopback_run(opts: &RunOpts) -> anyhow::Result<Report> {
     let lo: SocketAddr = "127.0.0.1:0".parse()?;
-    let tuning = opts.tuning();
+    let tuning = opts.side.tuning();
     let mut server_drv = bind(lo, tuning, 1).context("binding the server")?;
     let server_ip = server_drv.local_addr().ip();
     let mut client = bind(lo, tuning, 2).context("binding the client")?;
@@ -495,8 +494,13 @@ fn run_client(c: ClientArgs) -> anyhow::Result<()> {
             TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(unreachable)?;
         let local_ip = stream.local_addr()?.ip();
         let link = Link::tcp(stream)?;
-        let mut drv = bind_mtu(SocketAddr::new(local_ip, 0), opts.tuning(), 2, route_mtu)
-            .context("binding the client")?;
+        let mut drv = bind_mtu(
+            SocketAddr::new(local_ip, 0),
+            opts.side.tuning(),
+            2,
+            route_mtu,
+        )
+        .context("binding the client")?;
         out.show(client_run(
             &opts.with_size(size),
             &mut drv,
