@@ -3,6 +3,7 @@
 //! that checks what lands, and the drivers that carry them.
 
 use super::*;
+use std::collections::VecDeque;
 
 /// Where each iteration goes: iteration `i` is posted on QP `i % qps`, lands
 /// in server slot `i % slots`, and uses client slot `(i % qps) * per_qp +
@@ -246,6 +247,27 @@ impl Arrived {
     }
 }
 
+/// Checks the messages at the front of `queue`, in order, [`STEP_BYTES`]
+/// at most in all; returns how many at the front are now wholly checked
+/// (the caller takes them off).
+fn check_front(queue: &mut VecDeque<Arrived>, region: Option<&[u8]>) -> usize {
+    let mut budget = STEP_BYTES;
+    let mut done = 0;
+    for a in queue.iter_mut() {
+        if !a.done() {
+            if budget == 0 {
+                break;
+            }
+            budget -= a.check_some(region, budget);
+            if !a.done() {
+                break;
+            }
+        }
+        done += 1;
+    }
+    done
+}
+
 /// One side's own stream: `op` work requests posted round robin over its
 /// QPs against the peer's region for the run's duration, each timed and
 /// (READ) checked on completion.
@@ -269,7 +291,7 @@ pub(super) struct Requester {
     pub(super) elapsed: Option<f64>,
     pub(super) wcs: Vec<WorkCompletion>,
     /// READs completed and being checked (still outstanding until then).
-    pub(super) reads: std::collections::VecDeque<Arrived>,
+    pub(super) reads: VecDeque<Arrived>,
     /// Bytes of the next request's message filled so far.
     pub(super) filled: u64,
 }
@@ -367,18 +389,11 @@ impl Requester {
             }
         }
         self.wcs = wcs;
-        let mut budget = STEP_BYTES;
-        while budget > 0 {
-            let Some(a) = self.reads.front_mut() else {
-                break;
-            };
-            budget -= a.check_some(ep.mr(self.mr.lkey), budget);
-            if a.done() {
-                let a = self.reads.pop_front().expect("front");
-                self.corrupt += a.bad;
-                self.verified += a.len - a.bad;
-                self.retire(a.iter);
-            }
+        for _ in 0..check_front(&mut self.reads, ep.mr(self.mr.lkey)) {
+            let a = self.reads.pop_front().expect("checked");
+            self.corrupt += a.bad;
+            self.verified += a.len - a.bad;
+            self.retire(a.iter);
         }
         if self.error.is_some() {
             self.elapsed = Some(self.t0.elapsed().as_secs_f64());
@@ -477,7 +492,7 @@ pub(super) struct Responder {
     pub(super) wcs: Vec<WorkCompletion>,
     /// Messages arrived and being checked; their receives are posted again
     /// once they are.
-    pub(super) arrived: std::collections::VecDeque<Arrived>,
+    pub(super) arrived: VecDeque<Arrived>,
 }
 
 impl Responder {
@@ -498,15 +513,16 @@ impl Responder {
             0x1000_0000,
             AccessFlags::ALL,
         )?;
-        touch(ep, &mr);
         let mut posted = vec![0u64; qps.len()];
         if p.op == Op::Read {
-            // The peer reads slots; each slot holds the pattern of its index.
+            // The peer reads slots; each slot holds the pattern of its index
+            // (which touches every page, as `touch` would).
             let buf = ep.mr_mut(mr.lkey).context("region vanished")?;
             for s in 0..slots {
                 fill(&mut buf[(s * size) as usize..((s + 1) * size) as usize], s);
             }
         } else {
+            touch(ep, &mr);
             for (j, &qp) in qps.iter().enumerate() {
                 for _ in 0..2 * lay.per_qp {
                     ep.post_recv(qp, recv_wr(p.op, &mr, &lay, j, posted[j], size))?;
@@ -570,18 +586,8 @@ impl Responder {
                 bad: 0,
             });
         }
-        let mut budget = STEP_BYTES;
-        while let Some(a) = self.arrived.front_mut() {
-            if !a.done() {
-                if budget == 0 {
-                    break;
-                }
-                budget -= a.check_some(ep.mr(self.mr.lkey), budget);
-                if !a.done() {
-                    break;
-                }
-            }
-            let a = self.arrived.pop_front().expect("front");
+        for _ in 0..check_front(&mut self.arrived, ep.mr(self.mr.lkey)) {
+            let a = self.arrived.pop_front().expect("checked");
             if self.p.verify {
                 self.res.corrupt_bytes += a.bad;
                 self.res.verified_bytes += a.len - a.bad;
