@@ -4,7 +4,7 @@
 //! small-message latency.
 //!
 //! ```sh
-//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|sleeping|shallow|jumbo|udp|udp-gathered|udp-jumbo|udp-gathered-jumbo|udp-pieces|ping-pong|ping-pong-metaroce]]]
+//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|sleeping|shallow|jumbo|udp|udp-gathered|udp-jumbo|udp-gathered-jumbo|udp-pieces|udp-no-copy|ping-pong|ping-pong-metaroce]]]
 //! ```
 //!
 //! With `metaroce`, `metaroce1` (the same stream over one path),
@@ -16,7 +16,9 @@
 //! with the user and kernel CPU time they took, against raw UDP polled)
 //! or `udp-pieces` (raw UDP's buffer sent whole and in 64-byte `iovec`s:
 //! what the kernel spends on a piece, of which metaroce's gathered sends
-//! have two a datagram)
+//! have two a datagram) or `udp-no-copy` (raw UDP sent with metaroce's
+//! layout, then with the payloads' pages handed to the kernel instead of
+//! copied: `MSG_ZEROCOPY`, and `vmsplice` + `splice`)
 //! after the rounds, only that test runs, round after round (what
 //! `scripts/cost-per-gbit.sh` profiles).
 //!
@@ -320,53 +322,110 @@ fn udp_gso_gbps(secs: f64, datagram: usize) -> Run {
 enum Pieces {
     /// As metaroce's io_uring driver sends: each datagram a 64-byte header
     /// from one buffer followed by its payload straight from a 1 MiB
-    /// region (16 slots of 64 KiB, in turn): with 4 KiB payloads 15
-    /// datagrams, 30 pieces a send.
-    Gathered,
+    /// region (16 slots of 64 KiB, in turn), `segs` datagrams a send: with
+    /// 4 KiB payloads and as many as fit 64 KiB, 15 datagrams, 30 pieces.
+    Gathered { segs: usize },
+    /// The same, sent with `MSG_ZEROCOPY`: the kernel pins the pages and
+    /// refers to them instead of copying at the send. Each piece is then a
+    /// fragment of the packet, and a packet has at most `MAX_SKB_FRAGS`
+    /// (17 here), so at most 8 datagrams a send.
+    ZeroCopy { segs: usize },
     /// The baseline's contiguous buffer cut into `iovec`s of this many
     /// bytes: the same bytes from the same place, only in more pieces.
     Cut(usize),
 }
 
-/// Raw UDP whose every GSO `sendmsg` (as many datagrams of `datagram`
-/// bytes as fit 64 KiB) gives the kernel its bytes in pieces, which it
-/// gathers as it copies. `Gathered`, against the contiguous baseline, is
-/// the ceiling any protocol that puts its own header on payloads it does
-/// not copy works under; `Cut(64)` sends the baseline's own buffer in
-/// 64-byte pieces, and so measures what the kernel spends on a piece.
-fn udp_pieces_gbps(secs: f64, datagram: usize, layout: Pieces) -> Run {
-    let payload = datagram - HEADER;
-    let segs = 65_507 / datagram;
-    let headers = vec![1u8; HEADER * segs];
-    let region = vec![9u8; 16 << 16];
-    let contiguous = vec![9u8; datagram * segs];
-    // The GSO segment size, as the cmsg UDP_SEGMENT (a u16).
-    let mut control = vec![0u8; 64];
-    // SAFETY: `control` is 64 bytes, more than CMSG_SPACE(2), and outlives
-    // the header that points at it; CMSG_FIRSTHDR of a msghdr whose
-    // control is that buffer is its start, where the cmsghdr and its 2
-    // data bytes are written (unaligned writes: a Vec<u8> is not aligned).
-    let control_len = unsafe {
-        let space = libc::CMSG_SPACE(2) as usize;
-        let mut m: libc::msghdr = std::mem::zeroed();
-        m.msg_control = control.as_mut_ptr().cast();
-        m.msg_controllen = space as _;
-        let c = libc::CMSG_FIRSTHDR(&m);
-        std::ptr::write_unaligned(
-            c,
-            libc::cmsghdr {
-                cmsg_len: libc::CMSG_LEN(2) as _,
-                cmsg_level: libc::SOL_UDP,
-                cmsg_type: libc::UDP_SEGMENT,
-            },
-        );
-        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), datagram as u16);
-        space
+impl Pieces {
+    /// The most datagrams of `datagram` bytes one GSO send carries (64 KiB
+    /// of UDP payload).
+    fn max_segs(datagram: usize) -> usize {
+        65_507 / datagram
+    }
+}
+
+/// Datagrams a zero-copy sender fits in a send: two fragments each
+/// (header and payload) within `MAX_SKB_FRAGS` (17).
+const ZC_SEGS: usize = 8;
+
+/// A zero-copy sender reads its completion notifications back every this
+/// many sends (and after a refused one): the kernel holds a send's pages,
+/// and its socket's option memory, until they are read.
+const ZC_REAP_EVERY: u64 = 8;
+
+/// `len` bytes of `backing` from its first page boundary on, as a
+/// registered region is (a 4 KiB payload of an aligned slot is then one
+/// page: one fragment for a sender that refers to pages instead of
+/// copying them, where one across two pages would be two).
+fn page_aligned(backing: &[u8], len: usize) -> &[u8] {
+    &backing[backing.as_ptr().align_offset(4096)..][..len]
+}
+
+/// Sets an integer socket option on `fd`.
+fn set_int_option(fd: std::os::fd::RawFd, level: libc::c_int, name: libc::c_int, value: i32) {
+    // SAFETY: `value` is a readable c_int of the length passed.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            name,
+            std::ptr::from_ref(&value).cast(),
+            std::mem::size_of::<i32>() as libc::socklen_t,
+        )
     };
+    assert_eq!(
+        r,
+        0,
+        "setsockopt({level}, {name}): {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// Reads every zero-copy completion notification queued on `fd`'s error
+/// queue and throws them away (the benchmark's pages never change).
+fn drain_error_queue(fd: std::os::fd::RawFd) {
+    let mut control = [0u8; 128];
+    loop {
+        // SAFETY: all zeros is a valid msghdr (no name, no data).
+        let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
+        m.msg_control = control.as_mut_ptr().cast();
+        m.msg_controllen = control.len() as _;
+        // SAFETY: `m` points at `control`, which outlives the call; a
+        // message with no data buffers is valid for MSG_ERRQUEUE.
+        let r = unsafe { libc::recvmsg(fd, &mut m, libc::MSG_ERRQUEUE | libc::MSG_DONTWAIT) };
+        if r < 0 {
+            return;
+        }
+    }
+}
+
+/// Raw UDP whose every GSO `sendmsg` gives the kernel its bytes in
+/// pieces, which it gathers as it copies (or, zero-copy, refers to).
+/// `Gathered`, against the contiguous baseline, is the ceiling any
+/// protocol that puts its own header on payloads it does not copy works
+/// under; `Cut(64)` sends the baseline's own buffer (as many datagrams of
+/// `datagram` bytes as fit 64 KiB) in 64-byte pieces, and so measures what
+/// the kernel spends on a piece.
+fn udp_pieces_gbps(secs: f64, datagram: usize, layout: Pieces) -> Run {
+    use std::os::fd::AsRawFd;
+    let payload = datagram - HEADER;
+    let (segs, zc) = match layout {
+        Pieces::Gathered { segs } => (segs, false),
+        Pieces::ZeroCopy { segs } => (segs, true),
+        Pieces::Cut(_) => (Pieces::max_segs(datagram), false),
+    };
+    let headers = vec![1u8; HEADER * segs];
+    let backing = vec![9u8; (16 << 16) + 4096];
+    let region = page_aligned(&backing, 16 << 16);
+    let contiguous = vec![9u8; datagram * segs];
+    let control = segment_cmsg(datagram);
     let mut slot = 0usize;
+    let mut sends = 0u64;
     udp_stream(secs, |tx, dst| {
+        if zc && sends == 0 {
+            set_int_option(tx.as_raw_fd(), libc::SOL_SOCKET, libc::SO_ZEROCOPY, 1);
+        }
         let pieces: Vec<std::io::IoSlice> = match layout {
-            Pieces::Gathered => {
+            Pieces::Gathered { .. } | Pieces::ZeroCopy { .. } => {
                 let base = (slot % 16) << 16;
                 slot += 1;
                 (0..segs)
@@ -386,14 +445,133 @@ fn udp_pieces_gbps(secs: f64, datagram: usize, layout: Pieces) -> Run {
         let m = socket2::MsgHdr::new()
             .with_addr(&dst)
             .with_buffers(&pieces)
-            .with_control(&control[..control_len]);
-        let _ = socket2::SockRef::from(tx).sendmsg(&m, 0);
+            .with_control(&control);
+        let flags = if zc { libc::MSG_ZEROCOPY } else { 0 };
+        let sent = socket2::SockRef::from(tx).sendmsg(&m, flags).is_ok();
+        sends += 1;
+        if zc && (!sent || sends % ZC_REAP_EVERY == 0) {
+            drain_error_queue(tx.as_raw_fd());
+        }
+    })
+}
+
+/// The control message that makes a `sendmsg` a GSO send of `datagram`-
+/// byte datagrams (`UDP_SEGMENT`, a u16).
+fn segment_cmsg(datagram: usize) -> Vec<u8> {
+    let mut control = vec![0u8; 64];
+    // SAFETY: `control` is 64 bytes, more than CMSG_SPACE(2), and outlives
+    // the header that points at it; CMSG_FIRSTHDR of a msghdr whose
+    // control is that buffer is its start, where the cmsghdr and its 2
+    // data bytes are written (unaligned writes: a Vec<u8> is not aligned).
+    let len = unsafe {
+        let space = libc::CMSG_SPACE(2) as usize;
+        let mut m: libc::msghdr = std::mem::zeroed();
+        m.msg_control = control.as_mut_ptr().cast();
+        m.msg_controllen = space as _;
+        let c = libc::CMSG_FIRSTHDR(&m);
+        std::ptr::write_unaligned(
+            c,
+            libc::cmsghdr {
+                cmsg_len: libc::CMSG_LEN(2) as _,
+                cmsg_level: libc::SOL_UDP,
+                cmsg_type: libc::UDP_SEGMENT,
+            },
+        );
+        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), datagram as u16);
+        space
+    };
+    control.truncate(len);
+    control
+}
+
+/// Raw UDP whose payloads the kernel never copies at the send: each GSO
+/// send (`segs` datagrams of `datagram` bytes, `UDP_SEGMENT` set on the
+/// socket) is built by `vmsplice` of the payloads' pages into a pipe, then
+/// per datagram its header sent with `MSG_MORE` and its payload spliced
+/// from the pipe (`SPLICE_F_MORE` but for the last): the packet refers to
+/// the region's pages, and the receiver copies from them. Two calls a
+/// datagram, and a fragment each for header and payload (so at most
+/// [`ZC_SEGS`] datagrams a send).
+fn udp_spliced_gbps(secs: f64, datagram: usize, segs: usize) -> Run {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let payload = datagram - HEADER;
+    let headers = vec![1u8; HEADER * segs];
+    let backing = vec![9u8; (16 << 16) + 4096];
+    let region = page_aligned(&backing, 16 << 16);
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors pipe2 writes.
+    let r = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) };
+    assert_eq!(r, 0, "pipe2: {}", std::io::Error::last_os_error());
+    // SAFETY: pipe2 succeeded, and each descriptor is owned here alone.
+    let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: F_SETPIPE_SZ takes an int; a refusal leaves the default
+    // (16 pages), which one send's payloads still fit.
+    unsafe { libc::fcntl(wr.as_raw_fd(), libc::F_SETPIPE_SZ, 1 << 20) };
+    let mut slot = 0usize;
+    udp_stream(secs, |tx, dst| {
+        let fd = tx.as_raw_fd();
+        if slot == 0 {
+            tx.connect(dst).expect("connect");
+            set_int_option(fd, libc::SOL_UDP, libc::UDP_SEGMENT, datagram as i32);
+        }
+        let base = (slot % 16) << 16;
+        slot += 1;
+        let span = libc::iovec {
+            iov_base: region[base..].as_ptr().cast_mut().cast(),
+            iov_len: segs * payload,
+        };
+        // SAFETY: `span` covers `segs * payload` bytes of `region`, which
+        // outlives every packet that refers to its pages (the stream's
+        // receiver has drained before `backing` is dropped); vmsplice
+        // without SPLICE_F_GIFT only reads them.
+        let n = unsafe { libc::vmsplice(wr.as_raw_fd(), &span, 1, 0) };
+        assert_eq!(
+            n,
+            span.iov_len as isize,
+            "vmsplice: {}",
+            std::io::Error::last_os_error()
+        );
+        for i in 0..segs {
+            let h = &headers[i * HEADER..(i + 1) * HEADER];
+            // SAFETY: `h` is HEADER readable bytes.
+            let sent = unsafe { libc::send(fd, h.as_ptr().cast(), HEADER, libc::MSG_MORE) };
+            assert_eq!(
+                sent,
+                HEADER as isize,
+                "send: {}",
+                std::io::Error::last_os_error()
+            );
+            let more = if i + 1 < segs { libc::SPLICE_F_MORE } else { 0 };
+            // SAFETY: null offsets: the two ends are a pipe and a socket.
+            let moved = unsafe {
+                libc::splice(
+                    rd.as_raw_fd(),
+                    std::ptr::null_mut(),
+                    fd,
+                    std::ptr::null_mut(),
+                    payload,
+                    more,
+                )
+            };
+            assert_eq!(
+                moved,
+                payload as isize,
+                "splice: {}",
+                std::io::Error::last_os_error()
+            );
+        }
     })
 }
 
 /// Raw UDP laid out as metaroce sends ([`Pieces::Gathered`]).
 fn udp_gathered_gbps(secs: f64, datagram: usize) -> Run {
-    udp_pieces_gbps(secs, datagram, Pieces::Gathered)
+    udp_pieces_gbps(
+        secs,
+        datagram,
+        Pieces::Gathered {
+            segs: Pieces::max_segs(datagram),
+        },
+    )
 }
 
 /// The p50 and p99 of round-trip times, in microseconds.
@@ -1035,6 +1213,50 @@ fn only_throughput(which: &str, secs: f64, rounds: usize) {
         );
         return;
     }
+    if which == "udp-no-copy" {
+        // Ways a sender could head payloads it does not copy, in raw UDP,
+        // against the contiguous baseline, alternately: gathered as
+        // metaroce sends (15 and 8 datagrams a send), gathered with
+        // MSG_ZEROCOPY and spliced from the pages (8 a send, the most
+        // their fragments allow).
+        let names = [
+            "gathered, 15 a send",
+            "gathered, 8 a send",
+            "MSG_ZEROCOPY, 8 a send",
+            "spliced, 8 a send",
+        ];
+        let mut ratios = vec![vec![]; names.len()];
+        let full = Pieces::max_segs(DATAGRAM);
+        for round in 1..=rounds {
+            let udp = on_own_thread(|| udp_gso_gbps(secs, DATAGRAM)).gbps;
+            let runs = [
+                on_own_thread(|| udp_pieces_gbps(secs, DATAGRAM, Pieces::Gathered { segs: full })),
+                on_own_thread(|| {
+                    udp_pieces_gbps(secs, DATAGRAM, Pieces::Gathered { segs: ZC_SEGS })
+                }),
+                on_own_thread(|| {
+                    udp_pieces_gbps(secs, DATAGRAM, Pieces::ZeroCopy { segs: ZC_SEGS })
+                }),
+                on_own_thread(|| udp_spliced_gbps(secs, DATAGRAM, ZC_SEGS)),
+            ];
+            let mut line = format!("round {round}: raw UDP {udp:.2} Gbit/s");
+            for ((name, run), r) in names.iter().zip(&runs).zip(&mut ratios) {
+                r.push(run.gbps / udp);
+                line += &format!(" | {name} {:.2} ({:.2})", run.gbps, run.gbps / udp);
+            }
+            println!("{line}");
+        }
+        let medians: Vec<String> = names
+            .iter()
+            .zip(ratios)
+            .map(|(n, r)| format!("{n} {:.2}", median(r)))
+            .collect();
+        println!(
+            "medians over {rounds} rounds, of raw UDP: {}",
+            medians.join(", ")
+        );
+        return;
+    }
     if which == "ping-pong-metaroce" {
         for round in 1..=rounds {
             const N: usize = 100_000;
@@ -1075,7 +1297,7 @@ fn only_throughput(which: &str, secs: f64, rounds: usize) {
             "udp-jumbo" => on_own_thread(|| udp_gso_gbps(secs, JUMBO)),
             "udp-gathered-jumbo" => on_own_thread(|| udp_gathered_gbps(secs, JUMBO)),
             other => panic!(
-                "unknown test {other:?}: metaroce, metaroce1 (one path), sleeping (no busy poll), shallow (16 WRITEs outstanding), jumbo (8 KiB payloads), udp, udp-gathered, udp-jumbo, udp-gathered-jumbo, udp-pieces, ping-pong or ping-pong-metaroce"
+                "unknown test {other:?}: metaroce, metaroce1 (one path), sleeping (no busy poll), shallow (16 WRITEs outstanding), jumbo (8 KiB payloads), udp, udp-gathered, udp-jumbo, udp-gathered-jumbo, udp-pieces, udp-no-copy, ping-pong or ping-pong-metaroce"
             ),
         };
         let c = run.cycles_per_byte(hz);
