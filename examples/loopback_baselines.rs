@@ -449,7 +449,7 @@ fn udp_pieces_gbps(secs: f64, datagram: usize, layout: Pieces) -> Run {
         let flags = if zc { libc::MSG_ZEROCOPY } else { 0 };
         let sent = socket2::SockRef::from(tx).sendmsg(&m, flags).is_ok();
         sends += 1;
-        if zc && (!sent || sends % ZC_REAP_EVERY == 0) {
+        if zc && (!sent || sends.is_multiple_of(ZC_REAP_EVERY)) {
             drain_error_queue(tx.as_raw_fd());
         }
     })
@@ -806,7 +806,7 @@ fn metaroce_write_gbps(secs: f64, stream: Stream) -> Run {
         .endpoint()
         .reg_mr(
             pdb,
-            RegionBuf::zeroed(16 * size),
+            RegionBuf::resident(16 * size),
             0,
             AccessFlags::REMOTE_WRITE,
         )

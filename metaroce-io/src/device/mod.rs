@@ -368,8 +368,10 @@ impl ProtectionDomain {
     /// Registers `buf` as a memory region (`ibv_reg_mr`); the endpoint owns
     /// it until [`MemoryRegion::dereg`]. Its virtual address is chosen by
     /// the endpoint (a distinct range per region). [`RegionBuf::zeroed`]
-    /// gives page-aligned memory, as regions should have; a `Vec<u8>` or
-    /// `Box<[u8]>` is taken as it is.
+    /// gives page-aligned memory, as regions should have, and
+    /// [`RegionBuf::resident`] also maps its every page now, as
+    /// `ibv_reg_mr` pins them, so that no transfer takes a page fault; a
+    /// `Vec<u8>` or `Box<[u8]>` is taken as it is.
     ///
     /// `access` is what the peer may do (`REMOTE_WRITE`, `REMOTE_READ`) and
     /// whether this side's own requests may write into it: a region a

@@ -39,9 +39,8 @@ impl RegionBuf {
     /// registering the buffer does not touch them (`ibv_reg_mr` pins a
     /// region's pages; this does not). The first transfer into or out of a
     /// large region then takes those page faults on the thread that drives
-    /// it. If a transfer must not, write every page once first: with the
-    /// data, or with a byte other than zero, which no compiler can take
-    /// for a no-op (`metaroce perf` does, as perftest sets its buffers).
+    /// it, each a few microseconds, which can hold a driver past its peer's
+    /// retransmission timeout. [`resident`](Self::resident) maps them now.
     pub fn zeroed(len: usize) -> Self {
         // Up to a page more than asked for, and the bytes start at the
         // first page boundary inside: no unsafe allocation needed.
@@ -52,6 +51,28 @@ impl RegionBuf {
             start,
             len,
         }
+    }
+
+    /// `len` zero bytes starting on a page boundary, every page of them
+    /// mapped now (one write a page), as `ibv_reg_mr` leaves a region
+    /// pinned: no transfer into or out of it takes a page fault. The faults
+    /// are taken here instead, 256 per MiB.
+    ///
+    /// ```
+    /// use metaroce_proto::verbs::RegionBuf;
+    /// let buf = RegionBuf::resident(1 << 20);
+    /// assert!(buf.is_page_aligned());
+    /// assert!(buf.iter().all(|&b| b == 0));
+    /// ```
+    pub fn resident(len: usize) -> Self {
+        let mut buf = Self::zeroed(len);
+        for page in buf.chunks_mut(Self::PAGE) {
+            // Storing zero into memory known to be zeroed is a store a
+            // compiler may drop; through `black_box` it cannot see that
+            // it is.
+            *core::hint::black_box(&mut page[0]) = 0;
+        }
+        buf
     }
 
     /// A page-aligned copy of `bytes`.
