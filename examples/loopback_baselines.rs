@@ -357,7 +357,7 @@ const ZC_REAP_EVERY: u64 = 8;
 /// page: one fragment for a sender that refers to pages instead of
 /// copying them, where one across two pages would be two).
 fn page_aligned(backing: &[u8], len: usize) -> &[u8] {
-    &backing[backing.as_ptr().align_offset(4096)..][..len]
+    &backing[backing.as_ptr().align_offset(RegionBuf::PAGE)..][..len]
 }
 
 /// Sets an integer socket option on `fd`.
@@ -414,7 +414,7 @@ fn udp_pieces_gbps(secs: f64, datagram: usize, layout: Pieces) -> Run {
         Pieces::Cut(_) => (Pieces::max_segs(datagram), false),
     };
     let headers = vec![1u8; HEADER * segs];
-    let backing = vec![9u8; (16 << 16) + 4096];
+    let backing = vec![9u8; (16 << 16) + RegionBuf::PAGE];
     let region = page_aligned(&backing, 16 << 16);
     let contiguous = vec![9u8; datagram * segs];
     let control = segment_cmsg(datagram);
@@ -496,7 +496,7 @@ fn udp_spliced_gbps(secs: f64, datagram: usize, segs: usize) -> Run {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let payload = datagram - HEADER;
     let headers = vec![1u8; HEADER * segs];
-    let backing = vec![9u8; (16 << 16) + 4096];
+    let backing = vec![9u8; (16 << 16) + RegionBuf::PAGE];
     let region = page_aligned(&backing, 16 << 16);
     let mut fds = [0; 2];
     // SAFETY: `fds` has room for the two descriptors pipe2 writes.
