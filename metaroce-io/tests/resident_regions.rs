@@ -1,36 +1,122 @@
 #![cfg(target_os = "linux")]
-//! `RegionBuf::resident` maps every page of a region when it is made, as
-//! `ibv_reg_mr` leaves a region pinned, where `RegionBuf::zeroed` leaves
-//! them to be mapped by the first transfer that touches them. Asked of the
-//! kernel page by page (`mincore`).
+//! A registered region has every page mapped, as `ibv_reg_mr` leaves a
+//! region pinned, unless it is registered `ON_DEMAND`: asked of the kernel
+//! page by page (`mincore`), for `RegionBuf::resident`, for
+//! `RegionBuf::make_resident` on any buffer (its bytes kept), and for
+//! registration through the core's `Endpoint::reg_mr` and the async
+//! `ProtectionDomain::reg_mr`.
 
-use metaroce_proto::verbs::RegionBuf;
+use metaroce_io::{Backend, Device, DriverConfig};
+use metaroce_proto::verbs::{AccessFlags, RegionBuf};
+use metaroce_proto::{Endpoint, EndpointConfig};
 
-/// How many of the pages `buf` spans are in memory.
-fn pages_in_memory(buf: &RegionBuf) -> usize {
-    assert!(buf.is_page_aligned());
-    let pages = buf.len().div_ceil(RegionBuf::PAGE);
+/// Large enough that the allocator maps fresh pages for it.
+const LEN: usize = 64 << 20;
+
+/// How many of the pages that `len` bytes at `ptr` reach are in memory, and
+/// how many pages they reach. Only asks the kernel about the mappings:
+/// nothing at `ptr` is read.
+fn pages_in_memory(ptr: *const u8, len: usize) -> (usize, usize) {
+    let page = RegionBuf::PAGE;
+    let start = ptr as usize / page * page;
+    let pages = (ptr as usize + len).div_ceil(page) - start / page;
     let mut vec = vec![0u8; pages];
-    // SAFETY: `buf` starts on a page boundary and its `len` bytes are one
-    // allocation; `vec` has a byte for each page of them, as mincore asks.
-    let r = unsafe { libc::mincore(buf.as_ptr().cast_mut().cast(), buf.len(), vec.as_mut_ptr()) };
+    // SAFETY: `start` is page-aligned and `vec` has a byte for each of the
+    // `pages` pages from it, as mincore asks; mincore only reports on the
+    // mappings (failing with ENOMEM where there is none) and touches no
+    // byte of them.
+    let r = unsafe { libc::mincore(start as *mut libc::c_void, pages * page, vec.as_mut_ptr()) };
     assert_eq!(r, 0, "mincore: {}", std::io::Error::last_os_error());
-    vec.iter().filter(|&&v| v & 1 == 1).count()
+    (vec.iter().filter(|&&v| v & 1 == 1).count(), pages)
 }
 
 #[test]
 fn resident_regions_have_every_page_in_memory_and_zeroed_ones_do_not() {
-    // Large enough that the allocator maps fresh pages for it.
-    let len = 64 << 20;
-    let pages = len / RegionBuf::PAGE;
-    let lazy = RegionBuf::zeroed(len);
-    let resident = RegionBuf::resident(len);
-    assert_eq!(pages_in_memory(&resident), pages);
-    let untouched = pages_in_memory(&lazy);
+    let lazy = RegionBuf::zeroed(LEN);
+    let resident = RegionBuf::resident(LEN);
+    let (mapped, pages) = pages_in_memory(resident.as_ptr(), LEN);
+    assert_eq!(mapped, pages);
+    let (untouched, pages) = pages_in_memory(lazy.as_ptr(), LEN);
     assert!(
         untouched < pages / 2,
         "a zeroed region has {untouched} of {pages} pages mapped before any touch"
     );
     assert!(resident.iter().step_by(4096).all(|&b| b == 0));
-    assert_eq!(resident.len(), len);
+    assert_eq!(resident.len(), LEN);
+}
+
+#[test]
+fn make_resident_maps_every_page_a_buffer_reaches_and_keeps_its_bytes() {
+    // Not on a page boundary, and ending inside a page: the first and last
+    // pages are only partly the buffer's.
+    let len = LEN + 100;
+    let mut v = vec![0u8; len];
+    let marks = [(0, 1u8), (4095, 2), (LEN / 2 + 7, 3), (len - 1, 4)];
+    for (i, b) in marks {
+        v[i] = b;
+    }
+    let mut buf: RegionBuf = v.into();
+    let (before, pages) = pages_in_memory(buf.as_ptr(), len);
+    assert!(
+        before < pages / 2,
+        "{before} of {pages} pages mapped before"
+    );
+    buf.make_resident();
+    assert_eq!(pages_in_memory(buf.as_ptr(), len), (pages, pages));
+    for (i, b) in marks {
+        assert_eq!(buf[i], b, "byte {i}");
+    }
+    let nonzero = buf.iter().filter(|&&b| b != 0).count();
+    assert_eq!(nonzero, marks.len());
+}
+
+#[test]
+fn the_core_maps_a_region_when_it_is_registered_unless_on_demand() {
+    let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+    let pd = ep.alloc_pd();
+    for (access, expect_all) in [
+        (AccessFlags::REMOTE_WRITE, true),
+        (AccessFlags::REMOTE_WRITE | AccessFlags::ON_DEMAND, false),
+    ] {
+        let mr = ep.reg_mr(pd, vec![0u8; LEN], 0, access).unwrap();
+        let bytes = ep.mr(mr.lkey).unwrap();
+        let (mapped, pages) = pages_in_memory(bytes.as_ptr(), bytes.len());
+        if expect_all {
+            assert_eq!(mapped, pages, "registered with {access:?}");
+        } else {
+            assert!(mapped < pages / 2, "{access:?}: {mapped} of {pages}");
+        }
+        ep.dereg_mr(mr.lkey).unwrap();
+    }
+}
+
+#[test]
+fn the_async_api_maps_a_region_when_it_is_registered_unless_on_demand() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut cfg = DriverConfig::new("127.0.0.1:0".parse().unwrap());
+        cfg.backend = Backend::Portable;
+        let dev = Device::open(cfg).await.unwrap();
+        let pd = dev.alloc_pd().await.unwrap();
+        for (access, expect_all) in [
+            (AccessFlags::REMOTE_WRITE, true),
+            (AccessFlags::REMOTE_WRITE | AccessFlags::ON_DEMAND, false),
+        ] {
+            let buf = RegionBuf::zeroed(LEN);
+            // The allocation moves with the buffer into the endpoint; its
+            // address stays, and the region keeps it alive until `dereg`.
+            let ptr = buf.as_ptr();
+            let mr = pd.reg_mr(buf, access).await.unwrap();
+            let (mapped, pages) = pages_in_memory(ptr, LEN);
+            if expect_all {
+                assert_eq!(mapped, pages, "registered with {access:?}");
+            } else {
+                assert!(mapped < pages / 2, "{access:?}: {mapped} of {pages}");
+            }
+            mr.dereg().await.unwrap();
+        }
+    });
 }

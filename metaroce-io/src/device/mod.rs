@@ -368,10 +368,16 @@ impl ProtectionDomain {
     /// Registers `buf` as a memory region (`ibv_reg_mr`); the endpoint owns
     /// it until [`MemoryRegion::dereg`]. Its virtual address is chosen by
     /// the endpoint (a distinct range per region). [`RegionBuf::zeroed`]
-    /// gives page-aligned memory, as regions should have, and
-    /// [`RegionBuf::resident`] also maps its every page now, as
-    /// `ibv_reg_mr` pins them, so that no transfer takes a page fault; a
-    /// `Vec<u8>` or `Box<[u8]>` is taken as it is.
+    /// gives page-aligned memory, as regions should have; a `Vec<u8>` or
+    /// `Box<[u8]>` is taken as it is.
+    ///
+    /// As `ibv_reg_mr` pins a region's pages, this maps every page of
+    /// `buf` ([`RegionBuf::make_resident`]) before the endpoint takes it:
+    /// the page faults are taken here, on the calling thread (a few hundred
+    /// per MiB, a fraction of a second for a GiB, during which this
+    /// `await` does not yield), not by the driver in the middle of a
+    /// transfer. `access` with [`AccessFlags::ON_DEMAND`] leaves them to
+    /// the first access of each page instead.
     ///
     /// `access` is what the peer may do (`REMOTE_WRITE`, `REMOTE_READ`) and
     /// whether this side's own requests may write into it: a region a
@@ -396,7 +402,12 @@ impl ProtectionDomain {
         addr: u64,
         access: AccessFlags,
     ) -> Result<MemoryRegion, ApiError> {
-        let buf = buf.into();
+        let mut buf = buf.into();
+        if !access.contains(AccessFlags::ON_DEMAND) {
+            // Here rather than on the driver's thread, which would stall
+            // every connection's traffic while it took the faults.
+            buf.make_resident();
+        }
         let pd = self.pd;
         let info = self
             .dev

@@ -43,6 +43,23 @@ impl AccessFlags {
     pub const REMOTE_READ: AccessFlags = AccessFlags(4);
     /// Every right.
     pub const ALL: AccessFlags = AccessFlags(7);
+    /// Not a right but how the region is registered
+    /// (`IBV_ACCESS_ON_DEMAND`): its pages are left to be mapped by the
+    /// first access to each, a transfer's included, instead of all at
+    /// registration. For regions far larger than what is ever moved in
+    /// them; a transfer that reaches a page not yet mapped waits for the
+    /// page fault, on the thread that drives the endpoint.
+    ///
+    /// ```
+    /// use metaroce_proto::verbs::{AccessFlags, RegionBuf};
+    /// use metaroce_proto::{Endpoint, EndpointConfig};
+    /// let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+    /// let pd = ep.alloc_pd();
+    /// let access = AccessFlags::REMOTE_WRITE | AccessFlags::ON_DEMAND;
+    /// let mr = ep.reg_mr(pd, RegionBuf::zeroed(256 << 20), 0, access).unwrap();
+    /// assert!(mr.access.contains(AccessFlags::ON_DEMAND));
+    /// ```
+    pub const ON_DEMAND: AccessFlags = AccessFlags(8);
 
     /// Whether every right in `other` is present.
     pub fn contains(self, other: AccessFlags) -> bool {

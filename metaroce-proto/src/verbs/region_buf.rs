@@ -12,6 +12,11 @@ use core::ops::{Deref, DerefMut};
 /// the kernel copies (or, with zero copy, pins) page by page. A `Box<[u8]>`
 /// or `Vec<u8>` converts without a copy, aligned as the allocator left it.
 ///
+/// Registering a buffer ([`Endpoint::reg_mr`](crate::Endpoint::reg_mr))
+/// maps its every page ([`make_resident`](Self::make_resident)), as
+/// `ibv_reg_mr` pins them, unless the region is registered
+/// [`ON_DEMAND`](super::AccessFlags::ON_DEMAND).
+///
 /// ```
 /// use metaroce_proto::verbs::RegionBuf;
 /// let mut buf = RegionBuf::zeroed(64 << 10);
@@ -27,6 +32,10 @@ pub struct RegionBuf {
     storage: Box<[u8]>,
     start: usize,
     len: usize,
+    /// Every page of the bytes has been written since they were allocated,
+    /// so the kernel has mapped them all: [`make_resident`](Self::make_resident)
+    /// has nothing left to do.
+    mapped: bool,
 }
 
 impl RegionBuf {
@@ -35,12 +44,12 @@ impl RegionBuf {
 
     /// `len` zero bytes starting on a page boundary.
     ///
-    /// Like any zeroed allocation, its pages are mapped on first touch, and
-    /// registering the buffer does not touch them (`ibv_reg_mr` pins a
-    /// region's pages; this does not). The first transfer into or out of a
-    /// large region then takes those page faults on the thread that drives
-    /// it, each a few microseconds, which can hold a driver past its peer's
-    /// retransmission timeout. [`resident`](Self::resident) maps them now.
+    /// Like any zeroed allocation, its pages are mapped on first touch:
+    /// here, when it is registered (or, registered
+    /// [`ON_DEMAND`](super::AccessFlags::ON_DEMAND), by the first transfer
+    /// that reaches each page, on the thread that drives it, a few
+    /// microseconds a fault, which can hold a driver past its peer's
+    /// retransmission timeout). [`resident`](Self::resident) maps them now.
     pub fn zeroed(len: usize) -> Self {
         // Up to a page more than asked for, and the bytes start at the
         // first page boundary inside: no unsafe allocation needed.
@@ -50,13 +59,15 @@ impl RegionBuf {
             storage,
             start,
             len,
+            mapped: false,
         }
     }
 
     /// `len` zero bytes starting on a page boundary, every page of them
     /// mapped now (one write a page), as `ibv_reg_mr` leaves a region
     /// pinned: no transfer into or out of it takes a page fault. The faults
-    /// are taken here instead, 256 per MiB.
+    /// are taken here instead, 256 per MiB, on the calling thread, and
+    /// registering the buffer has none left to take.
     ///
     /// ```
     /// use metaroce_proto::verbs::RegionBuf;
@@ -72,13 +83,48 @@ impl RegionBuf {
             // it is.
             *core::hint::black_box(&mut page[0]) = 0;
         }
+        buf.mapped = true;
         buf
     }
 
-    /// A page-aligned copy of `bytes`.
+    /// Maps every page of the bytes, keeping what they hold (a read and a
+    /// write of one byte a page), unless that is known to be done: a buffer
+    /// made by [`resident`](Self::resident) or [`copy_of`](Self::copy_of),
+    /// or already made resident, is left as it is. Registration calls this;
+    /// calling it first takes the page faults on the calling thread rather
+    /// than on whichever thread registers.
+    ///
+    /// ```
+    /// use metaroce_proto::verbs::RegionBuf;
+    /// let mut buf: RegionBuf = vec![5u8; 3 * RegionBuf::PAGE + 10].into();
+    /// buf.make_resident();
+    /// assert!(buf.iter().all(|&b| b == 5));
+    /// ```
+    pub fn make_resident(&mut self) {
+        if self.mapped {
+            return;
+        }
+        // Byte 0, then the first byte of every page after it: each page the
+        // bytes reach, also where they do not start on a page boundary.
+        let len = self.len;
+        let first_boundary = self.as_ptr().align_offset(Self::PAGE).min(len);
+        let touch = core::iter::once(0)
+            .chain((first_boundary..len).step_by(Self::PAGE))
+            .filter(|&i| i < len);
+        for i in touch {
+            // A store of the value just loaded, which the compiler may not
+            // drop: through `black_box` it cannot see that it is the same.
+            let byte = &mut self[i];
+            *byte = core::hint::black_box(*byte);
+        }
+        self.mapped = true;
+    }
+
+    /// A page-aligned copy of `bytes` (every page of it mapped by the copy).
     pub fn copy_of(bytes: &[u8]) -> Self {
         let mut buf = Self::zeroed(bytes.len());
         buf.copy_from_slice(bytes);
+        buf.mapped = true;
         buf
     }
 
@@ -104,6 +150,7 @@ impl From<Box<[u8]>> for RegionBuf {
             storage,
             start: 0,
             len,
+            mapped: false,
         }
     }
 }
