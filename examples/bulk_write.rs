@@ -1,12 +1,15 @@
 //! Bulk RDMA WRITE between two endpoints over loopback UDP.
 //!
 //! ```sh
-//! cargo run --release --example bulk_write -- [MiB]
+//! cargo run --release --example bulk_write -- [MiB] [on-demand]
 //! ```
 //!
 //! A server exposes a memory region (its rkey and address are the
 //! out-of-band exchange an application does, as with rdma_cm private data);
-//! a client WRITEs into it and the server checks every byte.
+//! a client WRITEs into it and the server checks every byte. Registration
+//! maps every page of the server's region, as `ibv_reg_mr` pins them;
+//! `on-demand` registers it `AccessFlags::ON_DEMAND` instead, and the
+//! transfer then takes the page faults, on the server's driver thread.
 
 use metaroce_io::{connect_pair, Driver, DriverConfig};
 use metaroce_proto::verbs::*;
@@ -15,6 +18,11 @@ use std::time::{Duration, Instant};
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mib: usize = std::env::args().nth(1).map_or(Ok(256), |a| a.parse())?;
     let len = mib << 20;
+    let on_demand = match std::env::args().nth(2).as_deref() {
+        None => AccessFlags::NONE,
+        Some("on-demand") => AccessFlags::ON_DEMAND,
+        Some(other) => return Err(format!("unknown option {other:?} (on-demand)").into()),
+    };
     let mut client = Driver::bind(DriverConfig::new("127.0.0.1:0".parse()?))?;
     let mut server = Driver::bind(DriverConfig::new("127.0.0.1:0".parse()?))?;
     println!("backend: {}", client.backend());
@@ -29,13 +37,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (pdc, pds) = (c.alloc_pd(), s.alloc_pd());
     let (cqc, cqs) = (c.create_cq(256), s.create_cq(256));
     let src = c.reg_mr(pdc, RegionBuf::copy_of(&data), 0, AccessFlags::NONE)?;
-    // Every page of the destination mapped now, as `ibv_reg_mr` pins a
-    // region's pages: the timed transfer takes no page faults.
+    // Registration maps every page of the destination, as `ibv_reg_mr`
+    // pins a region's pages: the timed transfer takes no page faults.
     let dst = s.reg_mr(
         pds,
-        RegionBuf::resident(len),
+        RegionBuf::zeroed(len),
         0x10_0000_0000,
-        AccessFlags::REMOTE_WRITE,
+        AccessFlags::REMOTE_WRITE | on_demand,
     )?;
     let qc = c.create_qp(QpInit::new(pdc, cqc, cqc))?;
     let qs = s.create_qp(QpInit::new(pds, cqs, cqs))?;

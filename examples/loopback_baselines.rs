@@ -806,7 +806,7 @@ fn metaroce_write_gbps(secs: f64, stream: Stream) -> Run {
         .endpoint()
         .reg_mr(
             pdb,
-            RegionBuf::resident(16 * size),
+            RegionBuf::zeroed(16 * size),
             0,
             AccessFlags::REMOTE_WRITE,
         )

@@ -83,7 +83,7 @@ fn stream(backend: Backend, msg: usize, secs: f64, zero_copy: bool) -> Result<Ru
         let cq = ep.create_cq(64);
         let mr = ep.reg_mr(
             pd,
-            RegionBuf::resident(DEPTH as usize * msg),
+            RegionBuf::zeroed(DEPTH as usize * msg),
             0x1000_0000,
             AccessFlags::REMOTE_WRITE,
         )?;

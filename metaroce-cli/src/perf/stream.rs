@@ -199,10 +199,10 @@ pub(super) const STEP_BYTES: u64 = 256 << 10;
 
 /// Writes every byte of a freshly registered region (a poison no message
 /// pattern holds throughout), before the run, as perftest sets its
-/// buffers: a zeroed allocation is mapped page by page on first touch, and
-/// those faults, in the middle of a run, held the threads that took them
-/// for milliseconds (8 MiB messages: 11–12 Gbit/s untouched against 13–16
-/// touched).
+/// buffers. Registration has already mapped its pages (before it did, the
+/// first touch of each, in the middle of a run, held the thread that took
+/// it for milliseconds: 8 MiB messages ran at 11–12 Gbit/s untouched
+/// against 13–16 touched).
 fn touch(ep: &mut Endpoint, mr: &MrInfo) {
     if let Some(b) = ep.mr_mut(mr.lkey) {
         b.fill(0xa5);
