@@ -49,6 +49,7 @@ mod config;
 pub mod device;
 mod error;
 mod fault;
+mod memory;
 mod metrics;
 mod mtu;
 mod pair;
@@ -69,6 +70,7 @@ pub use device::{
 };
 pub use error::DriverError;
 pub use fault::FaultConfig;
+pub use memory::{make_resident, Mapping};
 pub use metrics::{Metrics, MetricsServer};
 pub use mtu::max_udp_payload;
 pub use pair::{connect_pair, PairError};

@@ -2,11 +2,12 @@
 //! A registered region has every page mapped, as `ibv_reg_mr` leaves a
 //! region pinned, unless it is registered `ON_DEMAND`: asked of the kernel
 //! page by page (`mincore`), for `RegionBuf::resident`, for
-//! `RegionBuf::make_resident` on any buffer (its bytes kept), and for
-//! registration through the core's `Endpoint::reg_mr` and the async
+//! `RegionBuf::make_resident` on any buffer (its bytes kept), for the
+//! driver's `make_resident` (one `madvise` where the kernel has it), and
+//! for registration through the core's `Endpoint::reg_mr` and the async
 //! `ProtectionDomain::reg_mr`.
 
-use metaroce_io::{Backend, Device, DriverConfig};
+use metaroce_io::{make_resident, Backend, Device, DriverConfig, Mapping};
 use metaroce_proto::verbs::{AccessFlags, RegionBuf};
 use metaroce_proto::{Endpoint, EndpointConfig};
 
@@ -68,6 +69,39 @@ fn make_resident_maps_every_page_a_buffer_reaches_and_keeps_its_bytes() {
     }
     let nonzero = buf.iter().filter(|&&b| b != 0).count();
     assert_eq!(nonzero, marks.len());
+}
+
+#[test]
+fn the_driver_maps_a_buffer_in_one_call_and_keeps_its_bytes() {
+    let len = LEN + 100;
+    let mut v = vec![0u8; len];
+    let marks = [(0, 1u8), (LEN / 3, 2), (len - 1, 3)];
+    for (i, b) in marks {
+        v[i] = b;
+    }
+    let mut buf: RegionBuf = v.into();
+    let (before, pages) = pages_in_memory(buf.as_ptr(), len);
+    assert!(
+        before < pages / 2,
+        "{before} of {pages} pages mapped before"
+    );
+    let how = make_resident(&mut buf);
+    if how == Mapping::PageByPage {
+        // Kernels before 5.14 have no MADV_POPULATE_WRITE.
+        println!("note: MADV_POPULATE_WRITE unavailable, pages touched one by one");
+    } else {
+        assert_eq!(how, Mapping::InOneCall);
+    }
+    assert_eq!(pages_in_memory(buf.as_ptr(), len), (pages, pages));
+    for (i, b) in marks {
+        assert_eq!(buf[i], b, "byte {i}");
+    }
+    assert_eq!(buf.iter().filter(|&&b| b != 0).count(), marks.len());
+    assert_eq!(make_resident(&mut buf), Mapping::Already);
+    assert_eq!(
+        make_resident(&mut RegionBuf::resident(8192)),
+        Mapping::Already
+    );
 }
 
 #[test]

@@ -372,11 +372,11 @@ impl ProtectionDomain {
     /// `Box<[u8]>` is taken as it is.
     ///
     /// As `ibv_reg_mr` pins a region's pages, this maps every page of
-    /// `buf` ([`RegionBuf::make_resident`]) before the endpoint takes it:
-    /// the page faults are taken here, on the calling thread (a few hundred
-    /// per MiB, a fraction of a second for a GiB, during which this
-    /// `await` does not yield), not by the driver in the middle of a
-    /// transfer. `access` with [`AccessFlags::ON_DEMAND`] leaves them to
+    /// `buf` before the endpoint takes it, keeping its bytes: here, on the
+    /// calling thread (with one `madvise(MADV_POPULATE_WRITE)` where the
+    /// kernel has it, else a fault a page; about 0.4 s for a GiB, during
+    /// which this `await` does not yield), not by the driver in the middle
+    /// of a transfer. `access` with [`AccessFlags::ON_DEMAND`] leaves them to
     /// the first access of each page instead.
     ///
     /// `access` is what the peer may do (`REMOTE_WRITE`, `REMOTE_READ`) and
@@ -406,7 +406,7 @@ impl ProtectionDomain {
         if !access.contains(AccessFlags::ON_DEMAND) {
             // Here rather than on the driver's thread, which would stall
             // every connection's traffic while it took the faults.
-            buf.make_resident();
+            crate::make_resident(&mut buf);
         }
         let pd = self.pd;
         let info = self

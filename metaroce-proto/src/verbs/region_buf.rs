@@ -101,16 +101,42 @@ impl RegionBuf {
     /// assert!(buf.iter().all(|&b| b == 5));
     /// ```
     pub fn make_resident(&mut self) {
+        self.make_resident_with(|_| false);
+    }
+
+    /// [`make_resident`](Self::make_resident), with `populate` asked first
+    /// to map the pages of the bytes it is given, keeping them, in one go
+    /// (a driver's system call, such as Linux's
+    /// `madvise(MADV_POPULATE_WRITE)`, which maps a range without a fault a
+    /// page). Where it returns false the pages are touched one by one.
+    ///
+    /// ```
+    /// use metaroce_proto::verbs::RegionBuf;
+    /// let mut buf: RegionBuf = vec![5u8; 10_000].into();
+    /// let mut asked = 0;
+    /// buf.make_resident_with(|bytes| {
+    ///     asked = bytes.len();
+    ///     false // cannot: touch them instead
+    /// });
+    /// assert_eq!(asked, 10_000);
+    /// buf.make_resident_with(|_| unreachable!("already resident"));
+    /// ```
+    pub fn make_resident_with(&mut self, populate: impl FnOnce(&mut [u8]) -> bool) {
         if self.mapped {
             return;
         }
-        // Byte 0, then the first byte of every page after it: each page the
-        // bytes reach, also where they do not start on a page boundary.
+        if populate(&mut self[..]) {
+            self.mapped = true;
+            return;
+        }
+        // The first byte of every page the bytes reach: byte 0 where they
+        // do not start on a page boundary, then each boundary after it.
         let len = self.len;
         let first_boundary = self.as_ptr().align_offset(Self::PAGE).min(len);
-        let touch = core::iter::once(0)
-            .chain((first_boundary..len).step_by(Self::PAGE))
-            .filter(|&i| i < len);
+        let touch = (first_boundary > 0)
+            .then_some(0)
+            .into_iter()
+            .chain((first_boundary..len).step_by(Self::PAGE));
         for i in touch {
             // A store of the value just loaded, which the compiler may not
             // drop: through `black_box` it cannot see that it is the same.
