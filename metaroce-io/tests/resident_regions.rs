@@ -46,10 +46,11 @@ fn resident_regions_have_every_page_in_memory_and_zeroed_ones_do_not() {
     assert_eq!(resident.len(), LEN);
 }
 
-#[test]
-fn make_resident_maps_every_page_a_buffer_reaches_and_keeps_its_bytes() {
-    // Not on a page boundary, and ending inside a page: the first and last
-    // pages are only partly the buffer's.
+/// Runs `map` on a freshly allocated buffer that is not on a page boundary
+/// and ends inside a page (the first and last pages only partly its own),
+/// with a few bytes set (only their pages mapped), and checks that it then
+/// has every page mapped and the same bytes.
+fn maps_every_page_and_keeps_the_bytes(map: impl FnOnce(&mut RegionBuf)) {
     let len = LEN + 100;
     let mut v = vec![0u8; len];
     let marks = [(0, 1u8), (4095, 2), (LEN / 2 + 7, 3), (len - 1, 4)];
@@ -62,7 +63,7 @@ fn make_resident_maps_every_page_a_buffer_reaches_and_keeps_its_bytes() {
         before < pages / 2,
         "{before} of {pages} pages mapped before"
     );
-    buf.make_resident();
+    map(&mut buf);
     assert_eq!(pages_in_memory(buf.as_ptr(), len), (pages, pages));
     for (i, b) in marks {
         assert_eq!(buf[i], b, "byte {i}");
@@ -72,32 +73,22 @@ fn make_resident_maps_every_page_a_buffer_reaches_and_keeps_its_bytes() {
 }
 
 #[test]
+fn make_resident_maps_every_page_a_buffer_reaches_and_keeps_its_bytes() {
+    maps_every_page_and_keeps_the_bytes(RegionBuf::make_resident);
+}
+
+#[test]
 fn the_driver_maps_a_buffer_in_one_call_and_keeps_its_bytes() {
-    let len = LEN + 100;
-    let mut v = vec![0u8; len];
-    let marks = [(0, 1u8), (LEN / 3, 2), (len - 1, 3)];
-    for (i, b) in marks {
-        v[i] = b;
-    }
-    let mut buf: RegionBuf = v.into();
-    let (before, pages) = pages_in_memory(buf.as_ptr(), len);
-    assert!(
-        before < pages / 2,
-        "{before} of {pages} pages mapped before"
-    );
-    let how = make_resident(&mut buf);
-    if how == Mapping::PageByPage {
-        // Kernels before 5.14 have no MADV_POPULATE_WRITE.
-        println!("note: MADV_POPULATE_WRITE unavailable, pages touched one by one");
-    } else {
-        assert_eq!(how, Mapping::InOneCall);
-    }
-    assert_eq!(pages_in_memory(buf.as_ptr(), len), (pages, pages));
-    for (i, b) in marks {
-        assert_eq!(buf[i], b, "byte {i}");
-    }
-    assert_eq!(buf.iter().filter(|&&b| b != 0).count(), marks.len());
-    assert_eq!(make_resident(&mut buf), Mapping::Already);
+    maps_every_page_and_keeps_the_bytes(|buf| {
+        let how = make_resident(buf);
+        if how == Mapping::PageByPage {
+            // Kernels before 5.14 have no MADV_POPULATE_WRITE.
+            println!("note: MADV_POPULATE_WRITE unavailable, pages touched one by one");
+        } else {
+            assert_eq!(how, Mapping::InOneCall);
+        }
+        assert_eq!(make_resident(buf), Mapping::Already);
+    });
     assert_eq!(
         make_resident(&mut RegionBuf::resident(8192)),
         Mapping::Already
