@@ -413,9 +413,12 @@ impl UringDriver {
         if spin.is_zero() {
             return Ok(false);
         }
-        // What the turn queued (answers, re-armed receives) goes out first.
-        self.ring.submit(0)?;
-        self.stats.submits += 1;
+        // What the turn queued (answers, re-armed receives) goes out first;
+        // with nothing queued, no system call.
+        if self.ring.queued() {
+            self.ring.submit(0)?;
+            self.stats.submits += 1;
+        }
         let until = std::time::Instant::now() + spin;
         'spin: loop {
             for _ in 0..64 {
