@@ -168,43 +168,7 @@ fn read_10pct<D: IoDriver>(name: &str) {
     }
     const LEN: usize = 4 << 20;
     let mut p = faulty_pair::<D>(lossy(5, 0.10), lossy(6, 0.10));
-    let data = pattern(3, LEN);
-    let remote =
-        p.b.endpoint()
-            .reg_mr(
-                p.pdb,
-                data.clone().into_boxed_slice(),
-                0x4000_0000,
-                AccessFlags::REMOTE_READ,
-            )
-            .unwrap();
-    let local =
-        p.a.endpoint()
-            .reg_mr(
-                p.pda,
-                vec![0u8; LEN].into_boxed_slice(),
-                0,
-                AccessFlags::LOCAL_WRITE,
-            )
-            .unwrap();
-    let now = p.a.now();
-    let wr = SendWr::new(
-        9,
-        SendOp::Read(RemoteAddr {
-            rkey: remote.rkey,
-            addr: remote.addr,
-        }),
-        Sge {
-            lkey: local.lkey,
-            addr: 0,
-            len: LEN as u32,
-        },
-    );
-    p.a.endpoint().post_send(now, p.qa, wr).unwrap();
-    let (wa, _) = p.complete(1, 0);
-    assert_eq!(wa[0].wr_id, 9);
-    let got = p.a.endpoint().mr(local.lkey).unwrap();
-    assert!(got == &data[..], "{name}: READ data differs");
+    p.read_checked(name, LEN);
     report(&mut p, &format!("{name}: READ at 10% loss"));
     assert!(p.a.stats().faults_dropped > 0);
 }

@@ -150,6 +150,50 @@ impl<D: IoDriver> Pair<D> {
         self.finish_write(name, w);
     }
 
+    /// READs `len` pattern bytes from a region of `b` into a fresh region
+    /// of `a` in one request and checks every byte at `a`.
+    pub fn read_checked(&mut self, name: &str, len: usize) {
+        let data = pattern(3, len);
+        let remote = self
+            .b
+            .endpoint()
+            .reg_mr(
+                self.pdb,
+                data.clone().into_boxed_slice(),
+                0x4000_0000,
+                AccessFlags::REMOTE_READ,
+            )
+            .unwrap();
+        let local = self
+            .a
+            .endpoint()
+            .reg_mr(
+                self.pda,
+                vec![0u8; len].into_boxed_slice(),
+                0,
+                AccessFlags::LOCAL_WRITE,
+            )
+            .unwrap();
+        let now = self.a.now();
+        let wr = SendWr::new(
+            9,
+            SendOp::Read(RemoteAddr {
+                rkey: remote.rkey,
+                addr: remote.addr,
+            }),
+            Sge {
+                lkey: local.lkey,
+                addr: 0,
+                len: len as u32,
+            },
+        );
+        self.a.endpoint().post_send(now, self.qa, wr).unwrap();
+        let (wa, _) = self.complete(1, 0);
+        assert_eq!(wa[0].wr_id, 9);
+        let got = self.a.endpoint().mr(local.lkey).unwrap();
+        assert!(got == &data[..], "{name}: READ data differs");
+    }
+
     /// Posts, on `a`, `parts` WRITEs of `len` pattern bytes in all into a
     /// fresh region of `b`; nothing is polled yet.
     pub fn post_write(&mut self, len: usize, parts: u64) -> PostedWrite {
