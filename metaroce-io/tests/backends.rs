@@ -83,64 +83,7 @@ fn send_recv<D: IoDriver>(name: &str) {
     const N: usize = 16;
     const MSG: usize = 100_000;
     let mut p = pair::<D>(config(16));
-    let data = pattern(2, N * MSG);
-    let src =
-        p.a.endpoint()
-            .reg_mr(p.pda, data.clone().into_boxed_slice(), 0, AccessFlags::NONE)
-            .unwrap();
-    let dst =
-        p.b.endpoint()
-            .reg_mr(
-                p.pdb,
-                vec![0u8; N * MSG].into_boxed_slice(),
-                0,
-                AccessFlags::LOCAL_WRITE,
-            )
-            .unwrap();
-    for i in 0..N {
-        let sge = Sge {
-            lkey: dst.lkey,
-            addr: (i * MSG) as u64,
-            len: MSG as u32,
-        };
-        p.b.endpoint()
-            .post_recv(
-                p.qb,
-                RecvWr {
-                    wr_id: i as u64,
-                    sge,
-                },
-            )
-            .unwrap();
-    }
-    let now = p.a.now();
-    for i in 0..N {
-        // Message i is shorter by i bytes: byte_len is checked too.
-        let len = MSG - i;
-        let wr = SendWr::new(
-            i as u64,
-            SendOp::SendImm(i as u32),
-            Sge {
-                lkey: src.lkey,
-                addr: (i * MSG) as u64,
-                len: len as u32,
-            },
-        );
-        p.a.endpoint().post_send(now, p.qa, wr).unwrap();
-    }
-    let (_, wb) = p.complete(N, N);
-    let got = p.b.endpoint().mr(dst.lkey).unwrap().to_vec();
-    for wc in &wb {
-        let i = wc.wr_id as usize;
-        assert_eq!(wc.imm, Some(i as u32));
-        assert_eq!(
-            wc.byte_len as usize,
-            MSG - i,
-            "{name}: length of message {i}"
-        );
-        let r = i * MSG..i * MSG + MSG - i;
-        assert!(got[r.clone()] == data[r], "{name}: message {i} differs");
-    }
+    p.send_recv_checked(name, N, MSG);
 }
 
 /// Request/answer round trips over real sockets, both drivers polled from

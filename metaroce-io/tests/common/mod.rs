@@ -150,6 +150,71 @@ impl<D: IoDriver> Pair<D> {
         self.finish_write(name, w);
     }
 
+    /// SENDs `n` messages with immediates from `a` into `n` RECVs posted at
+    /// `b`, message `i` of `msg - i` pattern bytes (so each completion's
+    /// length is checked too), and checks every byte and immediate.
+    pub fn send_recv_checked(&mut self, name: &str, n: usize, msg: usize) {
+        let data = pattern(2, n * msg);
+        let src = self
+            .a
+            .endpoint()
+            .reg_mr(
+                self.pda,
+                data.clone().into_boxed_slice(),
+                0,
+                AccessFlags::NONE,
+            )
+            .unwrap();
+        let dst = self
+            .b
+            .endpoint()
+            .reg_mr(
+                self.pdb,
+                vec![0u8; n * msg].into_boxed_slice(),
+                0,
+                AccessFlags::LOCAL_WRITE,
+            )
+            .unwrap();
+        for i in 0..n {
+            let sge = Sge {
+                lkey: dst.lkey,
+                addr: (i * msg) as u64,
+                len: msg as u32,
+            };
+            let wr = RecvWr {
+                wr_id: i as u64,
+                sge,
+            };
+            self.b.endpoint().post_recv(self.qb, wr).unwrap();
+        }
+        let now = self.a.now();
+        for i in 0..n {
+            let wr = SendWr::new(
+                i as u64,
+                SendOp::SendImm(i as u32),
+                Sge {
+                    lkey: src.lkey,
+                    addr: (i * msg) as u64,
+                    len: (msg - i) as u32,
+                },
+            );
+            self.a.endpoint().post_send(now, self.qa, wr).unwrap();
+        }
+        let (_, wb) = self.complete(n, n);
+        let got = self.b.endpoint().mr(dst.lkey).unwrap().to_vec();
+        for wc in &wb {
+            let i = wc.wr_id as usize;
+            assert_eq!(wc.imm, Some(i as u32));
+            assert_eq!(
+                wc.byte_len as usize,
+                msg - i,
+                "{name}: length of message {i}"
+            );
+            let r = i * msg..i * msg + msg - i;
+            assert!(got[r.clone()] == data[r], "{name}: message {i} differs");
+        }
+    }
+
     /// READs `len` pattern bytes from a region of `b` into a fresh region
     /// of `a` in one request and checks every byte at `a`.
     pub fn read_checked(&mut self, name: &str, len: usize) {
