@@ -57,11 +57,12 @@ fn populate_write(bytes: &mut [u8]) -> bool {
     let page = RegionBuf::PAGE;
     let start = bytes.as_ptr() as usize / page * page;
     let end = (bytes.as_ptr() as usize + bytes.len()).div_ceil(page) * page;
-    // SAFETY: the range is the pages `bytes` reach, each mapped memory of
-    // this process (the first and last possibly shared with other
-    // allocations, which mapping them already does not change), and
-    // MADV_POPULATE_WRITE only faults those pages in, writable, as writes
-    // would: no byte of them changes and nothing is freed.
+    // SAFETY: the range is the pages `bytes` reach, all memory this
+    // process has allocated (the first and last may also hold other
+    // allocations' bytes). MADV_POPULATE_WRITE only faults those pages in,
+    // writable, as a write to each would: it changes no byte of them,
+    // frees nothing and moves nothing, so no reference into them is
+    // disturbed.
     let r = unsafe {
         libc::madvise(
             start as *mut libc::c_void,
