@@ -150,31 +150,42 @@ impl<D: IoDriver> Pair<D> {
         self.finish_write(name, w);
     }
 
+    /// Registers `len` pattern bytes (`seed`) as the source, on `a` or
+    /// (`src_on_a` false) on `b`, and `len` zero bytes as the destination on
+    /// the other side, each at its address with its access: the pattern and
+    /// the two regions.
+    fn source_and_destination(
+        &mut self,
+        (seed, len, src_on_a): (u64, usize, bool),
+        src: (u64, AccessFlags),
+        dst: (u64, AccessFlags),
+    ) -> (Vec<u8>, MrInfo, MrInfo) {
+        let data = pattern(seed, len);
+        let (from, from_pd, to, to_pd) = if src_on_a {
+            (&mut self.a, self.pda, &mut self.b, self.pdb)
+        } else {
+            (&mut self.b, self.pdb, &mut self.a, self.pda)
+        };
+        let s = from
+            .endpoint()
+            .reg_mr(from_pd, data.clone().into_boxed_slice(), src.0, src.1)
+            .unwrap();
+        let d = to
+            .endpoint()
+            .reg_mr(to_pd, vec![0u8; len].into_boxed_slice(), dst.0, dst.1)
+            .unwrap();
+        (data, s, d)
+    }
+
     /// SENDs `n` messages with immediates from `a` into `n` RECVs posted at
     /// `b`, message `i` of `msg - i` pattern bytes (so each completion's
     /// length is checked too), and checks every byte and immediate.
     pub fn send_recv_checked(&mut self, name: &str, n: usize, msg: usize) {
-        let data = pattern(2, n * msg);
-        let src = self
-            .a
-            .endpoint()
-            .reg_mr(
-                self.pda,
-                data.clone().into_boxed_slice(),
-                0,
-                AccessFlags::NONE,
-            )
-            .unwrap();
-        let dst = self
-            .b
-            .endpoint()
-            .reg_mr(
-                self.pdb,
-                vec![0u8; n * msg].into_boxed_slice(),
-                0,
-                AccessFlags::LOCAL_WRITE,
-            )
-            .unwrap();
+        let (data, src, dst) = self.source_and_destination(
+            (2, n * msg, true),
+            (0, AccessFlags::NONE),
+            (0, AccessFlags::LOCAL_WRITE),
+        );
         for i in 0..n {
             let sge = Sge {
                 lkey: dst.lkey,
@@ -218,27 +229,11 @@ impl<D: IoDriver> Pair<D> {
     /// READs `len` pattern bytes from a region of `b` into a fresh region
     /// of `a` in one request and checks every byte at `a`.
     pub fn read_checked(&mut self, name: &str, len: usize) {
-        let data = pattern(3, len);
-        let remote = self
-            .b
-            .endpoint()
-            .reg_mr(
-                self.pdb,
-                data.clone().into_boxed_slice(),
-                0x4000_0000,
-                AccessFlags::REMOTE_READ,
-            )
-            .unwrap();
-        let local = self
-            .a
-            .endpoint()
-            .reg_mr(
-                self.pda,
-                vec![0u8; len].into_boxed_slice(),
-                0,
-                AccessFlags::LOCAL_WRITE,
-            )
-            .unwrap();
+        let (data, remote, local) = self.source_and_destination(
+            (3, len, false),
+            (0x4000_0000, AccessFlags::REMOTE_READ),
+            (0, AccessFlags::LOCAL_WRITE),
+        );
         let now = self.a.now();
         let wr = SendWr::new(
             9,
@@ -262,27 +257,11 @@ impl<D: IoDriver> Pair<D> {
     /// Posts, on `a`, `parts` WRITEs of `len` pattern bytes in all into a
     /// fresh region of `b`; nothing is polled yet.
     pub fn post_write(&mut self, len: usize, parts: u64) -> PostedWrite {
-        let data = pattern(1, len);
-        let src = self
-            .a
-            .endpoint()
-            .reg_mr(
-                self.pda,
-                data.clone().into_boxed_slice(),
-                0,
-                AccessFlags::NONE,
-            )
-            .unwrap();
-        let dst = self
-            .b
-            .endpoint()
-            .reg_mr(
-                self.pdb,
-                vec![0u8; len].into_boxed_slice(),
-                0x10_0000,
-                AccessFlags::REMOTE_WRITE,
-            )
-            .unwrap();
+        let (data, src, dst) = self.source_and_destination(
+            (1, len, true),
+            (0, AccessFlags::NONE),
+            (0x10_0000, AccessFlags::REMOTE_WRITE),
+        );
         let part = len as u64 / parts;
         let now = self.a.now();
         for k in 0..parts {
