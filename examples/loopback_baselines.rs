@@ -4,7 +4,7 @@
 //! small-message latency.
 //!
 //! ```sh
-//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|sleeping|shallow|jumbo|udp|udp-gathered|udp-jumbo|udp-gathered-jumbo|udp-pieces|udp-no-copy|ping-pong|ping-pong-metaroce]]]
+//! cargo run --release --example loopback_baselines -- [SECONDS [ROUNDS [metaroce|metaroce1|sleeping|shallow|jumbo|udp|udp-gathered|udp-jumbo|udp-gathered-jumbo|udp-pieces|udp-no-copy|udp-receive|ping-pong|ping-pong-metaroce]]]
 //! ```
 //!
 //! With `metaroce`, `metaroce1` (the same stream over one path),
@@ -18,7 +18,10 @@
 //! what the kernel spends on a piece, of which metaroce's gathered sends
 //! have two a datagram) or `udp-no-copy` (raw UDP sent with metaroce's
 //! layout, then with the payloads' pages handed to the kernel instead of
-//! copied: `MSG_ZEROCOPY`, and `vmsplice` + `splice`)
+//! copied: `MSG_ZEROCOPY`, and `vmsplice` + `splice`) or `udp-receive`
+//! (raw UDP with metaroce's layout received three ways: thrown away,
+//! copied into a region after the read as metaroce's receiver does, and
+//! read straight into the region)
 //! after the rounds, only that test runs, round after round (what
 //! `scripts/cost-per-gbit.sh` profiles).
 //!
@@ -247,10 +250,28 @@ fn tcp_gbps(secs: f64) -> Run {
     }
 }
 
+/// What the receiving thread of a raw UDP stream does with each GRO batch.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Receive {
+    /// Reads it (the kernel's copy into one buffer) and counts its bytes:
+    /// the baseline.
+    Discard,
+    /// Reads it into one buffer, then copies each datagram's payload (all
+    /// but its first `HEADER` bytes) into a 1 MiB region, slot after slot,
+    /// as metaroce's receiver places payloads: two copies.
+    Place,
+    /// Reads it with an `iovec` a header and one a payload for each
+    /// datagram, the payloads' straight into the region where the next
+    /// slots are: the kernel's one copy puts each payload in place, as a
+    /// receiver that knew (or guessed) where the next payloads go could.
+    Scatter,
+}
+
 /// Raw UDP with GSO/GRO: a receiving thread reads with GRO and counts the
-/// bytes while this thread calls `send` (one GSO send of up to 64 KiB to
-/// the given address, on the given socket) for `secs`.
-fn udp_stream(secs: f64, mut send: impl FnMut(&UdpSocket, SocketAddr)) -> Run {
+/// bytes (doing with them what `receive` says) while this thread calls
+/// `send` (one GSO send of up to 64 KiB to the given address, on the given
+/// socket) for `secs`.
+fn udp_stream(secs: f64, receive: Receive, mut send: impl FnMut(&UdpSocket, SocketAddr)) -> Run {
     let rx = UdpSocket::bind("127.0.0.1:0").unwrap();
     let socket2 = socket2::SockRef::from(&rx);
     let _ = socket2.set_recv_buffer_size(8 << 20);
@@ -265,6 +286,10 @@ fn udp_stream(secs: f64, mut send: impl FnMut(&UdpSocket, SocketAddr)) -> Run {
         let busy = Busy::start();
         let mut buf = vec![0u8; 64 * 65536];
         let mut n = 0u64;
+        if receive != Receive::Discard {
+            n = place_batches(&rx, receive, &stop2);
+            return (n, busy.fraction());
+        }
         while !stop2.load(Ordering::Relaxed) {
             let mut meta = [RecvMeta::default()];
             let mut bufs = [IoSliceMut::new(&mut buf)];
@@ -293,12 +318,71 @@ fn udp_stream(secs: f64, mut send: impl FnMut(&UdpSocket, SocketAddr)) -> Run {
     }
 }
 
+/// The receiving loop of [`Receive::Place`] and [`Receive::Scatter`] for
+/// datagrams of `DATAGRAM` bytes (a `HEADER` and a 4 KiB payload), read
+/// with plain `recvmsg` either way, until `stop`: the bytes received.
+fn place_batches(rx: &UdpSocket, receive: Receive, stop: &AtomicBool) -> u64 {
+    use std::os::fd::AsRawFd;
+    const PAYLOAD: usize = DATAGRAM - HEADER;
+    const SEGS: usize = 65_507 / DATAGRAM;
+    const REGION: usize = 1 << 20;
+    let mut backing = RegionBuf::resident(REGION);
+    let mut batch = vec![0u8; 65_536];
+    let mut headers = vec![0u8; HEADER * SEGS];
+    let mut iov = Vec::with_capacity(2 * SEGS);
+    let (mut slot, mut n) = (0usize, 0u64);
+    while !stop.load(Ordering::Relaxed) {
+        iov.clear();
+        match receive {
+            Receive::Scatter => {
+                for k in 0..SEGS {
+                    let at = (slot + k) % (REGION / PAYLOAD) * PAYLOAD;
+                    iov.push(libc::iovec {
+                        iov_base: headers[k * HEADER..].as_mut_ptr().cast(),
+                        iov_len: HEADER,
+                    });
+                    iov.push(libc::iovec {
+                        iov_base: backing[at..at + PAYLOAD].as_mut_ptr().cast(),
+                        iov_len: PAYLOAD,
+                    });
+                }
+            }
+            _ => iov.push(libc::iovec {
+                iov_base: batch.as_mut_ptr().cast(),
+                iov_len: batch.len(),
+            }),
+        }
+        // SAFETY: all zeros is a valid msghdr (no name, no control).
+        let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
+        m.msg_iov = iov.as_mut_ptr();
+        m.msg_iovlen = iov.len() as _;
+        // SAFETY: every iovec points at writable memory of its length
+        // (`headers`, the region, `batch`), all alive until the call ends.
+        let r = unsafe { libc::recvmsg(rx.as_raw_fd(), &mut m, 0) };
+        if r <= 0 {
+            continue; // the read timeout: look at `stop` again
+        }
+        let len = r as usize;
+        let segs = len.div_ceil(DATAGRAM);
+        if receive == Receive::Place {
+            for (k, d) in batch[..len].chunks(DATAGRAM).enumerate() {
+                let at = (slot + k) % (REGION / PAYLOAD) * PAYLOAD;
+                let p = &d[HEADER.min(d.len())..];
+                backing[at..at + p.len()].copy_from_slice(p);
+            }
+        }
+        slot += segs;
+        n += len as u64;
+    }
+    n
+}
+
 /// The baseline: every GSO send one contiguous buffer of whole datagrams
 /// of `datagram` bytes.
 fn udp_gso_gbps(secs: f64, datagram: usize) -> Run {
     let mut state = None;
     let mut payload = Vec::new();
-    udp_stream(secs, |tx, dst| {
+    udp_stream(secs, Receive::Discard, |tx, dst| {
         let st = state.get_or_insert_with(|| {
             let st = UdpSocketState::new(UdpSockRef::from(tx)).unwrap();
             // A GSO send is at most one 64 KiB UDP payload.
@@ -405,7 +489,7 @@ fn drain_error_queue(fd: std::os::fd::RawFd) {
 /// under; `Cut(64)` sends the baseline's own buffer (as many datagrams of
 /// `datagram` bytes as fit 64 KiB) in 64-byte pieces, and so measures what
 /// the kernel spends on a piece.
-fn udp_pieces_gbps(secs: f64, datagram: usize, layout: Pieces) -> Run {
+fn udp_pieces_gbps(secs: f64, datagram: usize, layout: Pieces, receive: Receive) -> Run {
     use std::os::fd::AsRawFd;
     let payload = datagram - HEADER;
     let (segs, zc) = match layout {
@@ -420,7 +504,7 @@ fn udp_pieces_gbps(secs: f64, datagram: usize, layout: Pieces) -> Run {
     let control = segment_cmsg(datagram);
     let mut slot = 0usize;
     let mut sends = 0u64;
-    udp_stream(secs, |tx, dst| {
+    udp_stream(secs, receive, |tx, dst| {
         if zc && sends == 0 {
             set_int_option(tx.as_raw_fd(), libc::SOL_SOCKET, libc::SO_ZEROCOPY, 1);
         }
@@ -508,7 +592,7 @@ fn udp_spliced_gbps(secs: f64, datagram: usize, segs: usize) -> Run {
     // (16 pages), which one send's payloads still fit.
     unsafe { libc::fcntl(wr.as_raw_fd(), libc::F_SETPIPE_SZ, 1 << 20) };
     let mut slot = 0usize;
-    udp_stream(secs, |tx, dst| {
+    udp_stream(secs, Receive::Discard, |tx, dst| {
         let fd = tx.as_raw_fd();
         if slot == 0 {
             tx.connect(dst).expect("connect");
@@ -571,6 +655,7 @@ fn udp_gathered_gbps(secs: f64, datagram: usize) -> Run {
         Pieces::Gathered {
             segs: Pieces::max_segs(datagram),
         },
+        Receive::Discard,
     )
 }
 
@@ -1198,7 +1283,10 @@ fn only_throughput(which: &str, secs: f64, rounds: usize) {
         let mut per_piece = vec![];
         for round in 1..=rounds {
             let whole = on_own_thread(|| udp_gso_gbps(secs, DATAGRAM)).gbps;
-            let cut = on_own_thread(|| udp_pieces_gbps(secs, DATAGRAM, Pieces::Cut(64))).gbps;
+            let cut = on_own_thread(|| {
+                udp_pieces_gbps(secs, DATAGRAM, Pieces::Cut(64), Receive::Discard)
+            })
+            .gbps;
             // Microseconds a send takes, whole and cut.
             let (tw, tc) = (bytes * 8.0 / whole / 1e3, bytes * 8.0 / cut / 1e3);
             let ns = (tc - tw) * 1e3 / (pieces - 1.0);
@@ -1210,6 +1298,36 @@ fn only_throughput(which: &str, secs: f64, rounds: usize) {
         println!(
             "median over {rounds} rounds: {:.0} ns a piece; metaroce's 4 KiB datagrams take 2 a datagram, 30 a send",
             median(per_piece)
+        );
+        return;
+    }
+    if which == "udp-receive" {
+        // What a receiver that puts payloads where they belong pays, in
+        // raw UDP sent with metaroce's layout, alternately: read and
+        // thrown away (the baseline), read and then copied into a region
+        // (metaroce's two copies), read straight into the region (one
+        // copy, as a receiver that knew where the next payloads go could).
+        let full = Pieces::max_segs(DATAGRAM);
+        let kinds = [Receive::Discard, Receive::Place, Receive::Scatter];
+        let (mut place, mut scatter) = (vec![], vec![]);
+        for round in 1..=rounds {
+            let g = kinds.map(|k| {
+                on_own_thread(|| {
+                    udp_pieces_gbps(secs, DATAGRAM, Pieces::Gathered { segs: full }, k)
+                })
+                .gbps
+            });
+            place.push(g[1] / g[0]);
+            scatter.push(g[2] / g[1]);
+            println!(
+                "round {round}: thrown away {:.2} Gbit/s | copied into a region after the read {:.2} ({:.2} of thrown away) | read straight into the region {:.2} ({:.2} of copied after)",
+                g[0], g[1], g[1] / g[0], g[2], g[2] / g[1]
+            );
+        }
+        println!(
+            "medians over {rounds} rounds: copied after the read / thrown away {:.2}, read into place / copied after the read {:.2}",
+            median(place),
+            median(scatter)
         );
         return;
     }
@@ -1230,12 +1348,29 @@ fn only_throughput(which: &str, secs: f64, rounds: usize) {
         for round in 1..=rounds {
             let udp = on_own_thread(|| udp_gso_gbps(secs, DATAGRAM)).gbps;
             let runs = [
-                on_own_thread(|| udp_pieces_gbps(secs, DATAGRAM, Pieces::Gathered { segs: full })),
                 on_own_thread(|| {
-                    udp_pieces_gbps(secs, DATAGRAM, Pieces::Gathered { segs: ZC_SEGS })
+                    udp_pieces_gbps(
+                        secs,
+                        DATAGRAM,
+                        Pieces::Gathered { segs: full },
+                        Receive::Discard,
+                    )
                 }),
                 on_own_thread(|| {
-                    udp_pieces_gbps(secs, DATAGRAM, Pieces::ZeroCopy { segs: ZC_SEGS })
+                    udp_pieces_gbps(
+                        secs,
+                        DATAGRAM,
+                        Pieces::Gathered { segs: ZC_SEGS },
+                        Receive::Discard,
+                    )
+                }),
+                on_own_thread(|| {
+                    udp_pieces_gbps(
+                        secs,
+                        DATAGRAM,
+                        Pieces::ZeroCopy { segs: ZC_SEGS },
+                        Receive::Discard,
+                    )
                 }),
                 on_own_thread(|| udp_spliced_gbps(secs, DATAGRAM, ZC_SEGS)),
             ];
@@ -1297,7 +1432,7 @@ fn only_throughput(which: &str, secs: f64, rounds: usize) {
             "udp-jumbo" => on_own_thread(|| udp_gso_gbps(secs, JUMBO)),
             "udp-gathered-jumbo" => on_own_thread(|| udp_gathered_gbps(secs, JUMBO)),
             other => panic!(
-                "unknown test {other:?}: metaroce, metaroce1 (one path), sleeping (no busy poll), shallow (16 WRITEs outstanding), jumbo (8 KiB payloads), udp, udp-gathered, udp-jumbo, udp-gathered-jumbo, udp-pieces, udp-no-copy, ping-pong or ping-pong-metaroce"
+                "unknown test {other:?}: metaroce, metaroce1 (one path), sleeping (no busy poll), shallow (16 WRITEs outstanding), jumbo (8 KiB payloads), udp, udp-gathered, udp-jumbo, udp-gathered-jumbo, udp-pieces, udp-no-copy, udp-receive, ping-pong or ping-pong-metaroce"
             ),
         };
         let c = run.cycles_per_byte(hz);
