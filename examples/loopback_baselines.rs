@@ -333,6 +333,8 @@ fn place_batches(rx: &UdpSocket, receive: Receive, stop: &AtomicBool) -> u64 {
     let (mut slot, mut n) = (0usize, 0u64);
     while !stop.load(Ordering::Relaxed) {
         iov.clear();
+        // One pointer into the region for all of this read's payloads.
+        let region = backing.as_mut_ptr();
         match receive {
             Receive::Scatter => {
                 for k in 0..SEGS {
@@ -342,7 +344,7 @@ fn place_batches(rx: &UdpSocket, receive: Receive, stop: &AtomicBool) -> u64 {
                         iov_len: HEADER,
                     });
                     iov.push(libc::iovec {
-                        iov_base: backing[at..at + PAYLOAD].as_mut_ptr().cast(),
+                        iov_base: region.wrapping_add(at).cast(),
                         iov_len: PAYLOAD,
                     });
                 }
@@ -357,7 +359,9 @@ fn place_batches(rx: &UdpSocket, receive: Receive, stop: &AtomicBool) -> u64 {
         m.msg_iov = iov.as_mut_ptr();
         m.msg_iovlen = iov.len() as _;
         // SAFETY: every iovec points at writable memory of its length
-        // (`headers`, the region, `batch`), all alive until the call ends.
+        // (`headers`, `batch`, or a slot of the region: `at + PAYLOAD` is
+        // within its REGION bytes), all alive and not otherwise borrowed
+        // until the call ends.
         let r = unsafe { libc::recvmsg(rx.as_raw_fd(), &mut m, 0) };
         if r <= 0 {
             continue; // the read timeout: look at `stop` again
