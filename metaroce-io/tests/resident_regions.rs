@@ -95,22 +95,31 @@ fn the_driver_maps_a_buffer_in_one_call_and_keeps_its_bytes() {
     );
 }
 
+/// The registrations the last two tests make: mapped, and on demand.
+fn registrations() -> [AccessFlags; 2] {
+    let access = AccessFlags::REMOTE_WRITE;
+    [access, access | AccessFlags::ON_DEMAND]
+}
+
+/// Checks the pages of a region of `len` bytes at `ptr`, registered with
+/// `access`: every one mapped, or, `ON_DEMAND`, fewer than half.
+fn assert_mapped_as_registered(ptr: *const u8, len: usize, access: AccessFlags) {
+    let (mapped, pages) = pages_in_memory(ptr, len);
+    if access.contains(AccessFlags::ON_DEMAND) {
+        assert!(mapped < pages / 2, "{access:?}: {mapped} of {pages}");
+    } else {
+        assert_eq!(mapped, pages, "registered with {access:?}");
+    }
+}
+
 #[test]
 fn the_core_maps_a_region_when_it_is_registered_unless_on_demand() {
     let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
     let pd = ep.alloc_pd();
-    for (access, expect_all) in [
-        (AccessFlags::REMOTE_WRITE, true),
-        (AccessFlags::REMOTE_WRITE | AccessFlags::ON_DEMAND, false),
-    ] {
+    for access in registrations() {
         let mr = ep.reg_mr(pd, vec![0u8; LEN], 0, access).unwrap();
         let bytes = ep.mr(mr.lkey).unwrap();
-        let (mapped, pages) = pages_in_memory(bytes.as_ptr(), bytes.len());
-        if expect_all {
-            assert_eq!(mapped, pages, "registered with {access:?}");
-        } else {
-            assert!(mapped < pages / 2, "{access:?}: {mapped} of {pages}");
-        }
+        assert_mapped_as_registered(bytes.as_ptr(), bytes.len(), access);
         ep.dereg_mr(mr.lkey).unwrap();
     }
 }
@@ -126,21 +135,13 @@ fn the_async_api_maps_a_region_when_it_is_registered_unless_on_demand() {
         cfg.backend = Backend::Portable;
         let dev = Device::open(cfg).await.unwrap();
         let pd = dev.alloc_pd().await.unwrap();
-        for (access, expect_all) in [
-            (AccessFlags::REMOTE_WRITE, true),
-            (AccessFlags::REMOTE_WRITE | AccessFlags::ON_DEMAND, false),
-        ] {
+        for access in registrations() {
             let buf = RegionBuf::zeroed(LEN);
             // The allocation moves with the buffer into the endpoint; its
             // address stays, and the region keeps it alive until `dereg`.
             let ptr = buf.as_ptr();
             let mr = pd.reg_mr(buf, access).await.unwrap();
-            let (mapped, pages) = pages_in_memory(ptr, LEN);
-            if expect_all {
-                assert_eq!(mapped, pages, "registered with {access:?}");
-            } else {
-                assert!(mapped < pages / 2, "{access:?}: {mapped} of {pages}");
-            }
+            assert_mapped_as_registered(ptr, LEN, access);
             mr.dereg().await.unwrap();
         }
     });
