@@ -89,12 +89,16 @@ impl WakeReceiver {
         self.rx.as_raw_fd()
     }
 
-    /// Consumes the pending wakes. The flag is cleared first: a wake that
-    /// races with this writes a new byte, so it is never lost.
+    /// Consumes the pending wakes. The bytes go first and the flag after
+    /// them: a wake before the flag is cleared finds it set and writes
+    /// nothing, but the driver is awake and looks for work after this; a
+    /// wake after it writes a new byte. (Clearing the flag first would let
+    /// a racing wake's byte be read here, leaving the flag set with nothing
+    /// to read, and every later wake swallowed.)
     pub(crate) fn drain(&self) {
-        self.waker.inner.pending.store(false, Ordering::Release);
         let mut b = [0u8; 64];
         while self.rx.recv(&mut b).is_ok() {}
+        self.waker.inner.pending.store(false, Ordering::Release);
     }
 }
 
@@ -119,5 +123,50 @@ mod tests {
             1,
             "a wake after a drain is sent"
         );
+    }
+
+    /// A wake that lands while the driver drains must not leave the flag set
+    /// with no byte to read: every later wake would then be swallowed and the
+    /// driver would sleep through them all. One thread wakes without pause,
+    /// the other drains each time the socket is readable; the socket must
+    /// never stay empty for long while wakes keep coming.
+    #[test]
+    fn a_wake_racing_a_drain_is_never_lost() {
+        let r = WakeReceiver::new().unwrap();
+        let w = r.waker();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let waking = std::thread::spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                w.wake();
+            }
+        });
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        let mut drains = 0u64;
+        let mut stuck = false;
+        while std::time::Instant::now() < deadline {
+            let mut pfd = libc::pollfd {
+                fd: r.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: `pfd` is one valid, initialised pollfd that outlives
+            // the call.
+            let n = unsafe { libc::poll(&mut pfd, 1, 200) };
+            if n == 0 {
+                stuck = true;
+                break;
+            }
+            r.drain();
+            drains += 1;
+        }
+        stop.store(true, Ordering::Relaxed);
+        waking.join().unwrap();
+        assert!(
+            !stuck,
+            "after {drains} drains the socket stayed empty for 200 ms while wakes kept coming (pending: {})",
+            r.waker.inner.pending.load(Ordering::Relaxed)
+        );
+        assert!(drains > 100, "only {drains} drains in a second");
     }
 }
