@@ -318,6 +318,47 @@ fn busy_poll_finds_a_datagram<D: IoDriver>(name: &str) {
 /// completion held by the kernel makes no system call; a datagram that
 /// then comes from another thread (its completion held as task work until
 /// this thread enters the kernel or is interrupted) is still read.
+/// More datagrams arrive at once than the completion queue holds (eight
+/// submission entries, the fewest the driver sets up: 32 completions;
+/// 128 receive buffers, so that the buffers are not what ends the receive): their completions overflow into
+/// the kernel's list, and the multishot receive ends with its last one
+/// there. Turns that never wait and have nothing to submit must still
+/// flush that list, or the receive is never armed again and nothing more
+/// is read.
+#[test]
+fn io_uring_overflowed_completions_are_flushed() {
+    if !runnable("io_uring") {
+        return;
+    }
+    let mut cfg = config(1);
+    cfg.uring.entries = 8;
+    cfg.uring.recv_buffers = 128;
+    let mut a = UringDriver::bind(cfg).unwrap();
+    // The first turn arms the receive.
+    a.poll(Duration::ZERO).unwrap();
+    let to = a.local_addr();
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    const SENT: u64 = 64;
+    for _ in 0..SENT {
+        // Not metaroce: the endpoint rejects each, after the driver read it.
+        s.send_to(b"not a metaroce datagram", to).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    let t0 = Instant::now();
+    while a.stats().datagrams_received < SENT && t0.elapsed() < Duration::from_secs(2) {
+        a.poll(Duration::ZERO).unwrap();
+    }
+    let st = a.stats();
+    assert_eq!(
+        st.datagrams_received, SENT,
+        "io_uring: overflowed completions were never flushed: {st:?}"
+    );
+    assert!(
+        st.recv_arms > 1,
+        "io_uring: the receive never ended, so nothing overflowed and the test shows nothing: {st:?}"
+    );
+}
+
 #[test]
 fn io_uring_idle_turns_make_no_system_call() {
     if !runnable("io_uring") {

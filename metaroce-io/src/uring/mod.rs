@@ -352,8 +352,9 @@ impl UringDriver {
     /// ([`DriverStats::idle_turns`] counts those that did not).
     pub fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError> {
         // Completions the kernel holds as task work (a datagram that came
-        // while this thread was busy): an enter posts them, for this turn.
-        if self.ring.task_work_pending() {
+        // while this thread was busy) or on its overflow list: an enter
+        // posts them, for this turn.
+        if self.ring.kernel_holds_completions() {
             self.ring.submit(0)?;
             self.stats.submits += 1;
         }
@@ -383,7 +384,7 @@ impl UringDriver {
                 }
             }
         }
-        if want == 0 && !self.ring.queued() && !self.ring.task_work_pending() {
+        if want == 0 && !self.ring.queued() && !self.ring.kernel_holds_completions() {
             // Nothing to hand the kernel, nothing to wait for and nothing
             // it holds for us: no system call.
             self.stats.idle_turns += 1;
@@ -425,8 +426,9 @@ impl UringDriver {
                 if self.ring.completions_ready() {
                     break 'spin;
                 }
-                if self.ring.task_work_pending() {
-                    // An enter runs the task work, which posts the completions.
+                if self.ring.kernel_holds_completions() {
+                    // An enter runs the task work, which posts the
+                    // completions, and flushes any that overflowed.
                     self.ring.submit(0)?;
                     self.stats.submits += 1;
                     break 'spin;

@@ -725,10 +725,14 @@ impl Ring {
         !self.ring.completion().is_empty()
     }
 
-    /// Whether the kernel holds task work that the next enter runs and that
-    /// posts completions (`IORING_SQ_TASKRUN`, in shared memory).
-    pub(super) fn task_work_pending(&mut self) -> bool {
-        self.ring.submission().taskrun()
+    /// Whether the kernel holds completions that only an enter posts: task
+    /// work (`IORING_SQ_TASKRUN`), or completions that found the queue full
+    /// and wait on the kernel's overflow list (`IORING_SQ_CQ_OVERFLOW`;
+    /// among them perhaps a multishot receive's last, which must be seen
+    /// before the receive is armed again). Both flags are in shared memory.
+    pub(super) fn kernel_holds_completions(&mut self) -> bool {
+        let sq = self.ring.submission();
+        sq.taskrun() || sq.cq_overflow()
     }
 
     /// Whether submissions are queued.
