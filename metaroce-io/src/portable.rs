@@ -282,11 +282,10 @@ impl PortableDriver {
                 let arrived = self.clock.arrived(now, &mut wall, m.timestamp);
                 self.stats.stamped += u64::from(m.timestamp.is_some());
                 let ecn = m.ecn.map_or(Ecn::NotEct, |e| Ecn::from_bits(e as u8));
-                let stride = if m.stride == 0 { m.len } else { m.stride };
-                if m.len > stride {
+                if m.stride != 0 && m.len > m.stride {
                     self.stats.gro_batches += 1;
                 }
-                for dg in self.rx_buf[..m.len].chunks(stride.max(1)) {
+                for dg in crate::sockets::datagrams(&self.rx_buf[..m.len], Some(m.stride)) {
                     self.stats.datagrams_received += 1;
                     if let Some(n) = self.stats.received_per_plane.get_mut(k) {
                         *n += 1;

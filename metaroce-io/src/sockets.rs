@@ -176,3 +176,13 @@ impl Sockets {
         endpoint
     }
 }
+
+/// The datagrams of one receive: a GRO batch cut at its `stride` (the last
+/// one may be shorter), or the whole buffer when the kernel gave no stride.
+/// An empty receive is one empty datagram, not none: the core must see it to
+/// count and refuse it like any other malformed datagram.
+pub(crate) fn datagrams(batch: &[u8], stride: Option<usize>) -> impl Iterator<Item = &[u8]> {
+    let stride = stride.filter(|&s| s > 0).unwrap_or(batch.len()).max(1);
+    let empty = batch.is_empty().then_some(batch);
+    batch.chunks(stride).chain(empty)
+}

@@ -678,6 +678,38 @@ fn a_held_up_sender_reads_its_acks_first<D: IoDriver>(name: &str) {
     p.finish_write(name, w);
 }
 
+/// A datagram of no bytes is read, counted and refused by the endpoint as
+/// truncated, like any other malformed datagram, and the driver goes on
+/// reading what follows it.
+fn an_empty_datagram_is_counted_and_refused<D: IoDriver>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    let mut a = D::bind(config(1)).unwrap();
+    // A first turn arms the receive.
+    a.poll(Duration::ZERO).unwrap();
+    let to = a.local_addr();
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    s.send_to(&[], to).unwrap();
+    s.send_to(b"x", to).unwrap();
+    let t0 = Instant::now();
+    while a.endpoint().stats().datagrams_received < 2 && t0.elapsed() < LIMIT {
+        a.poll(Duration::from_millis(1)).unwrap();
+    }
+    let ep = a.endpoint().stats();
+    assert_eq!(
+        (a.stats().datagrams_received, ep.datagrams_received),
+        (2, 2),
+        "{name}: both datagrams, the empty one too, were read and handed on"
+    );
+    assert_eq!(
+        ep.rejects.get(metaroce_proto::RejectReason::Truncated),
+        2,
+        "{name}: both refused as truncated: {:?}",
+        ep.rejects
+    );
+}
+
 /// Datagrams the kernel dropped for want of room on the UDP socket bound
 /// to `port` (`/proc/net/udp`'s `drops` column; 0 where it cannot say).
 fn socket_drops(port: u16) -> u64 {
@@ -778,6 +810,7 @@ suite!(
     answers_leave_within_the_same_poll,
     a_held_up_sender_reads_its_acks_first,
     a_held_up_receiver_drops_nothing,
+    an_empty_datagram_is_counted_and_refused,
     arrival_stamps
 );
 

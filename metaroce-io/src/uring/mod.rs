@@ -588,11 +588,10 @@ impl UringDriver {
                         let arrived = self.clock.arrived(now, &mut self.wall, meta.stamp);
                         self.stats.stamped += u64::from(meta.stamp.is_some());
                         let p = out.payload_data();
-                        let stride = meta.stride.unwrap_or(p.len()).max(1);
-                        if p.len() > stride {
+                        if meta.stride.is_some_and(|s| p.len() > s) {
                             self.stats.gro_batches += 1;
                         }
-                        for dg in p.chunks(stride) {
+                        for dg in crate::sockets::datagrams(p, meta.stride) {
                             self.stats.datagrams_received += 1;
                             if let Some(n) = self.stats.received_per_plane.get_mut(plane) {
                                 *n += 1;
