@@ -314,17 +314,13 @@ fn busy_poll_finds_a_datagram<D: IoDriver>(name: &str) {
     );
 }
 
-/// An io_uring turn with nothing to submit, nothing to wait for and no
-/// completion held by the kernel makes no system call; a datagram that
-/// then comes from another thread (its completion held as task work until
-/// this thread enters the kernel or is interrupted) is still read.
 /// More datagrams arrive at once than the completion queue holds (eight
-/// submission entries, the fewest the driver sets up: 32 completions;
-/// 128 receive buffers, so that the buffers are not what ends the receive): their completions overflow into
-/// the kernel's list, and the multishot receive ends with its last one
-/// there. Turns that never wait and have nothing to submit must still
-/// flush that list, or the receive is never armed again and nothing more
-/// is read.
+/// submission entries, the fewest the driver sets up: 32 completions; 128
+/// receive buffers, so that the buffers are not what ends the receive):
+/// their completions overflow into the kernel's list, and the multishot
+/// receive ends with its last one there. Turns that never wait and have
+/// nothing to submit must still flush that list, or the receive is never
+/// armed again and nothing more is read.
 #[test]
 fn io_uring_overflowed_completions_are_flushed() {
     if !runnable("io_uring") {
@@ -359,6 +355,10 @@ fn io_uring_overflowed_completions_are_flushed() {
     );
 }
 
+/// An io_uring turn with nothing to submit, nothing to wait for and no
+/// completion held by the kernel makes no system call; a datagram that
+/// then comes from another thread (its completion held as task work until
+/// this thread enters the kernel or is interrupted) is still read.
 #[test]
 fn io_uring_idle_turns_make_no_system_call() {
     if !runnable("io_uring") {
