@@ -210,6 +210,8 @@ pub(crate) struct Connection {
     // Handshake.
     pub(crate) cookie: Option<[u8; COOKIE_LEN]>,
     pub(crate) hello_attempts: u8,
+    /// COOKIE replies taken during this handshake.
+    pub(crate) cookies_taken: u8,
     pub(crate) hello_deadline: Option<Instant>,
     pub(crate) ctrl: Option<Ctrl>,
 
@@ -347,6 +349,7 @@ impl Connection {
             mtu: usize::from(config.mtu),
             cookie: None,
             hello_attempts: 0,
+            cookies_taken: 0,
             hello_deadline: None,
             ctrl: if is_client {
                 Some(Ctrl::Hello)
@@ -758,12 +761,16 @@ impl Connection {
 
     /// Queues a NAK (once per message and code).
     pub(crate) fn push_nak(&mut self, nak: NakEntry) {
-        if !self
+        // One NAK per message and code: a newer one (an RNR of a later
+        // generation, a longer timer) replaces the one still queued, which
+        // the requester would drop as stale and then wait for a timeout.
+        match self
             .naks
-            .iter()
-            .any(|n| n.qpn == nak.qpn && n.msn == nak.msn && n.code == nak.code)
+            .iter_mut()
+            .find(|n| n.qpn == nak.qpn && n.msn == nak.msn && n.code == nak.code)
         {
-            self.naks.push_back(nak);
+            Some(queued) => *queued = nak,
+            None => self.naks.push_back(nak),
         }
         self.ack_needed = true;
         self.ack_now = true;

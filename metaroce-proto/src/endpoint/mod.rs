@@ -427,7 +427,12 @@ impl Endpoint {
                 cookie_key.1.rotate_left(29) ^ 0x6279_5f70_6565_7221,
             )),
             pds: Vec::new(),
-            mrs: MrTable::new(),
+            // The key permutation's secret: derived from the cookie secret,
+            // like the peer map's, so the generator's sequence is unchanged.
+            mrs: MrTable::new((
+                cookie_key.0.rotate_left(41) ^ 0x6d72_5f6b_6579_735f,
+                cookie_key.1 ^ 0x7065_726d_7574_6521,
+            )),
             cqs: Vec::new(),
             qps: Vec::new(),
             qp_gens: Vec::new(),
@@ -576,8 +581,7 @@ impl Endpoint {
         if !access.contains(AccessFlags::ON_DEMAND) {
             buf.make_resident();
         }
-        let salt = self.rng.next_u32();
-        self.mrs.register(pd, buf, addr, access, salt)
+        self.mrs.register(pd, buf, addr, access)
     }
 
     /// Deregisters a region and hands its buffer back. Fails while work

@@ -7,7 +7,9 @@ use crate::consts::{REPATH_COOLDOWN_RTTS, REPATH_MAX_BACKOFF, REPATH_ROUNDS, REP
 use crate::rng::Rng;
 use crate::time::Instant;
 use crate::verbs::qp::{Accepted, Incoming, ReadResp};
-use crate::verbs::{CompletionQueue, CqHandle, Qpn, WcOpcode, WcStatus, WorkCompletion};
+use crate::verbs::{
+    AccessFlags, CompletionQueue, CqHandle, Qpn, RecvWr, WcOpcode, WcStatus, WorkCompletion,
+};
 use crate::wire::seq::seq_lt;
 use crate::wire::{NakCode, NakEntry, Opcode};
 use std::collections::VecDeque;
@@ -311,31 +313,70 @@ impl Endpoint {
         let Some(q) = qps[idx].as_mut() else { return };
         let retired = q.retire_in_order(|q, a: Accepted| match a.opcode {
             Opcode::Send | Opcode::SendImm | Opcode::WriteImm => {
-                if let Some(r) = q.rq.pop_front() {
-                    q.rq_base_seq = q.rq_base_seq.wrapping_add(1);
-                    if r.sge.len > 0 {
-                        mrs.add_ref(r.sge.lkey, -1);
-                    }
-                    let wc = WorkCompletion {
-                        wr_id: r.wr_id,
-                        status: WcStatus::Success,
-                        opcode: if a.opcode == Opcode::WriteImm {
-                            WcOpcode::RecvRdmaWithImm
-                        } else {
-                            WcOpcode::Recv
-                        },
-                        byte_len: a.len,
-                        imm: a.imm,
-                        qpn: q.qpn,
-                    };
-                    push_wc(cqs, events, q.recv_cq, wc);
+                // The message was placed in the receive its `recv_seq`
+                // named; it must be the one it completes, the oldest. A
+                // requester that named another (or a SEND longer than it)
+                // breaks the protocol: the message fails, and no receive
+                // completes with bytes it does not hold.
+                let fits = |r: &RecvWr| a.opcode == Opcode::WriteImm || a.len <= r.sge.len;
+                if a.recv_seq != q.rq_base_seq || !q.rq.front().is_some_and(fits) {
+                    tracing::debug!(
+                        qpn = q.qpn.0,
+                        msn = q.msn_done,
+                        recv_seq = a.recv_seq,
+                        expected = q.rq_base_seq,
+                        "message names a receive that is not the next one"
+                    );
+                    return Err(NakCode::InvalidRequest);
                 }
+                let Some(r) = q.rq.pop_front() else {
+                    return Err(NakCode::InvalidRequest);
+                };
+                q.rq_base_seq = q.rq_base_seq.wrapping_add(1);
+                if r.sge.len > 0 {
+                    mrs.add_ref(r.sge.lkey, -1);
+                }
+                let wc = WorkCompletion {
+                    wr_id: r.wr_id,
+                    status: WcStatus::Success,
+                    opcode: if a.opcode == Opcode::WriteImm {
+                        WcOpcode::RecvRdmaWithImm
+                    } else {
+                        WcOpcode::Recv
+                    },
+                    byte_len: a.len,
+                    imm: a.imm,
+                    qpn: q.qpn,
+                };
+                push_wc(cqs, events, q.recv_cq, wc);
+                Ok(())
             }
             Opcode::ReadReq => {
-                mrs.add_ref_rkey(a.rkey, 1);
+                // The region may have been deregistered (or its key never
+                // valid for this PD) since the request arrived: a READ is
+                // executed only from a region that still allows it.
+                let ok = a.len == 0
+                    || mrs.by_rkey(a.rkey).is_some_and(|m| {
+                        m.permits(q.pd, AccessFlags::REMOTE_READ, a.addr, u64::from(a.len))
+                            .is_some()
+                    });
+                if !ok {
+                    tracing::debug!(
+                        qpn = q.qpn.0,
+                        msn = q.msn_done,
+                        rkey = a.rkey,
+                        "READ refused: its region no longer allows it"
+                    );
+                    return Err(NakCode::RemoteAccess);
+                }
+                // A zero-length READ names no region (its key is not even
+                // checked, as in verbs): it holds none, under key 0, which
+                // is never issued.
+                let rkey = if a.len > 0 { a.rkey } else { 0 };
+                mrs.add_ref_rkey(rkey, 1);
                 q.read_resps.push_back(ReadResp {
-                    msn: q.msn_done.wrapping_sub(1),
-                    rkey: a.rkey,
+                    msn: q.msn_done,
+                    rkey,
                     addr: a.addr,
                     len: a.len,
                     next_offset: 0,
@@ -343,8 +384,9 @@ impl Endpoint {
                     pkts_sent: 0,
                     pkts_acked: 0,
                 });
+                Ok(())
             }
-            Opcode::Write | Opcode::ReadResp | Opcode::Nop => {}
+            Opcode::Write | Opcode::ReadResp | Opcode::Nop => Ok(()),
         });
         if retired > 0 {
             if let Some(c) = conns[ci].as_mut() {

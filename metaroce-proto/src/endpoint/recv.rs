@@ -217,6 +217,24 @@ impl Endpoint {
         if conn.state != ConnectionState::Connecting {
             return self.reject(RejectReason::WrongState, from);
         }
+        if conn.cookie == Some(c.cookie) {
+            // The same cookie again (our HELLO with it is on its way, or
+            // the reply was duplicated): nothing new to answer.
+            return self.reject(RejectReason::Duplicate, from);
+        }
+        // Each new cookie asks for another HELLO; a peer (or a forger)
+        // that keeps sending new ones gets `handshake_retries` of them
+        // and then the handshake ends, as if it had timed out.
+        conn.cookies_taken = conn.cookies_taken.saturating_add(1);
+        if conn.cookies_taken > self.config.handshake_retries {
+            self.stats.rejects.bump(RejectReason::BadCookie);
+            self.end_connection(
+                ci,
+                ConnectionState::Failed,
+                ConnectionError::HandshakeTimeout,
+            );
+            return self.touch(ci, Some(now));
+        }
         conn.cookie = Some(c.cookie);
         conn.ctrl = Some(Ctrl::Hello);
         self.touch(ci, Some(now));
@@ -426,6 +444,7 @@ impl Endpoint {
             self.stats.rejects.bump(RejectReason::BadQp);
             return;
         }
+        let pd = q.pd;
         let Some(w) = q.wqe_mut(hdr.msn) else {
             return self.reject(RejectReason::Duplicate, from);
         };
@@ -433,11 +452,18 @@ impl Endpoint {
             return self.reject(RejectReason::Inconsistent, from);
         }
         if !payload.is_empty() {
+            // Within the READ's own buffer, in a region of the QP's PD that
+            // allows local writes.
+            let fits =
+                u64::from(hdr.msg_offset) + payload.len() as u64 <= u64::from(w.wr.local.len);
             let dst = w.wr.local.addr.checked_add(u64::from(hdr.msg_offset));
-            let range =
-                dst.and_then(|a| mrs.by_lkey(w.wr.local.lkey)?.range(a, payload.len() as u64));
-            match (range, mrs.by_lkey_mut(w.wr.local.lkey)) {
-                (Some(r), Some(mr)) => mr.buf[r].copy_from_slice(payload),
+            let len = payload.len() as u64;
+            let place = mrs.by_lkey_mut(w.wr.local.lkey).and_then(|mr| {
+                let r = mr.permits(pd, AccessFlags::LOCAL_WRITE, dst?, len)?;
+                Some((mr, r))
+            });
+            match place {
+                Some((mr, r)) if fits => mr.buf[r].copy_from_slice(payload),
                 _ => return self.reject(RejectReason::Inconsistent, from),
             }
         }
@@ -621,9 +647,7 @@ impl Endpoint {
             hdr.msg_len == 0
                 || qp_access.contains(need)
                     && self.mrs.by_rkey(rkey).is_some_and(|m| {
-                        m.pd == pd
-                            && m.info.access.contains(need)
-                            && m.range(addr, u64::from(hdr.msg_len)).is_some()
+                        m.permits(pd, need, addr, u64::from(hdr.msg_len)).is_some()
                     })
         };
         let recv_seq = match hdr.ext {
@@ -638,8 +662,13 @@ impl Endpoint {
         // RNR first: without a receive the message cannot be judged yet.
         if let Some(rs) = recv_seq {
             rec.recv_seq = rs;
-            if seq_lt(rs, rq_base) {
+            // A receive already taken, or one further ahead than the
+            // message itself is (each earlier message takes one receive at
+            // most): the requester breaks the protocol.
+            let q = self.qps[idx].as_ref()?;
+            if seq_lt(rs, rq_base) || seq_dist(rq_base, rs) > seq_dist(q.msn_done, hdr.msn) {
                 self.stats.rejects.bump(RejectReason::Inconsistent);
+                self.fail_message(ci, idx, hdr.msn, NakCode::InvalidRequest, false);
                 return None;
             }
             let d = seq_dist(rq_base, rs) as usize;
@@ -702,30 +731,44 @@ impl Endpoint {
         Some(rec)
     }
 
-    /// Copies a payload to where it belongs. False if the target is gone.
+    /// Copies a payload to where it belongs. False if the target is gone or
+    /// no longer allows it: every packet is checked as the first was (the
+    /// region's PD, its rights, the QP's rights, the bounds), so a region
+    /// deregistered mid-message, or one registered since under any key, is
+    /// never written.
     fn place(&mut self, idx: usize, a: &Accepted, offset: u32, payload: &[u8]) -> bool {
         let Some(q) = self.qps[idx].as_ref() else {
             return false;
         };
-        let (key_is_local, key, base) = match a.opcode {
+        let (local, key, base, need) = match a.opcode {
             Opcode::Send | Opcode::SendImm => {
                 let d = seq_dist(q.rq_base_seq, a.recv_seq) as usize;
                 match q.rq.get(d) {
-                    Some(r) => (true, r.sge.lkey, r.sge.addr),
-                    None => return false,
+                    // The receive's own bounds, not only its region's.
+                    Some(r) if u64::from(offset) + payload.len() as u64 <= u64::from(r.sge.len) => {
+                        (true, r.sge.lkey, r.sge.addr, AccessFlags::LOCAL_WRITE)
+                    }
+                    _ => return false,
                 }
             }
-            _ => (false, a.rkey, a.addr),
+            _ if q.access.contains(AccessFlags::REMOTE_WRITE) => {
+                (false, a.rkey, a.addr, AccessFlags::REMOTE_WRITE)
+            }
+            _ => return false,
         };
+        let pd = q.pd;
         let Some(addr) = base.checked_add(u64::from(offset)) else {
             return false;
         };
-        let mr = if key_is_local {
+        let mr = if local {
             self.mrs.by_lkey_mut(key)
         } else {
             self.mrs.by_rkey_mut(key)
         };
-        match mr.and_then(|m| m.range(addr, payload.len() as u64).map(|r| (m, r))) {
+        match mr.and_then(|m| {
+            m.permits(pd, need, addr, payload.len() as u64)
+                .map(|r| (m, r))
+        }) {
             Some((m, r)) => {
                 m.buf[r].copy_from_slice(payload);
                 true

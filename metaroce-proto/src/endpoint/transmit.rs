@@ -42,7 +42,7 @@ struct Template {
 }
 use crate::time::Instant;
 use crate::verbs::qp::{SegLimit, Segment};
-use crate::verbs::Qpn;
+use crate::verbs::{AccessFlags, PdHandle, Qpn};
 use crate::wire::{
     data_flags, Accept, AckBuilder, AckHeader, AckStreamEntry, Close, DataHeader, Hello, Opcode,
     OpcodeExt,
@@ -252,7 +252,7 @@ impl Endpoint {
             };
             let len = match ctrl {
                 Ctrl::Hello => {
-                    c.hello_attempts += 1;
+                    c.hello_attempts = c.hello_attempts.saturating_add(1);
                     // Exponential backoff from `handshake_rto`.
                     let shift = u32::from(c.hello_attempts.saturating_sub(1)).min(16);
                     c.hello_deadline = Some(now + handshake_rto * (1u32 << shift));
@@ -784,8 +784,11 @@ impl Endpoint {
                 .and_then(|q| q.as_ref())
                 .filter(|q| q.qpn == qpn)
         };
-        // Where the payload comes from: (region found by lkey?, key, address, length).
+        // Where the payload comes from: (region found by lkey?, key, address,
+        // length), and what the region must allow: a READ response is
+        // checked at every transmission as its request was on arrival.
         let mut source: Option<(bool, u32, u64, u32)> = None;
+        let mut remote_read: Option<PdHandle> = None;
         match kind {
             CsnKind::Request {
                 qp,
@@ -831,6 +834,7 @@ impl Endpoint {
                         if len > 0 {
                             source =
                                 Some((false, r.rkey, r.addr.wrapping_add(u64::from(offset)), len));
+                            remote_read = Some(q.pd);
                         }
                     }
                 }
@@ -844,7 +848,11 @@ impl Endpoint {
             } else {
                 mrs.by_rkey(key)
             }?;
-            Some((mr, mr.range(addr, u64::from(len))?))
+            let range = match remote_read {
+                Some(pd) => mr.permits(pd, AccessFlags::REMOTE_READ, addr, u64::from(len))?,
+                None => mr.range(addr, u64::from(len))?,
+            };
+            Some((mr, range))
         });
         if source.is_some() && found.is_none() {
             // The source vanished: keep the CSN alive as a NOP.

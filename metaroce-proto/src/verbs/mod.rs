@@ -283,6 +283,9 @@ pub enum VerbsError {
     /// Too many connections.
     #[error("connection limit reached")]
     TooManyConnections,
+    /// The endpoint holds as many memory regions as it may (16,777,216).
+    #[error("memory region limit reached")]
+    TooManyRegions,
 }
 
 /// Capacities and parameters given when a QP is created (`ibv_qp_init_attr`).

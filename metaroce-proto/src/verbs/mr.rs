@@ -4,6 +4,7 @@ use super::{AccessFlags, PdHandle, RegionBuf, VerbsError};
 use crate::endpoint::RegionPin;
 use core::ops::Range;
 use core::sync::atomic::{AtomicU64, Ordering};
+use std::collections::HashMap;
 
 /// Tells tables apart, so a pin goes back only to the one that made it.
 static NEXT_TABLE: AtomicU64 = AtomicU64::new(1);
@@ -37,6 +38,22 @@ pub(crate) struct MemoryRegion {
 }
 
 impl MemoryRegion {
+    /// The byte range of `[addr, addr+len)` inside the buffer, if the region
+    /// is in `pd`, grants every right in `need`, and holds the whole range:
+    /// the check made before any byte is placed or sent for a peer.
+    pub(crate) fn permits(
+        &self,
+        pd: PdHandle,
+        need: AccessFlags,
+        addr: u64,
+        len: u64,
+    ) -> Option<Range<usize>> {
+        if self.pd != pd || !self.info.access.contains(need) {
+            return None;
+        }
+        self.range(addr, len)
+    }
+
     /// The byte range of `[addr, addr+len)` inside the buffer, if it is inside.
     pub(crate) fn range(&self, addr: u64, len: u64) -> Option<Range<usize>> {
         let start = addr.checked_sub(self.info.addr)?;
@@ -48,14 +65,72 @@ impl MemoryRegion {
     }
 }
 
-/// Regions indexed by the low 24 bits of their keys; the top 8 bits of each
-/// key are a tag that changes on every registration of a slot, so a stale key
-/// does not name a new region.
+/// Memory-region keys: a secret pseudo-random permutation of a
+/// registration counter (PROTOCOL §9.1).
+///
+/// Every key is drawn from the full 32-bit space, so a peer cannot guess
+/// the key of a region it was not given, and, being a permutation of a
+/// counter, no key is issued twice until 2³² keys have been drawn: a key
+/// that was deregistered is never honoured again, whatever a late or forged
+/// packet carries. The permutation is an eight-round Feistel network over
+/// two 16-bit halves whose round function is SipHash-1-3 under a 128-bit
+/// secret taken from the endpoint's seeded generator; after 2³² draws it
+/// moves to a new secret derived from the old.
+#[derive(Debug)]
+struct KeyGen {
+    secret: (u64, u64),
+    counter: u32,
+}
+
+/// Feistel rounds of [`KeyGen`].
+const KEY_ROUNDS: u32 = 8;
+
+impl KeyGen {
+    fn new(secret: (u64, u64)) -> Self {
+        KeyGen { secret, counter: 0 }
+    }
+
+    /// The permutation of `x` under the current secret.
+    fn permute(&self, x: u32) -> u32 {
+        use core::hash::Hasher;
+        let (mut l, mut r) = ((x >> 16) as u16, x as u16);
+        for round in 0..KEY_ROUNDS {
+            let mut h = siphasher::sip::SipHasher13::new_with_keys(self.secret.0, self.secret.1);
+            h.write_u32(round << 16 | u32::from(r));
+            let f = h.finish() as u16;
+            (l, r) = (r, l ^ f);
+        }
+        u32::from(l) << 16 | u32::from(r)
+    }
+
+    /// The next key that is neither 0 (no key) nor `in_use`.
+    fn next(&mut self, in_use: impl Fn(u32) -> bool) -> u32 {
+        loop {
+            let k = self.permute(self.counter);
+            self.counter = self.counter.wrapping_add(1);
+            if self.counter == 0 {
+                // 2³² keys drawn: a new permutation.
+                self.secret = (
+                    self.secret.0.rotate_left(17) ^ self.secret.1,
+                    self.secret.1.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x6b65_795f_6379_636c,
+                );
+            }
+            if k != 0 && !in_use(k) {
+                return k;
+            }
+        }
+    }
+}
+
+/// The registered regions, in slots reused after deregistration, found by
+/// their keys through one map (an lkey and an rkey are never equal).
 #[derive(Debug)]
 pub(crate) struct MrTable {
     slots: Vec<Option<MemoryRegion>>,
-    tags: Vec<u8>,
     free: Vec<u32>,
+    /// Every live lkey and rkey, to its slot.
+    keys: HashMap<u32, u32, rustc_hash::FxBuildHasher>,
+    keygen: KeyGen,
     /// This table's identity, in every pin it makes.
     owner: u64,
 }
@@ -72,15 +147,17 @@ impl Drop for MrTable {
     }
 }
 
-const INDEX_BITS: u32 = 24;
-const INDEX_MASK: u32 = (1 << INDEX_BITS) - 1;
+/// The most regions one table holds.
+pub(crate) const MAX_REGIONS: usize = 1 << 24;
 
 impl MrTable {
-    pub(crate) fn new() -> Self {
+    /// An empty table whose keys come from the permutation under `secret`.
+    pub(crate) fn new(secret: (u64, u64)) -> Self {
         MrTable {
             slots: Vec::new(),
-            tags: Vec::new(),
             free: Vec::new(),
+            keys: HashMap::default(),
+            keygen: KeyGen::new(secret),
             owner: NEXT_TABLE.fetch_add(1, Ordering::Relaxed),
         }
     }
@@ -91,28 +168,25 @@ impl MrTable {
         buf: RegionBuf,
         addr: u64,
         access: AccessFlags,
-        key_salt: u32,
     ) -> Result<MrInfo, VerbsError> {
         if buf.is_empty() || addr.checked_add(buf.len() as u64).is_none() {
             return Err(VerbsError::InvalidLength(buf.len()));
         }
+        if self.keys.len() / 2 >= MAX_REGIONS {
+            return Err(VerbsError::TooManyRegions);
+        }
         let idx = match self.free.pop() {
             Some(i) => i,
             None => {
-                if self.slots.len() as u32 >= INDEX_MASK {
-                    return Err(VerbsError::InvalidLength(buf.len()));
-                }
                 self.slots.push(None);
-                self.tags.push(0);
                 (self.slots.len() - 1) as u32
             }
         };
-        let i = idx as usize;
-        self.tags[i] = self.tags[i].wrapping_add(1 + (key_salt as u8 & 0x3f));
-        let tag = u32::from(self.tags[i]);
-        let lkey = (tag << INDEX_BITS) | idx;
-        // The rkey uses a different tag so that an lkey is never a valid rkey by accident.
-        let rkey = ((tag ^ 0xa5 ^ (key_salt >> 24)) << INDEX_BITS) | idx;
+        let keys = &self.keys;
+        let lkey = self.keygen.next(|k| keys.contains_key(&k));
+        let rkey = self.keygen.next(|k| k == lkey || keys.contains_key(&k));
+        self.keys.insert(lkey, idx);
+        self.keys.insert(rkey, idx);
         let info = MrInfo {
             lkey,
             rkey,
@@ -120,7 +194,7 @@ impl MrTable {
             len: buf.len() as u64,
             access,
         };
-        self.slots[i] = Some(MemoryRegion {
+        self.slots[idx as usize] = Some(MemoryRegion {
             pd,
             info,
             buf,
@@ -131,49 +205,48 @@ impl MrTable {
     }
 
     pub(crate) fn deregister(&mut self, lkey: u32) -> Result<RegionBuf, VerbsError> {
-        let idx = (lkey & INDEX_MASK) as usize;
-        match self.slots.get(idx) {
-            Some(Some(mr)) if mr.info.lkey == lkey => {
-                if mr.refs > 0 {
-                    return Err(VerbsError::MrInUse(mr.refs));
-                }
-                if mr.pins > 0 {
-                    return Err(VerbsError::MrSending(mr.pins));
-                }
-            }
-            _ => return Err(VerbsError::InvalidKey(lkey)),
+        let mr = self.by_lkey(lkey).ok_or(VerbsError::InvalidKey(lkey))?;
+        if mr.refs > 0 {
+            return Err(VerbsError::MrInUse(mr.refs));
         }
-        let mr = self.slots[idx].take().ok_or(VerbsError::InvalidKey(lkey))?;
-        self.free.push(idx as u32);
+        if mr.pins > 0 {
+            return Err(VerbsError::MrSending(mr.pins));
+        }
+        let rkey = mr.info.rkey;
+        let idx = self.keys[&lkey];
+        let mr = self.slots[idx as usize]
+            .take()
+            .ok_or(VerbsError::InvalidKey(lkey))?;
+        self.keys.remove(&lkey);
+        self.keys.remove(&rkey);
+        self.free.push(idx);
         Ok(mr.buf)
     }
 
+    fn slot(&self, key: u32) -> Option<&MemoryRegion> {
+        let &i = self.keys.get(&key)?;
+        self.slots.get(i as usize)?.as_ref()
+    }
+
+    fn slot_mut(&mut self, key: u32) -> Option<&mut MemoryRegion> {
+        let &i = self.keys.get(&key)?;
+        self.slots.get_mut(i as usize)?.as_mut()
+    }
+
     pub(crate) fn by_lkey(&self, lkey: u32) -> Option<&MemoryRegion> {
-        self.slots
-            .get((lkey & INDEX_MASK) as usize)?
-            .as_ref()
-            .filter(|m| m.info.lkey == lkey)
+        self.slot(lkey).filter(|m| m.info.lkey == lkey)
     }
 
     pub(crate) fn by_lkey_mut(&mut self, lkey: u32) -> Option<&mut MemoryRegion> {
-        self.slots
-            .get_mut((lkey & INDEX_MASK) as usize)?
-            .as_mut()
-            .filter(|m| m.info.lkey == lkey)
+        self.slot_mut(lkey).filter(|m| m.info.lkey == lkey)
     }
 
     pub(crate) fn by_rkey(&self, rkey: u32) -> Option<&MemoryRegion> {
-        self.slots
-            .get((rkey & INDEX_MASK) as usize)?
-            .as_ref()
-            .filter(|m| m.info.rkey == rkey)
+        self.slot(rkey).filter(|m| m.info.rkey == rkey)
     }
 
     pub(crate) fn by_rkey_mut(&mut self, rkey: u32) -> Option<&mut MemoryRegion> {
-        self.slots
-            .get_mut((rkey & INDEX_MASK) as usize)?
-            .as_mut()
-            .filter(|m| m.info.rkey == rkey)
+        self.slot_mut(rkey).filter(|m| m.info.rkey == rkey)
     }
 
     /// Number of regions in `pd`.
@@ -241,10 +314,10 @@ mod tests {
 
     #[test]
     fn keys_bounds_and_reuse() {
-        let mut t = MrTable::new();
+        let mut t = MrTable::new((1, 2));
         let pd = PdHandle(0);
         let a = t
-            .register(pd, RegionBuf::zeroed(100), 0x1000, AccessFlags::ALL, 7)
+            .register(pd, RegionBuf::zeroed(100), 0x1000, AccessFlags::ALL)
             .unwrap();
         assert_ne!(a.lkey, a.rkey);
         assert!(t.by_rkey(a.lkey).is_none());
@@ -263,7 +336,7 @@ mod tests {
         let p2 = t.pin(a.lkey).unwrap();
         assert_eq!(t.deregister(a.lkey), Err(VerbsError::MrSending(2)));
         // Another table's pin does not unpin this one's region.
-        let mut other = MrTable::new();
+        let mut other = MrTable::new((1, 2));
         other.unpin(t.pin(a.lkey).unwrap());
         t.unpin(RegionPin {
             lkey: a.lkey,
@@ -281,12 +354,85 @@ mod tests {
         assert!(t.deregister(a.lkey).is_ok());
         assert!(t.by_lkey(a.lkey).is_none());
         let b = t
-            .register(pd, RegionBuf::zeroed(8), 0, AccessFlags::NONE, 7)
+            .register(pd, RegionBuf::zeroed(8), 0, AccessFlags::NONE)
             .unwrap();
         assert_ne!(a.lkey, b.lkey, "a reused slot gets a new key");
         assert!(t.by_rkey(a.rkey).is_none());
         assert!(t
-            .register(pd, RegionBuf::default(), 0, AccessFlags::NONE, 1)
+            .register(pd, RegionBuf::default(), 0, AccessFlags::NONE)
             .is_err());
+    }
+
+    /// Keys come from the whole 32-bit space, and no key is issued twice:
+    /// a slot registered again and again never gets back a key it had, so
+    /// a WRITE that names a deregistered region never lands in its successor.
+    #[test]
+    fn keys_are_never_reissued() {
+        let mut t = MrTable::new((0x1234, 0x5678));
+        let pd = PdHandle(0);
+        let mut seen = std::collections::HashSet::new();
+        let (mut high, mut low) = (0u32, 0u32);
+        for _ in 0..20_000 {
+            let m = t
+                .register(pd, RegionBuf::zeroed(8), 0, AccessFlags::REMOTE_WRITE)
+                .unwrap();
+            assert!(seen.insert(m.lkey), "lkey {:#x} issued twice", m.lkey);
+            assert!(seen.insert(m.rkey), "rkey {:#x} issued twice", m.rkey);
+            high |= m.rkey >> 24;
+            low |= m.rkey & 0xff;
+            t.deregister(m.lkey).unwrap();
+            assert!(t.by_rkey(m.rkey).is_none());
+            assert!(t.by_lkey(m.lkey).is_none());
+        }
+        assert_eq!((high, low), (0xff, 0xff), "keys spread over all 32 bits");
+        // The same secret gives the same keys; another gives others.
+        let first = |secret| {
+            MrTable::new(secret)
+                .register(pd, RegionBuf::zeroed(8), 0, AccessFlags::NONE)
+                .unwrap()
+                .rkey
+        };
+        assert_eq!(first((1, 2)), first((1, 2)));
+        assert_ne!(first((1, 2)), first((1, 3)));
+    }
+
+    #[test]
+    fn key_permutation_is_a_bijection_on_a_sample() {
+        let g = KeyGen::new((9, 10));
+        let inputs: std::collections::BTreeSet<u32> =
+            (0..u32::MAX).step_by(65_521).chain(0..70_000).collect();
+        let outputs: std::collections::HashSet<u32> =
+            inputs.iter().map(|&x| g.permute(x)).collect();
+        assert_eq!(outputs.len(), inputs.len());
+    }
+
+    #[test]
+    fn permits_checks_pd_rights_and_bounds() {
+        let mut t = MrTable::new((3, 4));
+        let a = t
+            .register(
+                PdHandle(1),
+                RegionBuf::zeroed(64),
+                0x100,
+                AccessFlags::REMOTE_READ,
+            )
+            .unwrap();
+        let m = t.by_rkey(a.rkey).unwrap();
+        assert_eq!(
+            m.permits(PdHandle(1), AccessFlags::REMOTE_READ, 0x100, 64),
+            Some(0..64)
+        );
+        assert_eq!(
+            m.permits(PdHandle(2), AccessFlags::REMOTE_READ, 0x100, 64),
+            None
+        );
+        assert_eq!(
+            m.permits(PdHandle(1), AccessFlags::REMOTE_WRITE, 0x100, 1),
+            None
+        );
+        assert_eq!(
+            m.permits(PdHandle(1), AccessFlags::REMOTE_READ, 0x101, 64),
+            None
+        );
     }
 }

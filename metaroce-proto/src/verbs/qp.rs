@@ -629,17 +629,33 @@ impl Qp {
     }
 
     /// Responder: retires completed messages in order. Calls `exec` for each
-    /// with the accepted record; returns how many were retired.
-    pub(crate) fn retire_in_order(&mut self, mut exec: impl FnMut(&mut Qp, Accepted)) -> u32 {
+    /// with the accepted record while it is still the head (`msn_done` is
+    /// its MSN); returns how many were retired. A message `exec` refuses
+    /// (it checks before it changes anything) becomes
+    /// [`Incoming::Failed`] with the code it gives, and retiring stops there.
+    pub(crate) fn retire_in_order(
+        &mut self,
+        mut exec: impl FnMut(&mut Qp, Accepted) -> Result<(), NakCode>,
+    ) -> u32 {
         let mut n = 0;
         while let Some(Incoming::Accepted(a)) = self.incoming.front().copied() {
             if !a.complete {
                 break;
             }
+            if let Err(code) = exec(self, a) {
+                let msn = self.msn_done;
+                if self.failed_msn.is_none_or(|f| seq_lt(msn, f)) {
+                    self.failed_msn = Some(msn);
+                }
+                self.incoming[0] = Incoming::Failed {
+                    code,
+                    local_len_error: false,
+                };
+                break;
+            }
             self.incoming.pop_front();
             self.msn_done = self.msn_done.wrapping_add(1);
             n += 1;
-            exec(self, a);
         }
         if n > 0 {
             self.stream_dirty = true;
@@ -881,10 +897,10 @@ mod tests {
             })
         };
         *q.incoming_slot(1).unwrap() = acc(true);
-        assert_eq!(q.retire_in_order(|_, _| {}), 0);
+        assert_eq!(q.retire_in_order(|_, _| Ok(())), 0);
         *q.incoming_slot(0).unwrap() = acc(true);
         *q.incoming_slot(2).unwrap() = acc(false);
-        assert_eq!(q.retire_in_order(|_, _| {}), 2);
+        assert_eq!(q.retire_in_order(|_, _| Ok(())), 2);
         assert_eq!(q.msn_done, 2);
         assert_eq!(q.incoming_slot(1), Err(IncomingReject::Duplicate));
         assert_eq!(
