@@ -158,6 +158,11 @@ pub struct UringDriver {
     /// A receive of this turn ended for lack of buffers: datagrams wait
     /// in the socket.
     recv_starved: bool,
+    /// Something this turn meant to queue (a send, a receive or the
+    /// waker's poll re-armed) found the submission queue full with the
+    /// kernel taking nothing from it (`sys::Ring::push`) and waits for the
+    /// next turn, which this one must not sleep before.
+    backlog: bool,
     /// GSO still works (downgraded on EIO/EINVAL).
     gso: bool,
     /// Zero copy enabled and still working.
@@ -272,6 +277,7 @@ impl UringDriver {
             turn_send_bytes: cfg.turn_send_bytes,
             busy_poll: cfg.busy_poll,
             recv_starved: false,
+            backlog: false,
             gso,
             zc,
             zc_threshold: u.zero_copy_threshold,
@@ -326,11 +332,22 @@ impl UringDriver {
         let me = sys::this_thread();
         match self.wake_armed {
             Some((_, owner)) if owner == me => return Ok(()),
-            Some((gen, _)) => self.ring.cancel(TAG_WAKE | gen)?,
+            Some((gen, _)) => {
+                if !self.ring.cancel(TAG_WAKE | gen)? {
+                    self.backlog = true;
+                    return Ok(());
+                }
+                // Cancelled: a new one is armed below, or by the next turn
+                // if the queue has no room for it.
+                self.wake_armed = None;
+            }
             None => {}
         }
+        if !self.ring.arm_wake(w.fd(), self.wake_gen + 1)? {
+            self.backlog = true;
+            return Ok(());
+        }
         self.wake_gen += 1;
-        self.ring.arm_wake(w.fd(), self.wake_gen)?;
         self.wake_armed = Some((self.wake_gen, me));
         Ok(())
     }
@@ -360,7 +377,8 @@ impl UringDriver {
         }
         let progress = self.work()?;
         let mut want = 0;
-        if !progress && !max_wait.is_zero() {
+        // With a backlog the turn does not sleep: the next one queues it.
+        if !progress && !max_wait.is_zero() && !self.backlog {
             // (A turn that must not wait reads no clock for it: a
             // ping-pong polled from one thread runs six turns a round trip.)
             let now = self.clock.now();
@@ -376,9 +394,9 @@ impl UringDriver {
                 if self.busy_poll(wait)? {
                     return Ok(());
                 }
-                // What the busy poll spent counts against the wait.
-                if !self.clock.until(deadline).is_zero() {
-                    self.set_timer(deadline)?;
+                // What the busy poll spent counts against the wait, and a
+                // turn without a timer armed must not wait at all.
+                if !self.clock.until(deadline).is_zero() && self.set_timer(deadline)? {
                     want = 1;
                     self.stats.waits += 1;
                 }
@@ -455,6 +473,7 @@ impl UringDriver {
         let now = self.clock.now();
         self.wall = None;
         self.recv_starved = false;
+        self.backlog = false;
         let mut progress = self.reap(now);
         if let Some(f) = &mut self.faults {
             progress |= f.release(now, &mut self.ep);
@@ -503,26 +522,39 @@ impl UringDriver {
     /// ended, for lack of buffers or otherwise, is queued again).
     fn arm_receives(&mut self) -> Result<(), DriverError> {
         for (k, r) in self.recv.iter().enumerate() {
-            if self.ring.arm_recv(k, r.as_raw_fd())? {
-                self.stats.recv_arms += 1;
+            match self.ring.arm_recv(k, r.as_raw_fd())? {
+                sys::Arm::Queued => self.stats.recv_arms += 1,
+                sys::Arm::Armed => {}
+                // The next turn arms it (datagrams wait in the socket).
+                sys::Arm::Full => self.backlog = true,
             }
         }
         Ok(())
     }
 
-    /// Makes sure a timer fires no later than `deadline`.
-    fn set_timer(&mut self, deadline: Instant) -> Result<(), DriverError> {
+    /// Makes sure a timer fires no later than `deadline`. False if the
+    /// submission queue had no room for it (`sys::Ring::push`): then no
+    /// timer bounds a wait, and the turn must not wait.
+    fn set_timer(&mut self, deadline: Instant) -> Result<bool, DriverError> {
         if let Some((gen, at)) = self.timer {
             if at <= deadline {
-                return Ok(());
+                return Ok(true);
             }
-            self.ring.remove_timer(gen)?;
+            if !self.ring.remove_timer(gen)? {
+                return Ok(false);
+            }
+            // Being removed: no wait counts on it any more.
+            self.timer = None;
+        }
+        if !self
+            .ring
+            .arm_timer(self.clock.until(deadline), self.timer_gen + 1)?
+        {
+            return Ok(false);
         }
         self.timer_gen += 1;
-        self.ring
-            .arm_timer(self.clock.until(deadline), self.timer_gen)?;
         self.timer = Some((self.timer_gen, deadline));
-        Ok(())
+        Ok(true)
     }
 
     /// Handles every completion ready. Returns whether any datagram or send
@@ -690,9 +722,16 @@ impl UringDriver {
     }
 
     /// Queues a send for every transmit the core has, while send slots are
-    /// free and the turn's budget of bytes lasts. Returns whether any was
-    /// queued.
+    /// free, the turn's budget of bytes lasts and the submission queue
+    /// takes them. Returns whether any was queued.
     fn flush(&mut self, now: Instant) -> Result<bool, DriverError> {
+        // Sends an earlier turn found no room for go first, in order. While
+        // one still waits the core keeps its transmits: they would only
+        // wait behind it, each holding a slot.
+        if !self.ring.send_deferred()? {
+            self.backlog = true;
+            return Ok(false);
+        }
         let mut any = false;
         let mut budget = self.turn_send_bytes;
         while let Some(&i) = self.free.last() {
@@ -732,6 +771,12 @@ impl UringDriver {
                 }
                 self.stats.send_errors += 1;
                 tracing::debug!(error = %e, dst = %t.dst, "send not queued");
+            }
+            if self.ring.has_deferred() {
+                // The submission queue is full and the kernel takes nothing
+                // for now: the send waits in the ring for the next turn.
+                self.backlog = true;
+                break;
             }
         }
         Ok(any)
@@ -885,5 +930,119 @@ impl IoDriver for UringDriver {
     }
     fn waker(&mut self) -> Result<Waker, DriverError> {
         UringDriver::waker(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use metaroce_proto::verbs::*;
+    use metaroce_proto::EndpointConfig;
+
+    /// A burst of sends larger than the submission queue (eight entries,
+    /// the fewest the driver sets up; one datagram a send), in turns where
+    /// the kernel takes nothing from the queue (as one that answers EBUSY
+    /// or EAGAIN does): what does not fit waits for a later turn, no turn
+    /// fails, and once the kernel takes submissions again every datagram
+    /// arrives, each sent once (no loss, so no retransmission).
+    #[test]
+    fn a_full_submission_queue_defers_sends_instead_of_failing() {
+        if let Err(why) = uring_probe() {
+            println!("skipped: io_uring unavailable: {why}");
+            return;
+        }
+        let limit = Duration::from_secs(10);
+        let mut cfg = DriverConfig::new("127.0.0.1:0".parse().unwrap());
+        cfg.endpoint = EndpointConfig {
+            // Nothing is retransmitted while the sends wait: a datagram
+            // sent twice is one that was lost.
+            initial_rto: limit,
+            min_rto: limit,
+            max_rto: limit,
+            ..EndpointConfig::default()
+        };
+        cfg.max_gso_segments = 1;
+        cfg.turn_send_bytes = usize::MAX;
+        cfg.uring.entries = 8;
+        cfg.uring.send_slots = 64;
+        let mut a = UringDriver::bind(cfg.clone()).unwrap();
+        let mut b = UringDriver::bind(cfg).unwrap();
+        let (ca, cb) = crate::connect_pair(&mut a, &mut b, limit).unwrap();
+        let (pda, pdb) = (a.endpoint().alloc_pd(), b.endpoint().alloc_pd());
+        let (cqa, cqb) = (a.endpoint().create_cq(16), b.endpoint().create_cq(16));
+        let qa = a.endpoint().create_qp(QpInit::new(pda, cqa, cqa)).unwrap();
+        let qb = b.endpoint().create_qp(QpInit::new(pdb, cqb, cqb)).unwrap();
+        a.endpoint().connect_qp(qa, ca, qb).unwrap();
+        b.endpoint().connect_qp(qb, cb, qa).unwrap();
+        const LEN: usize = 128 << 10;
+        let data: Vec<u8> = (0..LEN).map(|i| (i ^ (i >> 8)) as u8).collect();
+        let src = a
+            .endpoint()
+            .reg_mr(pda, data.clone().into_boxed_slice(), 0, AccessFlags::NONE)
+            .unwrap();
+        let dst = b
+            .endpoint()
+            .reg_mr(
+                pdb,
+                vec![0u8; LEN].into_boxed_slice(),
+                0x10_0000,
+                AccessFlags::REMOTE_WRITE,
+            )
+            .unwrap();
+        let now = a.now();
+        let wr = SendWr::new(
+            1,
+            SendOp::Write(RemoteAddr {
+                rkey: dst.rkey,
+                addr: dst.addr,
+            }),
+            Sge {
+                lkey: src.lkey,
+                addr: src.addr,
+                len: LEN as u32,
+            },
+        );
+        a.endpoint().post_send(now, qa, wr).unwrap();
+
+        a.ring.refuse_submissions(true);
+        for turn in 0..4 {
+            // Turns that may wait: one with nothing to do arms a timer.
+            a.poll(Duration::from_millis(1))
+                .unwrap_or_else(|e| panic!("turn {turn} with a full submission queue: {e}"));
+        }
+        let burst = a.endpoint().connection_stats(ca).unwrap().data_packets_sent;
+        assert!(
+            burst > 8,
+            "{burst} datagrams fit the submission queue: the test shows nothing"
+        );
+        a.ring.refuse_submissions(false);
+
+        let t0 = std::time::Instant::now();
+        let mut wc = Vec::new();
+        while wc.is_empty() {
+            assert!(t0.elapsed() < limit, "the WRITE did not complete");
+            a.poll(Duration::ZERO).unwrap();
+            b.poll(Duration::ZERO).unwrap();
+            a.endpoint().poll_cq(cqa, 16, &mut wc).unwrap();
+        }
+        assert_eq!(wc[0].status, WcStatus::Success, "{wc:?}");
+        assert!(
+            b.endpoint().mr(dst.lkey).unwrap() == &data[..],
+            "WRITE data differs"
+        );
+        let (sa, sb) = (a.stats(), b.stats());
+        assert_eq!(sa.send_errors, 0, "sends were dropped: a {sa:?}");
+        let (conn_a, conn_b) = (
+            a.endpoint().connection_stats(ca).unwrap(),
+            b.endpoint().connection_stats(cb).unwrap(),
+        );
+        assert_eq!(
+            conn_a.retransmits, 0,
+            "datagrams were lost: {conn_a:?}\na {sa:?}\nb {sb:?}"
+        );
+        assert_eq!(
+            conn_b.data_packets_received, conn_a.data_packets_sent,
+            "a {sa:?}\nb {sb:?}"
+        );
     }
 }

@@ -33,6 +33,7 @@ use io_uring::types::{CancelBuilder, Fd, SubmitArgs, Timespec};
 use io_uring::{cqueue, opcode, squeue, IoUring};
 use socket2::SockAddr;
 use std::alloc::{self, Layout};
+use std::collections::VecDeque;
 use std::io;
 use std::mem::ManuallyDrop;
 use std::os::fd::RawFd;
@@ -320,6 +321,10 @@ pub(super) struct SendSlot {
     gather: Box<[libc::iovec]>,
     /// Completions the kernel still owes for this slot.
     inflight: u16,
+    /// Its send, or the rest of its messages, waits in [`Ring`]'s list of
+    /// deferred sends for room in the submission queue: the slot is not
+    /// free even with nothing in flight.
+    deferred: bool,
 }
 
 impl SendSlot {
@@ -344,6 +349,7 @@ impl SendSlot {
                 })
                 .collect(),
             inflight: 0,
+            deferred: false,
         }
     }
 
@@ -365,7 +371,7 @@ impl SendSlot {
         pieces: &[Piece],
         ctrl_len: usize,
     ) -> bool {
-        if self.inflight != 0 || pieces.len() > self.gather.len() || pieces.is_empty() {
+        if !self.is_free() || pieces.len() > self.gather.len() || pieces.is_empty() {
             return false;
         }
         for (iov, p) in self.gather.iter_mut().zip(pieces) {
@@ -396,14 +402,14 @@ impl SendSlot {
         true
     }
 
-    /// Whether the kernel is done with the slot.
+    /// Whether the kernel is done with the slot and no send of it waits.
     pub(super) fn is_free(&self) -> bool {
-        self.inflight == 0
+        self.inflight == 0 && !self.deferred
     }
 
     /// The buffer and control storage to fill, while the slot is free.
     pub(super) fn parts_mut(&mut self) -> Option<(&mut [u8], &mut CmsgBuf)> {
-        if self.inflight == 0 {
+        if self.is_free() {
             Some((&mut self.buf, &mut self.ctrl))
         } else {
             None
@@ -419,7 +425,7 @@ impl SendSlot {
         range: std::ops::Range<usize>,
         ctrl_len: usize,
     ) -> bool {
-        if self.inflight != 0 || m >= self.msgs.len() || range.end > self.buf.len() {
+        if !self.is_free() || m >= self.msgs.len() || range.end > self.buf.len() {
             return false;
         }
         self.dst = SockAddr::from(dst);
@@ -451,6 +457,29 @@ pub(super) enum SendCqe {
     },
 }
 
+/// A send the submission queue had no room for (see [`Ring::push`]):
+/// messages `next..n` of a slot, still to be pushed, in order.
+#[derive(Debug, Clone, Copy)]
+struct DeferredSend {
+    slot: usize,
+    next: usize,
+    n: usize,
+    fd: RawFd,
+    zc: bool,
+}
+
+/// What [`Ring::arm_recv`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Arm {
+    /// A receive armed by this thread is in flight: nothing to do.
+    Armed,
+    /// A new receive is queued.
+    Queued,
+    /// The submission queue is full (see [`Ring::push`]): nothing was
+    /// queued; the next turn tries again.
+    Full,
+}
+
 /// The ring and all memory the kernel shares with it.
 pub(super) struct Ring {
     ring: IoUring,
@@ -465,8 +494,15 @@ pub(super) struct Ring {
     recv_live: u32,
     bufs: BufRing,
     slots: Box<[SendSlot]>,
+    /// Sends waiting for room in the submission queue, in the order they
+    /// were made: they go before any later one.
+    deferred: VecDeque<DeferredSend>,
     timespec: Box<Timespec>,
     cqes: Vec<cqueue::Entry>,
+    /// Tests: while set, [`submit`](Self::submit) enters no kernel, as if
+    /// the kernel took nothing (see [`push`](Self::push)).
+    #[cfg(test)]
+    refuse_submissions: bool,
 }
 
 // SAFETY: the raw pointers in `Ring` (in `msghdr`s, `iovec`s and the buffer
@@ -539,8 +575,11 @@ impl Ring {
             slots: (0..slots.max(1))
                 .map(|_| SendSlot::new(slot_size, max_msgs))
                 .collect(),
+            deferred: VecDeque::with_capacity(slots.max(1)),
             timespec: Box::new(Timespec::new()),
             cqes: Vec::with_capacity(entries as usize * 4),
+            #[cfg(test)]
+            refuse_submissions: false,
         })
     }
 
@@ -550,55 +589,77 @@ impl Ring {
         sq.capacity() - sq.len() >= n
     }
 
-    /// Pushes an entry whose memory the caller has argued valid, submitting
-    /// first if the queue is full. The one `SubmissionQueue::push` of the backend.
+    /// Pushes entries whose memory the caller has argued valid, all of them
+    /// or none, submitting what is queued first if the queue lacks room (the
+    /// enter hands the queued entries to the kernel, which frees their
+    /// slots). The one `SubmissionQueue::push` of the backend.
+    ///
+    /// False if the queue still lacks room after that: the kernel took too
+    /// few. It refuses submissions for a while now and then (EAGAIN when it
+    /// cannot allocate requests; EBUSY on older kernels while completions
+    /// overflow) and stops a batch at a request that fails to start. A full
+    /// queue is no error: the caller keeps what it meant to queue and tries
+    /// again on a later turn, after the turn's submission.
     ///
     /// # Safety
-    /// Everything `e` points at must stay valid until the kernel is done with
-    /// it, per the rules of the module documentation.
-    unsafe fn push(&mut self, e: &squeue::Entry) -> io::Result<()> {
-        if !self.has_room(1) {
+    /// Everything the entries point at must stay valid until the kernel is
+    /// done with it, per the rules of the module documentation.
+    unsafe fn push(&mut self, es: &[squeue::Entry]) -> io::Result<bool> {
+        debug_assert!(es.len() <= self.ring.submission().capacity());
+        if !self.has_room(es.len()) {
             self.submit(0)?;
+            if !self.has_room(es.len()) {
+                return Ok(false);
+            }
         }
         // SAFETY: forwarded from the caller.
-        unsafe { self.ring.submission().push(e) }
-            .map_err(|_| io::Error::new(io::ErrorKind::WouldBlock, "submission queue full"))
+        Ok(unsafe { self.ring.submission().push_multiple(es) }.is_ok())
     }
 
     /// Arms the multishot receive on `fd` unless one armed by this thread
     /// is in flight. One armed by another thread (the driver moved) is
     /// cancelled and replaced, so that receive completions are posted by the
-    /// thread that polls. Returns whether it armed one. `k` names the
-    /// socket (one receive per socket); generations are unique across
-    /// sockets.
-    pub(super) fn arm_recv(&mut self, k: usize, fd: RawFd) -> io::Result<bool> {
+    /// thread that polls. `k` names the socket (one receive per socket);
+    /// generations are unique across sockets.
+    pub(super) fn arm_recv(&mut self, k: usize, fd: RawFd) -> io::Result<Arm> {
         let me = this_thread();
         if self.recv.len() <= k {
             self.recv.resize(k + 1, None);
         }
-        match self.recv[k] {
-            Some((_, owner)) if owner == me => return Ok(false),
-            Some((gen, _)) => {
-                let e = opcode::AsyncCancel::new(recv_user_data(k, gen))
+        let cancel = match self.recv[k] {
+            Some((_, owner)) if owner == me => return Ok(Arm::Armed),
+            Some((gen, _)) => Some(
+                opcode::AsyncCancel::new(recv_user_data(k, gen))
                     .build()
-                    .user_data(TAG_CTRL);
-                // SAFETY: a cancellation refers to no memory.
-                unsafe { self.push(&e)? };
-            }
-            None => {}
-        }
-        self.recv_gen += 1;
-        let e = opcode::RecvMsgMulti::new(Fd(fd), &*self.recv_hdr, self.bufs.bgid)
+                    .user_data(TAG_CTRL),
+            ),
+            None => None,
+        };
+        let gen = self.recv_gen + 1;
+        let arm = opcode::RecvMsgMulti::new(Fd(fd), &*self.recv_hdr, self.bufs.bgid)
             .build()
-            .user_data(recv_user_data(k, self.recv_gen));
-        // SAFETY: `recv_hdr` is boxed in `self` and stays until `Drop` has
-        // seen every receive end (`recv_live`); the buffers it fills belong
-        // to the registered buffer ring, handed over and back under
-        // `BufRing`'s rules.
-        unsafe { self.push(&e)? };
-        self.recv[k] = Some((self.recv_gen, me));
+            .user_data(recv_user_data(k, gen));
+        // The cancellation and its replacement go in together or not at
+        // all: the next turn then starts over from the same state.
+        let both;
+        let es = match cancel {
+            Some(c) => {
+                both = [c, arm];
+                &both[..]
+            }
+            None => std::slice::from_ref(&arm),
+        };
+        // SAFETY: a cancellation refers to no memory. `recv_hdr` is boxed
+        // in `self` and stays until `Drop` has seen every receive end
+        // (`recv_live`); the buffers it fills belong to the registered
+        // buffer ring, handed over and back under `BufRing`'s rules.
+        if !unsafe { self.push(es)? } {
+            return Ok(Arm::Full);
+        }
+        self.recv_gen = gen;
+        self.recv[k] = Some((gen, me));
         self.recv_live += 1;
-        Ok(true)
+        Ok(Arm::Queued)
     }
 
     /// The slot at `i`.
@@ -612,33 +673,77 @@ impl Ring {
     }
 
     /// Sends messages `0..n` of slot `i` on `fd` (`n > 1`: segments one by
-    /// one), with zero copy if `zc`.
+    /// one), with zero copy if `zc`. What the submission queue has no room
+    /// for (see [`push`](Self::push)) waits, the slot kept busy, until
+    /// [`send_deferred`](Self::send_deferred) pushes it: a send is never
+    /// dropped for want of room.
     pub(super) fn send(&mut self, i: usize, n: usize, fd: RawFd, zc: bool) -> io::Result<()> {
-        let slot = &self.slots[i];
-        if slot.inflight != 0 || n == 0 || n > slot.msgs.len() {
+        let slot = &mut self.slots[i];
+        if !slot.is_free() || n == 0 || n > slot.msgs.len() {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "slot busy"));
         }
-        for m in 0..n {
-            let hdr: *const libc::msghdr = &self.slots[i].msgs[m].hdr;
-            let e = if zc {
-                opcode::SendMsgZc::new(Fd(fd), hdr)
+        // Behind the sends already waiting, if any: datagrams leave in the
+        // order they were made.
+        slot.deferred = true;
+        self.deferred.push_back(DeferredSend {
+            slot: i,
+            next: 0,
+            n,
+            fd,
+            zc,
+        });
+        self.send_deferred().map(|_| ())
+    }
+
+    /// Pushes the sends that wait for room in the submission queue, in
+    /// order, as far as it takes them. True once none waits.
+    pub(super) fn send_deferred(&mut self) -> io::Result<bool> {
+        while let Some(mut d) = self.deferred.pop_front() {
+            let pushed = self.push_send(&mut d);
+            if !matches!(pushed, Ok(true)) {
+                // The rest of its messages stay first in line.
+                self.deferred.push_front(d);
+                return pushed;
+            }
+            self.slots[d.slot].deferred = false;
+        }
+        Ok(true)
+    }
+
+    /// Whether sends wait for room in the submission queue.
+    pub(super) fn has_deferred(&self) -> bool {
+        !self.deferred.is_empty()
+    }
+
+    /// Pushes the messages of `d` not yet pushed, one request each, while
+    /// the queue has room. True once all are in.
+    fn push_send(&mut self, d: &mut DeferredSend) -> io::Result<bool> {
+        while d.next < d.n {
+            let hdr: *const libc::msghdr = &self.slots[d.slot].msgs[d.next].hdr;
+            let e = if d.zc {
+                opcode::SendMsgZc::new(Fd(d.fd), hdr)
                     .ioprio(SEND_ZC_REPORT_USAGE)
                     .build()
             } else {
-                opcode::SendMsg::new(Fd(fd), hdr).build()
+                opcode::SendMsg::new(Fd(d.fd), hdr).build()
             }
-            .user_data(TAG_SEND | i as u64);
+            .user_data(TAG_SEND | d.slot as u64);
             // SAFETY: the `msghdr`, its `iovec`s, the data, the address and
-            // the control data all live in slot `i` of the boxed, never
+            // the control data all live in slot `d.slot` of the boxed, never
             // resized slot array (a gathered send's payloads outside it are
-            // the `set_gather` caller's promise). `inflight` counts this
-            // request from now on, so `parts_mut`/`set_msg`/`set_gather`
-            // refuse to touch the slot until its last completion (the
-            // notification for zero copy), and `Drop` waits for it.
-            unsafe { self.push(&e)? };
-            self.slots[i].inflight += 1;
+            // the `set_gather` caller's promise). The slot has been busy
+            // since `send` (its `deferred` flag until the last message is
+            // pushed, then `inflight`, which counts this request from now
+            // on), so `parts_mut`/`set_msg`/`set_gather` refuse to touch it
+            // until its last completion (the notification for zero copy),
+            // and `Drop` waits for that.
+            if !unsafe { self.push(std::slice::from_ref(&e))? } {
+                return Ok(false);
+            }
+            self.slots[d.slot].inflight += 1;
+            d.next += 1;
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Records a send completion of slot `i`; returns what it was.
@@ -658,8 +763,9 @@ impl Ring {
         Some(SendCqe::Result(cqe.result()))
     }
 
-    /// Arms a timeout `after` from now, tagged `TAG_TIMER | gen`.
-    pub(super) fn arm_timer(&mut self, after: Duration, gen: u64) -> io::Result<()> {
+    /// Arms a timeout `after` from now, tagged `TAG_TIMER | gen`. False if
+    /// the submission queue is full (see [`push`](Self::push)): not armed.
+    pub(super) fn arm_timer(&mut self, after: Duration, gen: u64) -> io::Result<bool> {
         *self.timespec = Timespec::new()
             .sec(after.as_secs())
             .nsec(after.subsec_nanos());
@@ -670,41 +776,57 @@ impl Ring {
         // request, during the next submission; it is boxed in `self`, so it
         // outlives that. (Overwriting it before a submission only changes the
         // deadline read, never the memory's validity.)
-        unsafe { self.push(&e) }
+        unsafe { self.push(std::slice::from_ref(&e)) }
     }
 
     /// Arms a multishot poll for readability of `fd` (the waker), tagged
-    /// `TAG_WAKE | gen`.
-    pub(super) fn arm_wake(&mut self, fd: RawFd, gen: u64) -> io::Result<()> {
+    /// `TAG_WAKE | gen`. False if the submission queue is full (see
+    /// [`push`](Self::push)): not armed.
+    pub(super) fn arm_wake(&mut self, fd: RawFd, gen: u64) -> io::Result<bool> {
         let e = opcode::PollAdd::new(Fd(fd), libc::POLLIN as u32)
             .multi(true)
             .build()
             .user_data(TAG_WAKE | gen);
         // SAFETY: a poll refers to no memory of ours, only to the descriptor
         // (the kernel holds its own reference to the file while it polls).
-        unsafe { self.push(&e) }
+        unsafe { self.push(std::slice::from_ref(&e)) }
     }
 
-    /// Cancels the request tagged `user_data`.
-    pub(super) fn cancel(&mut self, user_data: u64) -> io::Result<()> {
+    /// Cancels the request tagged `user_data`. False if the submission
+    /// queue is full (see [`push`](Self::push)): nothing queued.
+    pub(super) fn cancel(&mut self, user_data: u64) -> io::Result<bool> {
         let e = opcode::AsyncCancel::new(user_data)
             .build()
             .user_data(TAG_CTRL);
         // SAFETY: a cancellation refers to no memory.
-        unsafe { self.push(&e) }
+        unsafe { self.push(std::slice::from_ref(&e)) }
     }
 
-    /// Removes the timer tagged `TAG_TIMER | gen`.
-    pub(super) fn remove_timer(&mut self, gen: u64) -> io::Result<()> {
+    /// Removes the timer tagged `TAG_TIMER | gen`. False if the submission
+    /// queue is full (see [`push`](Self::push)): nothing queued.
+    pub(super) fn remove_timer(&mut self, gen: u64) -> io::Result<bool> {
         let e = opcode::TimeoutRemove::new(TAG_TIMER | gen)
             .build()
             .user_data(TAG_CTRL);
         // SAFETY: refers to no memory (only the other request's user_data).
-        unsafe { self.push(&e) }
+        unsafe { self.push(std::slice::from_ref(&e)) }
+    }
+
+    /// Tests: makes every submission take nothing (`true`) or work again.
+    #[cfg(test)]
+    pub(super) fn refuse_submissions(&mut self, refuse: bool) {
+        self.refuse_submissions = refuse;
     }
 
     /// Submits what is queued and waits for `want` completions.
     pub(super) fn submit(&mut self, want: usize) -> io::Result<()> {
+        #[cfg(test)]
+        if self.refuse_submissions {
+            // What an enter the kernel answers with EBUSY or EAGAIN does
+            // (the answers this function lets pass): nothing submitted,
+            // nothing waited for.
+            return Ok(());
+        }
         match self.ring.submit_and_wait(want) {
             Ok(_) => Ok(()),
             Err(e)
@@ -787,17 +909,25 @@ impl Ring {
     }
 
     /// Cancels every request and waits (bounded) until the kernel holds no
-    /// memory of ours. True if it got there.
+    /// memory of ours. True if it got there. Messages of deferred sends
+    /// not yet pushed are dropped: the kernel never saw them.
     pub(super) fn drain(&mut self) -> bool {
         let e = opcode::AsyncCancel2::new(CancelBuilder::any())
             .build()
             .user_data(TAG_CTRL);
-        // SAFETY: a cancellation refers to no memory.
-        if unsafe { self.push(&e) }.is_err() {
-            return false;
-        }
         let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        let mut cancelled = false;
         loop {
+            if !cancelled {
+                // A full queue the kernel takes nothing from (see `push`)
+                // takes the cancellation on a later round, once the
+                // completions reaped below have made room.
+                // SAFETY: a cancellation refers to no memory.
+                match unsafe { self.push(std::slice::from_ref(&e)) } {
+                    Ok(queued) => cancelled = queued,
+                    Err(_) => return false,
+                }
+            }
             // Receive buffers come back to us with their completion; we never
             // read them again, so they need not be recycled.
             let cqes = self.reap();
