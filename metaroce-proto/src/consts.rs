@@ -192,6 +192,11 @@ pub const REPATH_COOLDOWN_RTTS: u32 = 8;
 /// connection there moved a path every 2 ms without it.
 pub const REPATH_MAX_BACKOFF: u32 = 6;
 
+/// Length of an epoch of the RTT peak filter, in smoothed RTTs
+/// (`RTT_PEAK_EPOCH_RTTS`; at least the minimum RTO): the peak is the
+/// largest RTT sample of the current epoch and the one before (§13.3).
+pub const RTT_PEAK_EPOCH_RTTS: u32 = 16;
+
 /// Default queueing delay a sender tolerates before it slows down (`DEFAULT_DELAY_TARGET`).
 pub const DEFAULT_DELAY_TARGET: Duration = Duration::from_micros(100);
 

@@ -15,6 +15,13 @@ pub(super) struct PathReport {
     pub(super) lost: u64,
     /// Packets declared lost that arrived after all.
     pub(super) spurious: u64,
+    /// Of `lost`: declared by time, and by the retransmission timeout (the
+    /// rest by a gap in the path's acknowledgements).
+    pub(super) lost_by_time: u64,
+    pub(super) lost_by_timeout: u64,
+    /// Of `spurious`: declared by time, and by the timeout.
+    pub(super) spurious_by_time: u64,
+    pub(super) spurious_by_timeout: u64,
     pub(super) ecn_marks: u64,
     pub(super) rtt_us: f64,
     /// Times declared failed (moved to a new source port, probed back).

@@ -8,7 +8,7 @@
 
 mod path;
 
-pub(crate) use path::{PathEvent, PathRx, PathTx};
+pub(crate) use path::{LossCause, PathEvent, PathRx, PathTx};
 pub use path::{PathState, PathStats};
 
 use crate::cc::{Pacer, SenderCc};
@@ -284,6 +284,8 @@ pub(crate) struct Connection {
     /// Streams whose progress was reported lately, with how many more ACKs
     /// repeat it (a lost ACK must not hold a completion until the next one).
     pub(crate) recent_streams: Vec<(Qpn, u8)>,
+    /// A time-based loss check waits for the end of the batch being read.
+    pub(crate) loss_check_due: bool,
 
     // Streams.
     pub(crate) qps: Vec<Qpn>,
@@ -398,6 +400,7 @@ impl Connection {
             naks: VecDeque::new(),
             dirty_streams: Vec::new(),
             recent_streams: Vec::new(),
+            loss_check_due: false,
             qps: Vec::new(),
             qp_rr: 0,
             timer_key: None,
@@ -464,14 +467,17 @@ impl Connection {
         self.plane_open(p.plane)
     }
 
-    /// A failed path that may send its next NOP probe now (nothing of it in
-    /// flight, its plane open), if any.
+    /// A path that may send a NOP probe now, if any: a failed one with
+    /// nothing in flight (probing its new route), or an active one whose
+    /// tail-loss probe is due (§13.3); its plane open.
     pub(crate) fn probe_path(&self) -> Option<usize> {
         if !self.csn_room() {
             return None;
         }
         self.paths_tx.iter().position(|p| {
-            p.state == PathState::Probing && p.in_flight == 0 && p.has_room() && self.path_open(p)
+            let failed = p.state == PathState::Probing && p.in_flight == 0;
+            let tail = p.state == PathState::Active && p.probe_due && p.move_to.is_none();
+            (failed || tail) && p.has_room() && self.path_open(p)
         })
     }
 

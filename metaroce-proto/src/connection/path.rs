@@ -17,6 +17,29 @@ pub(crate) struct SentPkt {
     pub(crate) bytes: u32,
     pub(crate) acked: bool,
     pub(crate) lost: bool,
+    /// How it was declared lost, while `lost`.
+    pub(crate) lost_by: LossCause,
+}
+
+/// Declarations by time a path must have made before their record counts
+/// (`TIME_JUDGED_MIN`, §13.3).
+const TIME_JUDGED_MIN: u32 = 16;
+
+/// Declarations by time are taken as right while fewer than one in
+/// `TIME_SPURIOUS_SHARE` turned out spurious (§13.3).
+const TIME_SPURIOUS_SHARE: u32 = 8;
+
+/// What declared a packet lost (PROTOCOL §13).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum LossCause {
+    /// A later packet of the same path was acknowledged (§13.2).
+    #[default]
+    Sack,
+    /// Time-based detection: a packet sent later was delivered, on any
+    /// path, and this one is overdue (§13.3).
+    Time,
+    /// The path's retransmission timeout (§13.3).
+    Timeout,
 }
 
 /// What an ACK or a timeout did to a path's packets.
@@ -52,6 +75,19 @@ pub struct PathStats {
     /// Packets declared lost (by time or timeout) that were acknowledged
     /// afterwards: the declaration was premature.
     pub spurious_losses: u64,
+    /// Of `packets_lost`: declared by time (a packet sent later was
+    /// delivered and this one was overdue), not by a gap in the path's
+    /// acknowledgements.
+    pub lost_by_time: u64,
+    /// Of `packets_lost`: declared by the path's retransmission timeout.
+    pub lost_by_timeout: u64,
+    /// Of `spurious_losses`: those declared by time.
+    pub spurious_by_time: u64,
+    /// Of `spurious_losses`: those declared by a timeout.
+    pub spurious_by_timeout: u64,
+    /// Tail-loss probes sent (a NOP beyond the window, when the oldest
+    /// packet is overdue by the RTT but not yet by the peak RTT).
+    pub tail_probes: u64,
     /// CE marks the peer echoed for this path.
     pub ce_marks: u64,
     /// Smoothed RTT in ns (0 before a sample).
@@ -114,6 +150,19 @@ pub(crate) struct PathTx {
     /// would otherwise turn into retransmissions of packets still in it, and
     /// each one would free window for more packets into the same queue.
     late_floor: Duration,
+    /// A tail-loss probe is due on this path (§13.3): its oldest packet is
+    /// overdue by the RTT alone, not yet by the peak RTT that declares it
+    /// lost. One NOP goes on the path, beyond its window: if the packet was
+    /// lost, the probe's ACK shows the gap and it is declared lost at
+    /// once, by the path's own order; if it was only late, nothing is sent
+    /// twice.
+    pub(crate) probe_due: bool,
+    /// The PSN the last probe was sent for (one probe per oldest packet).
+    probed_psn: Option<u32>,
+    /// Packets this path declared lost by time lately, and how many of
+    /// them turned out to have arrived (halved together now and then).
+    time_judged: u32,
+    time_spurious: u32,
     /// Ring slots whose packet was declared lost and has not been
     /// acknowledged since (bit `slot`): an ACK may still show it arrived.
     lost_slots: [u64; SACK_BITS as usize / 64],
@@ -156,6 +205,10 @@ impl PathTx {
             restart_window: restart,
             move_to: None,
             late_floor: Duration::ZERO,
+            probe_due: false,
+            probed_psn: None,
+            time_judged: 0,
+            time_spurious: 0,
             lost_slots: [0; SACK_BITS as usize / 64],
             last_ack_at: Instant::ZERO,
             last_rx_echo: 0,
@@ -182,10 +235,12 @@ impl PathTx {
             }
     }
 
-    /// The path's retransmission timeout, backoff included.
+    /// The path's retransmission timeout, backoff included: RFC 6298's,
+    /// and never less than twice the recent peak RTT (a queue that was
+    /// that deep lately may be deeper now; a packet in it is no loss).
     pub(crate) fn rto(&self) -> Duration {
         let shift = self.backoff.min(16);
-        (self.rtt.rto() * (1u32 << shift))
+        (self.rtt.rto().max(self.rtt.peak() * 2) * (1u32 << shift))
             .max(self.late_floor())
             .min(self.rtt.max_rto())
     }
@@ -260,6 +315,7 @@ impl PathTx {
         // A new route: its probe gets a plain timeout, not the old route's backoff.
         self.backoff = 0;
         self.late_floor = Duration::ZERO;
+        self.probe_due = false;
         self.cc.reset(min_window);
         self.stats.failures += 1;
         self.stats.state = Some(PathState::Probing);
@@ -268,8 +324,11 @@ impl PathTx {
     /// Time-based loss detection across paths (after RACK): an outstanding
     /// packet is lost once a packet sent after it was delivered (on any
     /// path: `evidence` is the newest such send time) and it has waited
-    /// longer than this path's RTT plus a reordering allowance. This catches
-    /// the tail of a burst, which no SACK gap reveals, without a timeout.
+    /// longer than twice this path's recent peak RTT (and its
+    /// smoothed RTT plus a reordering allowance, and the late floor). This
+    /// catches the tail of a burst, which no SACK gap reveals, without a
+    /// timeout. Sooner, once it has waited the smoothed RTT and the
+    /// allowance alone, the path sends a tail-loss probe (`probe_due`).
     pub(crate) fn detect_by_time(
         &mut self,
         now: Instant,
@@ -277,21 +336,87 @@ impl PathTx {
         slack: Duration,
         out: impl FnMut(PathEvent),
     ) -> usize {
-        let (Some(srtt), Some(oldest)) = (self.rtt.srtt(), self.oldest_outstanding()) else {
+        let (Some(srtt), Some((psn, oldest))) = (self.rtt.srtt(), self.oldest_outstanding_psn())
+        else {
             return 0;
         };
-        // Never quicker than a quarter of the minimum RTO: on a host stack
-        // RTTs jump with scheduling, and a spurious loss costs a resend.
-        let wait = (srtt + srtt / 4 + self.rtt.rttvar() * 2 + slack)
-            .max(self.rtt.min_rto() / 4)
-            .max(self.late_floor());
-        let by_age = Instant::from_nanos(now.as_nanos().saturating_sub(crate::time::nanos(wait)));
-        let cutoff = by_age.min(Instant::from_nanos(evidence.as_nanos().saturating_sub(1)));
-        if oldest <= cutoff {
-            self.expire(cutoff, out)
+        let probe_wait = self.probe_wait(srtt, slack);
+        // On another route a packet sent later may well overtake one in a
+        // queue whose delay swings (a shaper's bucket, a stalled thread):
+        // the path's own recent peak says how late its packets come.
+        let peak = self.rtt.peak();
+        // Unless this path's declarations by time have lately been right
+        // (few turned out spurious: a lossy network with a steady queue),
+        // when waiting longer only stalls its window.
+        let accurate = self.time_judged >= TIME_JUDGED_MIN
+            && self.time_spurious * TIME_SPURIOUS_SHARE < self.time_judged;
+        let loss_wait = if accurate {
+            probe_wait.max(self.late_floor())
         } else {
-            0
+            probe_wait.max(peak * 2).max(self.late_floor())
+        };
+        let before = |wait: Duration| {
+            let by_age =
+                Instant::from_nanos(now.as_nanos().saturating_sub(crate::time::nanos(wait)));
+            by_age.min(Instant::from_nanos(evidence.as_nanos().saturating_sub(1)))
+        };
+        let cutoff = before(loss_wait);
+        if oldest <= cutoff {
+            let n = self.expire(cutoff, LossCause::Time, out);
+            self.time_judged += n as u32;
+            if self.time_judged >= 2 * TIME_JUDGED_MIN {
+                // A sliding record: the older half fades.
+                self.time_judged /= 2;
+                self.time_spurious /= 2;
+            }
+            return n;
         }
+        if oldest <= before(probe_wait) {
+            self.arm_probe(psn);
+        }
+        0
+    }
+
+    /// How long the oldest packet waits before a tail-loss probe goes:
+    /// the smoothed RTT and a quarter, twice its variance and the peer's
+    /// ACK delay; never quicker than a quarter of the minimum RTO (on a
+    /// host stack RTTs jump with scheduling).
+    fn probe_wait(&self, srtt: Duration, slack: Duration) -> Duration {
+        (srtt + srtt / 4 + self.rtt.rttvar() * 2 + slack).max(self.rtt.min_rto() / 4)
+    }
+
+    fn arm_probe(&mut self, psn: u32) {
+        if self.probed_psn != Some(psn) {
+            self.probe_due = true;
+            self.probed_psn = Some(psn);
+        }
+    }
+
+    /// When the tail-loss probe for the oldest packet is due, if it has
+    /// not gone (the probe timer: with every ACK lost or late, nothing
+    /// else would look at the path before its timeout).
+    pub(crate) fn probe_deadline(&self, slack: Duration) -> Option<Instant> {
+        if self.state != PathState::Active || self.probe_due {
+            return None;
+        }
+        let srtt = self.rtt.srtt()?;
+        let (psn, oldest) = self.oldest_outstanding_psn()?;
+        (self.probed_psn != Some(psn)).then(|| oldest + self.probe_wait(srtt, slack))
+    }
+
+    /// Runs the probe timer (see [`probe_deadline`](Self::probe_deadline)).
+    pub(crate) fn on_probe_timer(&mut self, now: Instant, slack: Duration) {
+        if self.probe_deadline(slack).is_some_and(|d| d <= now) {
+            if let Some((psn, _)) = self.oldest_outstanding_psn() {
+                self.arm_probe(psn);
+            }
+        }
+    }
+
+    /// The tail-loss probe went out.
+    pub(crate) fn probe_sent(&mut self) {
+        self.probe_due = false;
+        self.stats.tail_probes += 1;
     }
 
     /// Whether another packet fits in the SACK span.
@@ -313,10 +438,16 @@ impl PathTx {
     }
 
     /// Marks the packet in `psn`'s slot lost (it must be outstanding).
-    fn mark_lost(&mut self, psn: u32) -> u32 {
+    fn mark_lost(&mut self, psn: u32, cause: LossCause) -> u32 {
         let slot = Self::slot(psn);
         let p = &mut self.ring[slot];
         p.lost = true;
+        p.lost_by = cause;
+        match cause {
+            LossCause::Sack => {}
+            LossCause::Time => self.stats.lost_by_time += 1,
+            LossCause::Timeout => self.stats.lost_by_timeout += 1,
+        }
         let (bytes, csn, sent_at) = (p.bytes, p.csn, p.sent_at);
         self.in_flight -= u64::from(bytes);
         self.stats.packets_lost += 1;
@@ -335,6 +466,14 @@ impl PathTx {
         self.newest_delivered = self.newest_delivered.max(p.sent_at);
         self.stats.packets_acked += 1;
         self.stats.spurious_losses += 1;
+        match p.lost_by {
+            LossCause::Sack => {}
+            LossCause::Time => {
+                self.stats.spurious_by_time += 1;
+                self.time_spurious += 1;
+            }
+            LossCause::Timeout => self.stats.spurious_by_timeout += 1,
+        }
         self.late_floor = self.late_floor.max(took + took / 8);
         self.set_lost_slot(slot, false);
     }
@@ -394,6 +533,7 @@ impl PathTx {
             bytes,
             acked: false,
             lost: false,
+            lost_by: LossCause::Sack,
         };
         self.next_psn = psn.wrapping_add(1);
         self.in_flight += u64::from(bytes);
@@ -469,7 +609,7 @@ impl PathTx {
             while seq_lt(psn, h) {
                 let p = &self.ring[Self::slot(psn)];
                 if !p.acked && !p.lost {
-                    let csn = self.mark_lost(psn);
+                    let csn = self.mark_lost(psn, LossCause::Sack);
                     out(PathEvent::Lost { csn });
                 }
                 psn = psn.wrapping_add(1);
@@ -506,25 +646,36 @@ impl PathTx {
 
     /// Send time of the oldest packet neither acknowledged nor declared lost.
     pub(crate) fn oldest_outstanding(&self) -> Option<Instant> {
+        self.oldest_outstanding_psn().map(|(_, t)| t)
+    }
+
+    /// PSN and send time of the oldest packet neither acknowledged nor
+    /// declared lost.
+    fn oldest_outstanding_psn(&self) -> Option<(u32, Instant)> {
         let mut psn = self.una;
         while psn != self.next_psn {
             let p = &self.ring[Self::slot(psn)];
             if !p.acked && !p.lost {
-                return Some(p.sent_at);
+                return Some((psn, p.sent_at));
             }
             psn = psn.wrapping_add(1);
         }
         None
     }
 
-    /// Declares lost every outstanding packet sent at or before `cutoff`.
-    pub(crate) fn expire(&mut self, cutoff: Instant, mut out: impl FnMut(PathEvent)) -> usize {
+    /// Declares lost, by `cause`, every outstanding packet sent at or before `cutoff`.
+    pub(crate) fn expire(
+        &mut self,
+        cutoff: Instant,
+        cause: LossCause,
+        mut out: impl FnMut(PathEvent),
+    ) -> usize {
         let mut n = 0;
         let mut psn = self.una;
         while psn != self.next_psn {
             let p = &self.ring[Self::slot(psn)];
             if !p.acked && !p.lost && p.sent_at <= cutoff {
-                let csn = self.mark_lost(psn);
+                let csn = self.mark_lost(psn, cause);
                 n += 1;
                 out(PathEvent::Lost { csn });
             }
@@ -541,7 +692,7 @@ impl PathTx {
         while psn != self.next_psn {
             let p = &self.ring[Self::slot(psn)];
             if !p.acked && !p.lost {
-                let csn = self.mark_lost(psn);
+                let csn = self.mark_lost(psn, LossCause::Timeout);
                 out(PathEvent::Lost { csn });
                 self.advance_una();
                 return 1;
@@ -768,7 +919,10 @@ mod tests {
         t.record_send(2, Instant::from_nanos(20), 5, false);
         assert_eq!(t.oldest_outstanding(), Some(Instant::from_nanos(10)));
         let mut ev = Vec::new();
-        assert_eq!(t.expire(Instant::from_nanos(15), |e| ev.push(e)), 1);
+        assert_eq!(
+            t.expire(Instant::from_nanos(15), LossCause::Timeout, |e| ev.push(e)),
+            1
+        );
         assert_eq!(ev, vec![PathEvent::Lost { csn: 1 }]);
         assert_eq!(t.oldest_outstanding(), Some(Instant::from_nanos(20)));
         assert_eq!(t.in_flight, 5);
@@ -835,7 +989,7 @@ mod tests {
         t.rtt.sample(Duration::from_millis(1));
         // One packet held up 100 ms (a stalled host) ...
         t.record_send(1, Instant::ZERO, 100, false);
-        t.expire(Instant::ZERO, |_| {});
+        t.expire(Instant::ZERO, LossCause::Timeout, |_| {});
         let mut r = PathRx::new();
         r.on_packet(0, false);
         t.on_ack(&r.entry(0), Instant::from_nanos(100_000_000), |_| {})
@@ -893,5 +1047,104 @@ mod tests {
         let e = r.entry(3);
         assert_eq!(e.ack_psn, 3);
         assert!(e.sack_bit(SACK_BITS - 2));
+    }
+
+    /// A packet overdue by the smoothed RTT alone gets a tail-loss probe,
+    /// once; it is declared lost only past twice the path's recent peak
+    /// RTT, where a queue that swings may still hold it.
+    #[test]
+    fn overdue_by_the_rtt_probes_overdue_by_the_peak_is_lost() {
+        let ms = |n: u64| Instant::from_nanos(n * 1_000_000);
+        let mut t = tx();
+        t.rtt.sample_at(ms(0), Duration::from_millis(2));
+        t.rtt.sample_at(ms(1), Duration::from_millis(6));
+        for k in 2..10 {
+            t.rtt.sample_at(ms(k), Duration::from_millis(2));
+        }
+        assert_eq!(t.rtt.peak(), Duration::from_millis(6));
+        t.record_send(7, ms(100), 100, false);
+        // Something sent later was delivered; 4 ms on, the RTT rule says
+        // overdue, the peak says not yet: a probe, no loss.
+        assert_eq!(
+            t.detect_by_time(ms(104), ms(101), Duration::ZERO, |_| {}),
+            0
+        );
+        assert!(t.probe_due);
+        t.probe_sent();
+        assert_eq!(t.stats.tail_probes, 1);
+        assert_eq!(
+            t.detect_by_time(ms(105), ms(101), Duration::ZERO, |_| {}),
+            0
+        );
+        assert!(!t.probe_due, "one probe per oldest packet");
+        // Past twice the peak (12 ms): lost, by time.
+        let mut ev = Vec::new();
+        assert_eq!(
+            t.detect_by_time(ms(113), ms(101), Duration::ZERO, |e| ev.push(e)),
+            1
+        );
+        assert_eq!(ev, vec![PathEvent::Lost { csn: 7 }]);
+        assert_eq!(t.stats.lost_by_time, 1);
+        // The timeout is never under twice the peak either.
+        assert!(t.rto() >= Duration::from_millis(12));
+    }
+
+    /// With no ACK at all (every one lost, or none due), the probe timer
+    /// still sends the tail-loss probe.
+    #[test]
+    fn the_probe_timer_runs_without_evidence() {
+        let ms = |n: u64| Instant::from_nanos(n * 1_000_000);
+        let mut t = tx();
+        t.rtt.sample_at(ms(0), Duration::from_millis(2));
+        t.record_send(1, ms(10), 100, false);
+        let due = t.probe_deadline(Duration::ZERO).unwrap();
+        assert!(
+            due > ms(10) && due < t.deadline().unwrap(),
+            "before the RTO"
+        );
+        t.on_probe_timer(Instant::from_nanos(due.as_nanos() - 1), Duration::ZERO);
+        assert!(!t.probe_due);
+        t.on_probe_timer(due, Duration::ZERO);
+        assert!(t.probe_due);
+        assert_eq!(t.probe_deadline(Duration::ZERO), None, "armed once");
+        t.probe_sent();
+        assert_eq!(
+            t.probe_deadline(Duration::ZERO),
+            None,
+            "sent for this packet"
+        );
+    }
+
+    /// Declarations by time that keep turning out right (a lossy path with
+    /// a steady queue) make the path declare at the RTT rule again rather
+    /// than wait for twice the peak; spurious ones make it wait.
+    #[test]
+    fn declarations_that_were_right_speed_up_the_next() {
+        let ms = |n: u64| Instant::from_nanos(n * 1_000_000);
+        let mut t = tx();
+        t.rtt.sample_at(ms(0), Duration::from_millis(2));
+        t.rtt.sample_at(ms(1), Duration::from_millis(8));
+        for k in 2..10 {
+            t.rtt.sample_at(ms(k), Duration::from_millis(2));
+        }
+        let mut at = 100;
+        let mut lost_after = |t: &mut PathTx| {
+            t.record_send(at as u32, ms(at), 100, false);
+            let mut wait = 0;
+            while t.detect_by_time(ms(at + wait), ms(at + 1), Duration::ZERO, |_| {}) == 0 {
+                wait += 1;
+            }
+            at += 100;
+            wait
+        };
+        assert!(lost_after(&mut t) >= 16, "twice the peak, first");
+        for _ in 0..TIME_JUDGED_MIN {
+            lost_after(&mut t);
+        }
+        let quick = lost_after(&mut t);
+        assert!(
+            quick <= 8,
+            "the RTT rule once the record is good: {quick} ms"
+        );
     }
 }

@@ -377,6 +377,9 @@ pub struct Endpoint {
     /// one recomputation, not one each.
     stale: Vec<usize>,
     ready: VecDeque<usize>,
+    /// Connections whose time-based loss check waits for the end of the
+    /// batch of datagrams being read (see `run_loss_checks`).
+    loss_checks: Vec<usize>,
     stateless: VecDeque<StatelessReply>,
     stats: EndpointStats,
     local_ip: Option<IpAddr>,
@@ -440,6 +443,7 @@ impl Endpoint {
             timers: BTreeSet::new(),
             stale: Vec::new(),
             ready: VecDeque::new(),
+            loss_checks: Vec::new(),
             stateless: VecDeque::new(),
             stats: EndpointStats::default(),
             local_ip: None,
@@ -1064,7 +1068,28 @@ impl Endpoint {
     /// When [`handle_timeout`](Self::handle_timeout) must be called next.
     pub fn poll_timeout(&mut self) -> Option<Instant> {
         self.refresh_timers();
-        self.timers.iter().next().map(|&(t, _)| t)
+        let next = self.timers.iter().next().map(|&(t, _)| t);
+        if self.loss_checks.is_empty() {
+            next
+        } else {
+            // A loss check waits for the end of the batch: due now.
+            Some(next.map_or(self.last_now, |t| t.min(self.last_now)))
+        }
+    }
+
+    /// Runs the time-based loss checks (PROTOCOL §13.3) that ACKs read
+    /// since the last call made due: once per batch of datagrams, after
+    /// all of them, not after each.
+    pub(crate) fn run_loss_checks(&mut self, now: Instant) {
+        while let Some(ci) = self.loss_checks.pop() {
+            let due = self.conns[ci]
+                .as_mut()
+                .is_some_and(|c| std::mem::replace(&mut c.loss_check_due, false));
+            if due {
+                self.detect_path_losses(ci, now);
+                self.touch(ci, Some(now));
+            }
+        }
     }
 
     /// Runs every timer due at `now`.
@@ -1077,6 +1102,7 @@ impl Endpoint {
     /// receive buffers a turn, reads on before late timers for this.
     pub fn handle_timeout(&mut self, now: Instant) {
         self.last_now = self.last_now.max(now);
+        self.run_loss_checks(now);
         self.refresh_timers();
         // Each due connection runs once per call.
         let due: Vec<(Instant, usize)> = self

@@ -227,11 +227,12 @@ impl Endpoint {
                 // once its window of packets is lost the scheduler leaves it
                 // idle, neither used nor probed, with its port unchanged.
                 let rtt = match p.rtt.srtt() {
-                    Some(s) => Some((s, p.rtt.rttvar())),
-                    None => c.rtt.srtt().map(|s| (s, c.rtt.rttvar())),
+                    Some(s) => Some((s, p.rtt.rttvar(), p.rtt.peak())),
+                    None => c.rtt.srtt().map(|s| (s, c.rtt.rttvar(), c.rtt.peak())),
                 };
-                let silent = rtt
-                    .is_some_and(|(s, var)| now.saturating_since(p.last_delivery) > (s + var) * 4);
+                let silent = rtt.is_some_and(|(s, var, peak)| {
+                    now.saturating_since(p.last_delivery) > ((s + var) * 4).max(peak * 2)
+                });
                 // Another path delivered a packet sent after this one's
                 // first loss: the network carries what this route drops.
                 // (Packets sent before it say nothing: on a host that
@@ -532,6 +533,11 @@ impl Endpoint {
                 }
             }
         }
+        // Tail-loss probes whose timer ran out.
+        let slack = self.config.ack_delay;
+        for p in c.paths_tx.iter_mut() {
+            p.on_probe_timer(now, slack);
+        }
         // Retransmission timeouts, path by path.
         let mut lost = Vec::new();
         let mut fired = false;
@@ -584,7 +590,7 @@ impl Endpoint {
             if silent && !probing {
                 p.expire_oldest(&mut on_lost);
             } else {
-                p.expire(cutoff, &mut on_lost);
+                p.expire(cutoff, crate::connection::LossCause::Timeout, &mut on_lost);
             }
             p.backoff += 1;
             fired = true;
@@ -667,6 +673,7 @@ impl Endpoint {
                 }
                 for p in &c.paths_tx {
                     consider(p.deadline());
+                    consider(p.probe_deadline(self.config.ack_delay));
                 }
                 // Paced data waits for its credit (a spare wake-up at worst;
                 // a debt already paid off needs no timer).

@@ -852,7 +852,7 @@ impl Endpoint {
         let rtt = core::time::Duration::from_nanos(u64::from(rtt_ns));
         let plausible = rtt < core::time::Duration::from_secs(1) && h.ts_echo != 0;
         if plausible {
-            c.rtt.sample(rtt);
+            c.rtt.sample_at(now, rtt);
         }
         let base = c.rtt.min_rtt().unwrap_or(rtt);
         let (mut delivered, mut lost, mut kinds, mut requests) =
@@ -877,7 +877,7 @@ impl Endpoint {
                 continue;
             };
             if plausible && e.path_id == h.echo_path {
-                p.rtt.sample(rtt);
+                p.rtt.sample_at(now, rtt);
             }
             if acked_bytes > 0 {
                 p.delivered(now);
@@ -990,7 +990,17 @@ impl Endpoint {
         for n in ack.naks() {
             self.on_nak(now, ci, n);
         }
-        self.detect_path_losses(ci, now);
+        // Time-based loss detection waits until every datagram that has
+        // arrived was read (the next transmit or timer call): after a
+        // stall of either host, the ACKs of every path arrive together,
+        // and judged one by one the first paths' ACKs would make packets
+        // whose ACKs are next in the batch look overdue.
+        let newly_due = self.conns[ci]
+            .as_mut()
+            .is_some_and(|c| !std::mem::replace(&mut c.loss_check_due, true));
+        if newly_due {
+            self.loss_checks.push(ci);
+        }
         self.move_congested_path(ci, now);
         self.touch(ci, Some(now));
     }

@@ -138,6 +138,7 @@ impl Endpoint {
         mut gather: Option<&mut Gather>,
     ) -> Option<Transmit> {
         self.last_now = self.last_now.max(now);
+        self.run_loss_checks(now);
         if let Some(r) = self.stateless.pop_front() {
             if buf.len() >= r.len {
                 buf[..r.len].copy_from_slice(&r.buf[..r.len]);
@@ -344,6 +345,9 @@ impl Endpoint {
         // on it); a delivered probe makes the path active again.
         let c = self.conns[ci].as_mut()?;
         if let Some(path) = c.probe_path() {
+            if c.paths_tx[path].probe_due {
+                c.paths_tx[path].probe_sent();
+            }
             return self.emit_nop(ci, path, now, &mut buf[..mtu], None, gather);
         }
         // Progress probes: a NOP asking for one QP's state at once.

@@ -1,5 +1,7 @@
 //! Round-trip time estimation and the retransmission timeout (RFC 6298 style).
 
+use crate::consts::RTT_PEAK_EPOCH_RTTS;
+use crate::time::Instant;
 use core::time::Duration;
 
 /// Smoothed RTT, RTT variance and the RTO derived from them.
@@ -21,6 +23,12 @@ pub struct RttEstimator {
     initial_rto: Duration,
     min_rto: Duration,
     max_rto: Duration,
+    /// Largest sample of the current epoch, and of the one before.
+    peak: Duration,
+    prev_peak: Duration,
+    /// Start of the current epoch (`RTT_PEAK_EPOCH_RTTS` smoothed RTTs,
+    /// at least the minimum RTO), once a timed sample came.
+    epoch_start: Option<Instant>,
 }
 
 impl RttEstimator {
@@ -34,12 +42,62 @@ impl RttEstimator {
             initial_rto,
             min_rto,
             max_rto,
+            peak: Duration::ZERO,
+            prev_peak: Duration::ZERO,
+            epoch_start: None,
         }
+    }
+
+    /// Feeds one RTT sample taken at `now`, which also keeps the recent
+    /// peak ([`peak`](Self::peak)) over epochs of time.
+    pub fn sample_at(&mut self, now: Instant, rtt: Duration) {
+        self.sample(rtt);
+        let epoch = self.srtt.map_or(self.min_rto, |s| {
+            (s * RTT_PEAK_EPOCH_RTTS).max(self.min_rto)
+        });
+        match self.epoch_start {
+            Some(start) if now.saturating_since(start) < epoch => {}
+            _ => {
+                self.prev_peak = self.peak;
+                self.peak = rtt;
+                self.epoch_start = Some(now);
+            }
+        }
+    }
+
+    /// The largest RTT of the recent past (this epoch and the one before:
+    /// between one and two epochs of `RTT_PEAK_EPOCH_RTTS` smoothed RTTs,
+    /// at least the minimum RTO each), or the smoothed RTT if larger. A
+    /// queue whose delay swings (a token-bucket shaper's, a switch port
+    /// shared with bursts, a receiver thread that stalls) holds packets
+    /// this long now and then without losing them: a packet is not
+    /// overdue before it (PROTOCOL §13.3).
+    ///
+    /// ```
+    /// use core::time::Duration;
+    /// use metaroce_proto::{reliability::RttEstimator, Instant};
+    /// let ms = Duration::from_millis;
+    /// let mut r = RttEstimator::new(ms(1), ms(1), ms(500));
+    /// r.sample_at(Instant::from_nanos(0), ms(2));
+    /// r.sample_at(Instant::from_nanos(1_000_000), ms(9));
+    /// r.sample_at(Instant::from_nanos(2_000_000), ms(2));
+    /// assert_eq!(r.peak(), ms(9));
+    /// // Two quiet epochs later the swing is forgotten.
+    /// for t in 1..400 {
+    ///     r.sample_at(Instant::from_nanos(2_000_000 + t * 1_000_000), ms(2));
+    /// }
+    /// assert!(r.peak() < ms(3));
+    /// ```
+    pub fn peak(&self) -> Duration {
+        self.peak
+            .max(self.prev_peak)
+            .max(self.srtt.unwrap_or(Duration::ZERO))
     }
 
     /// Feeds one RTT sample.
     pub fn sample(&mut self, rtt: Duration) {
         self.latest = rtt;
+        self.peak = self.peak.max(rtt);
         self.min_rtt = Some(self.min_rtt.map_or(rtt, |m| m.min(rtt)));
         match self.srtt {
             None => {
