@@ -585,6 +585,11 @@ impl Endpoint {
         if !access.contains(AccessFlags::ON_DEMAND) {
             buf.make_resident();
         }
+        // Keys come from the table's own permutation; this draw keeps the
+        // generator's sequence (ports, ids) what it was when each
+        // registration drew a key salt, so that a seed replays the same
+        // simulation as before.
+        let _ = self.rng.next_u32();
         self.mrs.register(pd, buf, addr, access)
     }
 
