@@ -109,7 +109,9 @@ pub trait IoDriver {
     fn local_addr(&self) -> SocketAddr;
     /// Runs one turn of the loop: receives, runs due timers, sends, and if
     /// nothing happened waits at most `max_wait` (or until the core's next
-    /// timer) for something to.
+    /// timer) for something to. A turn that made completions or events
+    /// ([`Endpoint::unpolled`] grew), or that a [`Waker`] cut short, does
+    /// not wait: the caller has something to look at.
     fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError>;
     /// The driver's own counters.
     fn stats(&self) -> DriverStats;

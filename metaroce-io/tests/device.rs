@@ -434,6 +434,119 @@ async fn two_plane_devices(backend: Backend) {
     assert!(per_plane.iter().all(|&n| n > 50), "{per_plane:?}");
 }
 
+/// Round trips no completion may wait out: a SEND/RECV echo of 4 KiB,
+/// each round trip timed from the SEND's post to the echo's arrival. The
+/// endpoint thread used to sleep in its driver's poll (up to 100 ms) with
+/// a command waiting for it (io_uring: the wake consumed by the turn's
+/// first reap), which showed as 100 ms round trips now and then.
+async fn no_round_trip_stalls(backend: Backend) {
+    let (a, b) = pair(backend, FaultConfig::default()).await;
+    let size = 4096u32;
+    let ra =
+        a.pd.reg_mr(pattern(11, 2 * size as usize), AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    let rb =
+        b.pd.reg_mr(vec![0u8; size as usize], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    let (req, resp) = (
+        ra.sge(0, size).unwrap(),
+        ra.sge(u64::from(size), size).unwrap(),
+    );
+    let echo = rb.sge(0, size).unwrap();
+    let rounds = 5_000;
+    let mut worst = Duration::ZERO;
+    let mut slow = 0;
+    for _ in 0..rounds {
+        let got_b = b.qp.recv(echo);
+        let got_a = a.qp.recv(resp);
+        let t0 = std::time::Instant::now();
+        let sent_a = a.qp.send(req);
+        got_b.await.unwrap();
+        let sent_b = b.qp.send(echo);
+        let wc = got_a.await.unwrap();
+        let rtt = t0.elapsed();
+        assert_eq!(wc.byte_len, size);
+        sent_a.await.unwrap();
+        sent_b.await.unwrap();
+        worst = worst.max(rtt);
+        slow += usize::from(rtt > Duration::from_millis(20));
+    }
+    assert_eq!(
+        slow, 0,
+        "{slow} of {rounds} round trips over 20 ms (worst {worst:?})"
+    );
+    assert!(ra.read(size as usize, size as usize).await.unwrap() == pattern(11, size as usize));
+}
+
+/// Errors raised on this side complete at once: a SEND from an invalid
+/// local buffer (`LocalProtectionError`, found when the request's turn to
+/// be sent comes) and, on the QP that error left in ERROR, every later
+/// post (`WrFlushError`, made while the post is handled). Neither needs a
+/// datagram or a timer, and the endpoint thread used to sleep (until the
+/// next timer, or 100 ms) before handing them over.
+async fn local_errors_complete_at_once(backend: Backend) {
+    let mut flushes = Vec::new();
+    let mut protections = Vec::new();
+    for _ in 0..10 {
+        let (a, _b) = pair(backend, FaultConfig::default()).await;
+        let src =
+            a.pd.reg_mr(vec![1u8; 4096], AccessFlags::NONE)
+                .await
+                .unwrap();
+        let mut bad = src.sge(0, 4096).unwrap();
+        bad.lkey ^= 0x5a5a;
+        let t0 = std::time::Instant::now();
+        let e = a.qp.send(bad).await.unwrap_err();
+        protections.push(t0.elapsed());
+        assert!(
+            matches!(&e, ApiError::Failed(wc) if wc.status == WcStatus::LocalProtectionError),
+            "{e}"
+        );
+        for _ in 0..10 {
+            let t0 = std::time::Instant::now();
+            let e = a.qp.send(src.sge(0, 4096).unwrap()).await.unwrap_err();
+            flushes.push(t0.elapsed());
+            assert!(
+                matches!(&e, ApiError::Failed(wc) if wc.status == WcStatus::WrFlushError),
+                "{e}"
+            );
+        }
+    }
+    for (what, mut t) in [("protection", protections), ("flush", flushes)] {
+        t.sort();
+        let (p50, max) = (t[t.len() / 2], t[t.len() - 1]);
+        println!("{what} error: p50 {p50:?}, max {max:?} of {}", t.len());
+        // Microseconds when delivered at once; a sleep costs milliseconds.
+        assert!(p50 < Duration::from_millis(1), "{what} errors: p50 {p50:?}");
+        assert!(
+            max < Duration::from_millis(20),
+            "{what} errors: max {max:?}"
+        );
+    }
+}
+
+#[test]
+fn no_round_trip_stalls_io_uring() {
+    run(Backend::Uring, no_round_trip_stalls);
+}
+
+#[test]
+fn no_round_trip_stalls_portable() {
+    run(Backend::Portable, no_round_trip_stalls);
+}
+
+#[test]
+fn local_errors_complete_at_once_io_uring() {
+    run(Backend::Uring, local_errors_complete_at_once);
+}
+
+#[test]
+fn local_errors_complete_at_once_portable() {
+    run(Backend::Portable, local_errors_complete_at_once);
+}
+
 #[test]
 fn two_plane_devices_portable() {
     run(Backend::Portable, two_plane_devices);

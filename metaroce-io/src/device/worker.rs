@@ -195,6 +195,11 @@ impl Worker {
                     Err(TryRecvError::Disconnected) => return Ok(()),
                 }
             }
+            // What the commands made without the driver (a post to a QP in
+            // ERROR completes flushed at once, a close fails its QPs) goes
+            // out now: the turn below may sleep.
+            self.events();
+            self.completions();
             // Nothing to do: sleep until a datagram, a timer or a command.
             self.drv.poll(Duration::from_millis(100))?;
             self.events();

@@ -1061,6 +1061,26 @@ impl Endpoint {
         self.events.pop_front()
     }
 
+    /// How many completions (in every completion queue) and events wait
+    /// for the application: what [`poll_cq`](Self::poll_cq) and
+    /// [`poll_event`](Self::poll_event) would hand out.
+    ///
+    /// A driver compares it before and after a turn: a turn that made
+    /// completions or events (a request that failed on this side when its
+    /// turn to be sent came, say, which sends nothing) is one in which
+    /// something happened, and must return to its caller rather than sleep
+    /// with them undelivered.
+    ///
+    /// ```
+    /// use metaroce_proto::{Endpoint, EndpointConfig};
+    /// let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+    /// ep.create_cq(16);
+    /// assert_eq!(ep.unpolled(), 0);
+    /// ```
+    pub fn unpolled(&self) -> usize {
+        self.events.len() + self.cqs.iter().map(|q| q.entries.len()).sum::<usize>()
+    }
+
     /// When [`handle_timeout`](Self::handle_timeout) must be called next.
     pub fn poll_timeout(&mut self) -> Option<Instant> {
         self.refresh_timers();

@@ -1,0 +1,218 @@
+//! SEND/RECV echo through the async API ([`metaroce_io::Device`]) over
+//! loopback: the round-trip latency an embedding service sees (from the
+//! SEND's post to the echo's completion), and how soon errors raised on
+//! this side complete (`WrFlushError` on a QP in ERROR, and
+//! `LocalProtectionError` for a SEND from an invalid local buffer).
+//!
+//! ```sh
+//! cargo run --release --example device_echo -- [--rounds N] [--seconds S] [--size BYTES] [--json]
+//! ```
+//!
+//! Runs `--rounds` round trips (1,000,000) or for `--seconds` (60),
+//! whichever ends first, then 1,000 flushed posts and 200 protection
+//! errors, and prints p50/p99/p99.9/max of each.
+
+use metaroce_io::{
+    AccessFlags, ApiError, CompletionQueue, Connection, Device, DriverConfig, ProtectionDomain,
+    QueuePair, WcStatus,
+};
+use std::time::{Duration, Instant};
+
+struct Args {
+    rounds: usize,
+    seconds: u64,
+    size: u32,
+    json: bool,
+}
+
+fn args() -> Result<Args, Box<dyn std::error::Error>> {
+    let mut a = Args {
+        rounds: 1_000_000,
+        seconds: 60,
+        size: 4096,
+        json: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        match k.as_str() {
+            "--json" => a.json = true,
+            "--rounds" => a.rounds = it.next().ok_or("--rounds N")?.parse()?,
+            "--seconds" => a.seconds = it.next().ok_or("--seconds S")?.parse()?,
+            "--size" => a.size = it.next().ok_or("--size BYTES")?.parse()?,
+            other => return Err(format!("unknown argument {other}").into()),
+        }
+    }
+    Ok(a)
+}
+
+/// p50, p99, p99.9 and max of `t`, in microseconds.
+fn percentiles(t: &mut [Duration]) -> [f64; 4] {
+    t.sort_unstable();
+    let at = |q: f64| {
+        let i = ((t.len() as f64 * q).ceil() as usize).clamp(1, t.len()) - 1;
+        t[i].as_secs_f64() * 1e6
+    };
+    [at(0.50), at(0.99), at(0.999), at(1.0)]
+}
+
+/// One side of a connected QP pair, with what keeps it alive.
+struct Side {
+    qp: QueuePair,
+    pd: ProtectionDomain,
+    _cq: CompletionQueue,
+    _conn: Connection,
+}
+
+impl Side {
+    fn pd(&self) -> &ProtectionDomain {
+        &self.pd
+    }
+}
+
+/// Connects `a` to `b` and creates a QP on each, connected to the other.
+async fn connect_qp_pair(a: &Device, b: &Device) -> Result<(Side, Side), ApiError> {
+    let (ca, cb) = tokio::join!(a.connect(b.local_addr()), b.accept());
+    let (ca, cb) = (ca?, cb?);
+    let mut sides = Vec::new();
+    for (d, c) in [(a, ca), (b, cb)] {
+        let pd = d.alloc_pd().await?;
+        let cq = d.create_cq(64).await?;
+        let qp = pd.create_qp(&cq, &cq).await?;
+        sides.push(Side {
+            qp,
+            pd,
+            _cq: cq,
+            _conn: c,
+        });
+    }
+    let (sb, sa) = (sides.pop().expect("two"), sides.pop().expect("two"));
+    sa.qp.connect(&sa._conn, sb.qp.qpn()).await?;
+    sb.qp.connect(&sb._conn, sa.qp.qpn()).await?;
+    Ok((sa, sb))
+}
+
+async fn device() -> Result<Device, ApiError> {
+    Device::open(DriverConfig::new("127.0.0.1:0".parse().expect("address"))).await
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = args()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(run(args))
+}
+
+async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let (client, server) = (device().await?, device().await?);
+    let (qc, qs) = connect_qp_pair(&client, &server).await?;
+    let size = args.size;
+    let (pdc, pds) = (qc.pd(), qs.pd());
+    let mc = pdc
+        .reg_mr(vec![7u8; 2 * size as usize], AccessFlags::LOCAL_WRITE)
+        .await?;
+    let ms = pds
+        .reg_mr(vec![0u8; 2 * size as usize], AccessFlags::LOCAL_WRITE)
+        .await?;
+
+    // The server echoes every message from the buffer it landed in, with
+    // the next receive posted first (into the other buffer).
+    let rounds = args.rounds;
+    let echo = tokio::spawn(async move {
+        let server_qp = &qs.qp;
+        let buf = |i: usize| ms.sge((i % 2) as u64 * u64::from(size), size);
+        let mut next = server_qp.recv(buf(0)?);
+        for i in 0..rounds {
+            let wc = match next.await {
+                Ok(wc) => wc,
+                // The client stopped early (the time limit): its QP went.
+                Err(_) if i > 0 => break,
+                Err(e) => return Err(e),
+            };
+            next = server_qp.recv(buf(i + 1)?);
+            let out = ms.sge((i % 2) as u64 * u64::from(size), wc.byte_len)?;
+            if server_qp.send(out).await.is_err() {
+                break;
+            }
+        }
+        Ok::<_, ApiError>(())
+    });
+
+    let (req, resp) = (mc.sge(0, size)?, mc.sge(u64::from(size), size)?);
+    let mut rtt = Vec::with_capacity(rounds.min(10_000_000));
+    let deadline = Instant::now() + Duration::from_secs(args.seconds);
+    for _ in 0..rounds {
+        let got = qc.qp.recv(resp);
+        let t0 = Instant::now();
+        let sent = qc.qp.send(req);
+        got.await?;
+        rtt.push(t0.elapsed());
+        sent.await?;
+        if Instant::now() >= deadline {
+            break;
+        }
+    }
+    let done = rtt.len();
+    drop(qc);
+    let _ = echo.await;
+
+    // Local errors: protection (a fresh pair each, as the error moves the
+    // QP to ERROR) and, on that QP, flushed posts.
+    let mut prot = Vec::new();
+    let mut flush = Vec::new();
+    for _ in 0..200 {
+        let (qc, _qs) = connect_qp_pair(&client, &server).await?;
+        let src = qc.pd().reg_mr(vec![1u8; 4096], AccessFlags::NONE).await?;
+        let mut bad = src.sge(0, 4096)?;
+        bad.lkey ^= 0x5a5a;
+        let t0 = Instant::now();
+        let r = qc.qp.send(bad).await;
+        prot.push(t0.elapsed());
+        expect_status(r, WcStatus::LocalProtectionError)?;
+        for _ in 0..5 {
+            let t0 = Instant::now();
+            let r = qc.qp.send(src.sge(0, 4096)?).await;
+            flush.push(t0.elapsed());
+            expect_status(r, WcStatus::WrFlushError)?;
+        }
+    }
+
+    let [p50, p99, p999, max] = percentiles(&mut rtt);
+    let over_1ms = rtt
+        .iter()
+        .filter(|t| **t > Duration::from_millis(1))
+        .count();
+    let [f50, f99, f999, fmax] = percentiles(&mut flush);
+    let [l50, l99, l999, lmax] = percentiles(&mut prot);
+    if args.json {
+        println!(
+            "{{\"backend\":\"{}\",\"size\":{size},\"round_trips\":{done},\
+             \"rtt_us\":{{\"p50\":{p50:.1},\"p99\":{p99:.1},\"p99_9\":{p999:.1},\"max\":{max:.1}}},\
+             \"over_1ms\":{over_1ms},\
+             \"flush_us\":{{\"n\":{},\"p50\":{f50:.1},\"p99\":{f99:.1},\"p99_9\":{f999:.1},\"max\":{fmax:.1}}},\
+             \"protection_us\":{{\"n\":{},\"p50\":{l50:.1},\"p99\":{l99:.1},\"p99_9\":{l999:.1},\"max\":{lmax:.1}}}}}",
+            client.backend(),
+            flush.len(),
+            prot.len()
+        );
+    } else {
+        println!(
+            "backend {}, {size} B echo, {done} round trips",
+            client.backend()
+        );
+        println!("round trip   p50 {p50:8.1} us  p99 {p99:8.1}  p99.9 {p999:8.1}  max {max:9.1}  (over 1 ms: {over_1ms})");
+        println!("flush error  p50 {f50:8.1} us  p99 {f99:8.1}  p99.9 {f999:8.1}  max {fmax:9.1}  (n={})", flush.len());
+        println!("protection   p50 {l50:8.1} us  p99 {l99:8.1}  p99.9 {l999:8.1}  max {lmax:9.1}  (n={})", prot.len());
+    }
+    Ok(())
+}
+
+fn expect_status(
+    r: Result<metaroce_io::WorkCompletion, ApiError>,
+    want: WcStatus,
+) -> Result<(), Box<dyn std::error::Error>> {
+    match r {
+        Err(ApiError::Failed(wc)) if wc.status == want => Ok(()),
+        other => Err(format!("expected {want:?}, got {other:?}").into()),
+    }
+}
