@@ -60,7 +60,7 @@ struct Side {
     qp: QueuePair,
     pd: ProtectionDomain,
     _cq: CompletionQueue,
-    _conn: Connection,
+    conn: Connection,
 }
 
 impl Side {
@@ -82,12 +82,12 @@ async fn connect_qp_pair(a: &Device, b: &Device) -> Result<(Side, Side), ApiErro
             qp,
             pd,
             _cq: cq,
-            _conn: c,
+            conn: c,
         });
     }
     let (sb, sa) = (sides.pop().expect("two"), sides.pop().expect("two"));
-    sa.qp.connect(&sa._conn, sb.qp.qpn()).await?;
-    sb.qp.connect(&sb._conn, sa.qp.qpn()).await?;
+    sa.qp.connect(&sa.conn, sb.qp.qpn()).await?;
+    sb.qp.connect(&sb.conn, sa.qp.qpn()).await?;
     Ok((sa, sb))
 }
 
@@ -153,7 +153,9 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     let done = rtt.len();
-    drop(qc);
+    // Closing the connection moves the server's QP to ERROR: its pending
+    // receive completes flushed and the echo loop ends.
+    qc.conn.close().await?;
     let _ = echo.await;
 
     // Local errors: protection (a fresh pair each, as the error moves the
