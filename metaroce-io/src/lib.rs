@@ -66,7 +66,7 @@ pub use config::{
 };
 pub use device::{
     ApiError, CompletionQueue, Connection, Device, MemoryRegion, OobDecodeError, ProtectionDomain,
-    QpEndpoint, QueuePair, RemoteMr, WorkRequest,
+    QpCaps, QpEndpoint, QueuePair, RemoteMr, WorkRequest,
 };
 pub use error::DriverError;
 pub use fault::FaultConfig;
@@ -79,10 +79,20 @@ pub use portable::PortableDriver;
 pub use uring::{uring_probe, UringCaps, UringDriver, ZC_COPIED_LIMIT};
 pub use waker::Waker;
 
+/// The sans-IO core this crate drives, whole: everything the driver API's
+/// [`Endpoint`] takes and gives.
+pub use metaroce_proto as proto;
+// Every type in this crate's public signatures, nameable from here.
 pub use metaroce_proto::verbs::{
-    AccessFlags, RecvWr, RegionBuf, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+    AccessFlags, ConnectionHandle, CqHandle, MrInfo, PdHandle, QpAttrs, QpInit, QpState, Qpn,
+    RecvWr, RegionBuf, RemoteAddr, SendOp, SendWr, Sge, VerbsError, WcOpcode, WcStatus,
+    WorkCompletion,
 };
-use metaroce_proto::{Endpoint, Instant};
+pub use metaroce_proto::{
+    ConnectionError, ConnectionState, ConnectionStats, Endpoint, EndpointConfig, EndpointStats,
+    Event, Instant, PathState, PathStats, RejectCounters, RejectReason,
+};
+pub use prometheus::Registry;
 use std::net::SocketAddr;
 use std::time::Duration;
 

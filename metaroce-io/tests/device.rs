@@ -57,7 +57,7 @@ where
 /// Both ends of a connected QP pair, each with its PD and one CQ.
 struct Side {
     dev: Device,
-    _conn: Connection,
+    conn: Connection,
     pd: ProtectionDomain,
     cq: CompletionQueue,
     qp: QueuePair,
@@ -87,14 +87,14 @@ async fn pair(backend: Backend, faults: FaultConfig) -> (Side, Side) {
     (
         Side {
             dev: a,
-            _conn: ca,
+            conn: ca,
             pd: pda,
             cq: cqa,
             qp: qa,
         },
         Side {
             dev: b,
-            _conn: cb,
+            conn: cb,
             pd: pdb,
             cq: cqb,
             qp: qb,
@@ -545,6 +545,66 @@ fn local_errors_complete_at_once_io_uring() {
 #[test]
 fn local_errors_complete_at_once_portable() {
     run(Backend::Portable, local_errors_complete_at_once);
+}
+
+/// `create_qp_with` with capacities: a post beyond `max_send_wr` or
+/// `max_recv_wr` is refused as `QueueFull`, and queues or connections of
+/// another device are refused by name rather than mistaken for this one's.
+async fn qp_capacities_and_foreign_handles(backend: Backend) {
+    let (a, b) = pair(backend, FaultConfig::default()).await;
+    let caps = metaroce_io::QpCaps {
+        max_send_wr: 2,
+        max_recv_wr: 3,
+    };
+    let qp = a.pd.create_qp_with(&a.cq, &a.cq, caps).await.unwrap();
+    let mr =
+        a.pd.reg_mr(vec![0u8; 4096], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    let sge = mr.sge(0, 64).unwrap();
+    let qb = b.pd.create_qp(&b.cq, &b.cq).await.unwrap();
+    let (cb, ca) = (b.conn.clone(), a.conn.clone());
+    qp.connect(&ca, qb.qpn()).await.unwrap();
+    qb.connect(&cb, qp.qpn()).await.unwrap();
+    let recvs: Vec<_> = (0..3).map(|_| qp.recv(sge)).collect();
+    let r = qp.recv(sge).await;
+    assert!(
+        matches!(r, Err(ApiError::Verbs(VerbsError::QueueFull(3)))),
+        "{r:?}"
+    );
+    // Sends to a peer with no receive posted stay outstanding (RNR).
+    let sends: Vec<_> = (0..2).map(|_| qp.send(sge)).collect();
+    let s = qp.send(sge).await;
+    assert!(
+        matches!(s, Err(ApiError::Verbs(VerbsError::QueueFull(2)))),
+        "{s:?}"
+    );
+    let zero = metaroce_io::QpCaps {
+        max_send_wr: 0,
+        ..Default::default()
+    };
+    let z = a.pd.create_qp_with(&a.cq, &a.cq, zero).await;
+    assert!(
+        matches!(z, Err(ApiError::Verbs(VerbsError::InvalidLength(0)))),
+        "{z:?}"
+    );
+    let f = a.pd.create_qp(&a.cq, &b.cq).await;
+    assert!(
+        matches!(f, Err(ApiError::Verbs(VerbsError::InvalidCq))),
+        "{f:?}"
+    );
+    let q2 = a.pd.create_qp(&a.cq, &a.cq).await.unwrap();
+    let f = q2.connect(&cb, qb.qpn()).await;
+    assert!(
+        matches!(f, Err(ApiError::Verbs(VerbsError::InvalidConnection))),
+        "{f:?}"
+    );
+    drop((recvs, sends));
+}
+
+#[test]
+fn qp_capacities_and_foreign_handles_portable() {
+    run(Backend::Portable, qp_capacities_and_foreign_handles);
 }
 
 #[test]

@@ -231,6 +231,11 @@ impl Device {
         self.shared.backend
     }
 
+    /// Whether `other` is a handle of this same device (endpoint thread).
+    fn same(&self, other: &Device) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
     fn send(&self, c: Command) {
         // A closed queue means the thread stopped: the reply channel inside
         // `c` is dropped with it and the caller sees `Closed`.
@@ -426,26 +431,92 @@ impl ProtectionDomain {
         })
     }
 
-    /// Creates an RC queue pair (`ibv_create_qp`) with default capacities
-    /// (1024 send and 1024 receive requests).
+    /// Creates an RC queue pair (`ibv_create_qp`) with the default
+    /// capacities ([`QpCaps::default`]: 1024 send and 1024 receive
+    /// requests). See [`create_qp_with`](Self::create_qp_with).
     pub async fn create_qp(
         &self,
         send_cq: &CompletionQueue,
         recv_cq: &CompletionQueue,
     ) -> Result<QueuePair, ApiError> {
-        self.create_qp_with(QpInit::new(self.pd, send_cq.cq, recv_cq.cq))
+        self.create_qp_with(send_cq, recv_cq, QpCaps::default())
             .await
     }
 
-    /// Creates a queue pair with explicit capacities (`init.pd` is replaced
-    /// by this PD).
-    pub async fn create_qp_with(&self, mut init: QpInit) -> Result<QueuePair, ApiError> {
-        init.pd = self.pd;
+    /// Creates an RC queue pair (`ibv_create_qp`) whose send requests
+    /// complete in `send_cq` and receives in `recv_cq`, with the capacities
+    /// `caps` (`ibv_qp_init_attr.cap`): a post beyond them is refused with
+    /// [`VerbsError::QueueFull`].
+    ///
+    /// Fails with [`VerbsError::InvalidCq`] if a queue belongs to another
+    /// [`Device`], and with [`VerbsError::InvalidLength`] for a capacity of
+    /// zero or a send capacity above the protocol's message window
+    /// (`MSG_WINDOW`).
+    ///
+    /// ```no_run
+    /// # async fn demo(dev: metaroce_io::Device) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::QpCaps;
+    /// let pd = dev.alloc_pd().await?;
+    /// let (scq, rcq) = (dev.create_cq(64).await?, dev.create_cq(256).await?);
+    /// let caps = QpCaps { max_send_wr: 64, max_recv_wr: 256 };
+    /// let qp = pd.create_qp_with(&scq, &rcq, caps).await?;
+    /// # let _ = qp; Ok(()) }
+    /// ```
+    pub async fn create_qp_with(
+        &self,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+        caps: QpCaps,
+    ) -> Result<QueuePair, ApiError> {
+        for cq in [send_cq, recv_cq] {
+            if !self.dev.same(&cq.dev) {
+                return Err(VerbsError::InvalidCq.into());
+            }
+        }
+        for n in [caps.max_send_wr, caps.max_recv_wr] {
+            if n == 0 {
+                return Err(VerbsError::InvalidLength(0).into());
+            }
+        }
+        if caps.max_send_wr > metaroce_proto::consts::MSG_WINDOW {
+            return Err(VerbsError::InvalidLength(caps.max_send_wr as usize).into());
+        }
+        let init = QpInit {
+            max_send_wr: caps.max_send_wr,
+            max_recv_wr: caps.max_recv_wr,
+            ..QpInit::new(self.pd, send_cq.cq, recv_cq.cq)
+        };
         let qpn = self.dev.call(|r| Command::CreateQp(init, r)).await?;
         Ok(QueuePair {
             dev: self.dev.clone(),
             qpn,
         })
+    }
+}
+
+/// The capacities of a queue pair (`ibv_qp_cap`), for
+/// [`ProtectionDomain::create_qp_with`]: how many send and receive requests
+/// may be outstanding at once (posted and not yet completed).
+///
+/// ```
+/// let caps = metaroce_io::QpCaps { max_recv_wr: 4096, ..Default::default() };
+/// assert_eq!(caps.max_send_wr, 1024);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpCaps {
+    /// Send requests (SEND, WRITE, READ…) outstanding at once, 1 to the
+    /// protocol's message window (`MSG_WINDOW`); 1024 by default.
+    pub max_send_wr: u32,
+    /// Receives posted and not yet consumed at once; 1024 by default.
+    pub max_recv_wr: u32,
+}
+
+impl Default for QpCaps {
+    fn default() -> Self {
+        QpCaps {
+            max_send_wr: 1024,
+            max_recv_wr: 1024,
+        }
     }
 }
 
@@ -685,6 +756,9 @@ impl QueuePair {
     /// Binds the QP to `conn` and the peer's QP `remote`, and brings it to
     /// RTS (RESET→INIT→RTR→RTS with every remote access the regions allow).
     pub async fn connect(&self, conn: &Connection, remote: Qpn) -> Result<(), ApiError> {
+        if !self.dev.same(&conn.dev) {
+            return Err(VerbsError::InvalidConnection.into());
+        }
         let (qpn, conn) = (self.qpn, conn.conn);
         self.dev
             .call(|reply| Command::ConnectQp {
