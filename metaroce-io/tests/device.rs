@@ -119,10 +119,11 @@ async fn every_operation(backend: Backend) {
     let remote = metaroce_io::RemoteMr::from_bytes(&dst.remote().to_bytes()).unwrap();
     let half = (len / 2) as u32;
     // Posted back to back, awaited together: completions in posting order.
-    let w1 = a.qp.write(src.sge(0, half).unwrap(), remote.at(0).unwrap());
+    let w1 =
+        a.qp.write(src.sge(0, half).unwrap(), remote.at(0, half).unwrap());
     let w2 = a.qp.write(
         src.sge(u64::from(half), half).unwrap(),
-        remote.at(u64::from(half)).unwrap(),
+        remote.at(u64::from(half), half).unwrap(),
     );
     let (w1, w2) = tokio::join!(w1, w2);
     assert_eq!(w1.unwrap().opcode, WcOpcode::Write);
@@ -140,9 +141,13 @@ async fn every_operation(backend: Backend) {
     let tail = pattern(2, 4096);
     src.write(0, tail.clone()).await.unwrap();
     let wi =
-        a.qp.write_imm(src.sge(0, 4096).unwrap(), remote.at(8192).unwrap(), 0xfeed)
-            .await
-            .unwrap();
+        a.qp.write_imm(
+            src.sge(0, 4096).unwrap(),
+            remote.at(8192, 4096).unwrap(),
+            0xfeed,
+        )
+        .await
+        .unwrap();
     assert_eq!(wi.opcode, WcOpcode::Write);
     let rc = r.await.unwrap();
     assert_eq!(
@@ -157,9 +162,12 @@ async fn every_operation(backend: Backend) {
             .await
             .unwrap();
     let rd =
-        a.qp.read(back.sge(0, len as u32).unwrap(), remote.at(0).unwrap())
-            .await
-            .unwrap();
+        a.qp.read(
+            back.sge(0, len as u32).unwrap(),
+            remote.at(0, len as u32).unwrap(),
+        )
+        .await
+        .unwrap();
     assert_eq!((rd.opcode, rd.byte_len), (WcOpcode::Read, len as u32));
     assert!(back.read(0, len).await.unwrap() == dst.read(0, len).await.unwrap());
 
@@ -280,22 +288,51 @@ async fn error_statuses(backend: Backend) {
             sge: no_lw.sge(0, 100).unwrap(),
         })
         .await;
+    // Refused as what it is: the region exists, without LOCAL_WRITE.
+    let lkey = no_lw.info().lkey;
     assert!(
-        matches!(r, Err(ApiError::Verbs(VerbsError::InvalidKey(_)))),
+        matches!(r, Err(ApiError::Verbs(VerbsError::AccessDenied { lkey: k, need, .. }))
+            if k == lkey && need == AccessFlags::LOCAL_WRITE),
         "{r:?}"
     );
+    let msg = r.unwrap_err().to_string();
+    assert!(msg.contains("lacks LOCAL_WRITE access"), "{msg}");
+    // A READ into it is accepted and completes with LocalProtectionError,
+    // as the reg_mr docs say (a fresh pair below: this fails the QP).
+    let rd =
+        b.qp.read(no_lw.sge(0, 100).unwrap(), src.remote().at(0, 100).unwrap());
+    let e = rd.await.unwrap_err();
+    assert!(
+        matches!(&e, ApiError::Failed(wc) if wc.status == WcStatus::LocalProtectionError),
+        "{e}"
+    );
+    drop((a, b));
+    let (a, b) = pair(backend, FaultConfig::default()).await;
+    let src =
+        a.pd.reg_mr(vec![1u8; 8192], AccessFlags::NONE)
+            .await
+            .unwrap();
     // A region the peer may only read: a WRITE to it is refused remotely.
     let ro =
         b.pd.reg_mr(vec![0u8; 8192], AccessFlags::REMOTE_READ)
             .await
             .unwrap();
-    let e =
-        a.qp.write(src.sge(0, 4096).unwrap(), ro.remote().at(0).unwrap())
-            .await
-            .unwrap_err();
+    let w =
+        a.qp.write(src.sge(0, 4096).unwrap(), ro.remote().at(0, 4096).unwrap());
+    let id = w.wr_id();
+    let e = w.await.unwrap_err();
+    // The awaited call's own wr_id, in the completion and the message.
     assert!(
-        matches!(&e, ApiError::Failed(wc) if wc.status == WcStatus::RemoteAccessError),
+        matches!(&e, ApiError::Failed(wc) if wc.status == WcStatus::RemoteAccessError && wc.wr_id == id && id > 0),
         "{e}"
+    );
+    let msg = e.to_string();
+    assert!(
+        msg.starts_with(&format!(
+            "work request {id} (Write on QP {}) failed",
+            a.qp.qpn()
+        )),
+        "{msg}"
     );
     assert_eq!(
         ro.read(0, 8192).await.unwrap(),
@@ -310,6 +347,15 @@ async fn error_statuses(backend: Backend) {
     assert!(matches!(
         src.read(8000, 1000).await,
         Err(ApiError::OutOfBounds { .. })
+    ));
+    // A remote range is checked whole, not only its start.
+    assert!(matches!(
+        ro.remote().at(4096, 4097),
+        Err(ApiError::OutOfBounds {
+            offset: 4096,
+            len: 4097,
+            size: 8192
+        })
     ));
     // After the error the QP is in ERROR; a fresh pair for the next case.
     drop((a, b));
@@ -369,7 +415,7 @@ async fn write_through_loss(backend: Backend, loss: f64) {
             let off = (i * piece) as u64;
             a.qp.write(
                 src.sge(off, piece as u32).unwrap(),
-                dst.remote().at(off).unwrap(),
+                dst.remote().at(off, piece as u32).unwrap(),
             )
         })
         .collect();
@@ -413,10 +459,10 @@ async fn two_plane_devices(backend: Backend) {
         .unwrap();
     let half = (data.len() / 2) as u32;
     let (w1, w2) = tokio::join!(
-        qa.write(src.sge(0, half).unwrap(), dst.remote().at(0).unwrap()),
+        qa.write(src.sge(0, half).unwrap(), dst.remote().at(0, half).unwrap()),
         qa.write(
             src.sge(u64::from(half), half).unwrap(),
-            dst.remote().at(u64::from(half)).unwrap()
+            dst.remote().at(u64::from(half), half).unwrap()
         )
     );
     w1.unwrap();
@@ -477,7 +523,7 @@ async fn no_round_trip_stalls(backend: Backend) {
         slow, 0,
         "{slow} of {rounds} round trips over 20 ms (worst {worst:?})"
     );
-    assert!(ra.read(size as usize, size as usize).await.unwrap() == pattern(11, size as usize));
+    assert!(ra.read(u64::from(size), size as usize).await.unwrap() == pattern(11, size as usize));
 }
 
 /// Errors raised on this side complete at once: a SEND from an invalid

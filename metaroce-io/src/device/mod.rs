@@ -77,7 +77,7 @@
 //! qp_s.connect(&conn_s, ep_c.qpn()).await?;
 //!
 //! let src = pd_c.reg_mr(vec![7u8; 1 << 20], AccessFlags::NONE).await?;
-//! qp_c.write(src.sge(0, 1 << 20)?, remote.at(0).unwrap()).await?;
+//! qp_c.write(src.sge(0, 1 << 20)?, remote.at(0, 1 << 20)?).await?;
 //! assert_eq!(target.read(0, 4).await?, vec![7u8; 4]);
 //! # Ok(()) }
 //! ```
@@ -111,8 +111,10 @@ pub enum ApiError {
     /// The connection failed or was lost.
     #[error("connection failed: {0}")]
     Connection(#[from] ConnectionError),
-    /// A work request completed with an error status.
-    #[error("work request {} failed: {:?}", .0.wr_id, .0.status)]
+    /// A work request completed with an error status (the completion
+    /// says which request, by the `wr_id` the post gave it or, for an
+    /// awaited call, [`WorkRequest::wr_id`], and what it was).
+    #[error("work request {} ({:?} on QP {}) failed: {:?}", .0.wr_id, .0.opcode, .0.qpn, .0.status)]
     Failed(WorkCompletion),
     /// A range lies outside a memory region.
     #[error("range of {len} bytes at offset {offset} outside a region of {size} bytes")]
@@ -138,6 +140,8 @@ struct Incoming {
 
 struct Shared {
     tx: mpsc::Sender<Command>,
+    /// The `wr_id` of the next awaited work request.
+    next_wr_id: std::sync::atomic::AtomicU64,
     waker: Waker,
     local: SocketAddr,
     backend: Backend,
@@ -213,6 +217,7 @@ impl Device {
         Ok(Device {
             shared: Arc::new(Shared {
                 tx,
+                next_wr_id: std::sync::atomic::AtomicU64::new(1),
                 waker: started.waker,
                 local: started.local,
                 backend: started.backend,
@@ -229,6 +234,13 @@ impl Device {
     /// The backend the driver runs on.
     pub fn backend(&self) -> Backend {
         self.shared.backend
+    }
+
+    /// A fresh `wr_id` for an awaited work request.
+    fn next_wr_id(&self) -> u64 {
+        self.shared
+            .next_wr_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether `other` is a handle of this same device (endpoint thread).
@@ -386,8 +398,11 @@ impl ProtectionDomain {
     ///
     /// `access` is what the peer may do (`REMOTE_WRITE`, `REMOTE_READ`) and
     /// whether this side's own requests may write into it: a region a
-    /// receive or a READ lands in needs `LOCAL_WRITE`, as in verbs (a post
-    /// without it is refused with [`VerbsError::InvalidKey`]).
+    /// receive or a READ lands in needs `LOCAL_WRITE`, as in verbs. A
+    /// receive into a region without it is refused when posted, with
+    /// [`VerbsError::AccessDenied`]; a READ into one is accepted and
+    /// completes with [`WcStatus::LocalProtectionError`] (moving the QP to
+    /// ERROR), as every send request whose local buffer is invalid does.
     pub async fn reg_mr(
         &self,
         buf: impl Into<RegionBuf>,
@@ -583,7 +598,7 @@ impl MemoryRegion {
     /// data-path calls; the future waits for the bytes.
     pub fn read(
         &self,
-        offset: usize,
+        offset: u64,
         len: usize,
     ) -> impl Future<Output = Result<Vec<u8>, ApiError>> + Send + 'static {
         let lkey = self.info.lkey;
@@ -600,7 +615,7 @@ impl MemoryRegion {
     /// it, even before this future is awaited, carries the new bytes.
     pub fn write(
         &self,
-        offset: usize,
+        offset: u64,
         data: impl Into<Vec<u8>>,
     ) -> impl Future<Output = Result<(), ApiError>> + Send + 'static {
         let (lkey, data) = (self.info.lkey, data.into());
@@ -718,7 +733,29 @@ impl Drop for QueuePair {
 #[derive(Debug)]
 #[must_use = "a work request's outcome is only known by awaiting it"]
 pub struct WorkRequest {
+    wr_id: u64,
     rx: oneshot::Receiver<Result<WorkCompletion, ApiError>>,
+}
+
+impl WorkRequest {
+    /// The request's `wr_id`, given by the device (counting from 1, one
+    /// sequence per [`Device`]): its completion, and an
+    /// [`ApiError::Failed`], carry the same.
+    ///
+    /// ```no_run
+    /// # async fn demo(qp: metaroce_io::QueuePair, sge: metaroce_io::Sge) {
+    /// let req = qp.send(sge);
+    /// let id = req.wr_id();
+    /// match req.await {
+    ///     Ok(wc) => assert_eq!(wc.wr_id, id),
+    ///     Err(metaroce_io::ApiError::Failed(wc)) => assert_eq!(wc.wr_id, id),
+    ///     Err(e) => eprintln!("not posted: {e}"),
+    /// }
+    /// # }
+    /// ```
+    pub fn wr_id(&self) -> u64 {
+        self.wr_id
+    }
 }
 
 impl Future for WorkRequest {
@@ -772,10 +809,11 @@ impl QueuePair {
 
     fn post(&self, op: SendOp, local: Sge) -> WorkRequest {
         let (tx, rx) = oneshot::channel();
-        let wr = SendWr::new(0, op, local);
+        let wr_id = self.dev.next_wr_id();
+        let wr = SendWr::new(wr_id, op, local);
         self.dev
             .send(Command::PostSend(self.qpn, wr, Dest::Once(tx)));
-        WorkRequest { rx }
+        WorkRequest { wr_id, rx }
     }
 
     /// RDMA WRITE of `local` to `remote`.
@@ -808,10 +846,11 @@ impl QueuePair {
     /// WRITE with immediate) consumed it (`byte_len`, `imm`).
     pub fn recv(&self, sge: Sge) -> WorkRequest {
         let (tx, rx) = oneshot::channel();
-        let wr = RecvWr { wr_id: 0, sge };
+        let wr_id = self.dev.next_wr_id();
+        let wr = RecvWr { wr_id, sge };
         self.dev
             .send(Command::PostRecv(self.qpn, wr, Dest::Once(tx)));
-        WorkRequest { rx }
+        WorkRequest { wr_id, rx }
     }
 
     /// Posts a send request whose completion goes to the send CQ, with

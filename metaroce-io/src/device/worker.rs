@@ -62,13 +62,13 @@ pub(super) enum Command {
     DropMr(u32),
     ReadMr {
         lkey: u32,
-        offset: usize,
+        offset: u64,
         len: usize,
         reply: Reply<Vec<u8>>,
     },
     WriteMr {
         lkey: u32,
-        offset: usize,
+        offset: u64,
         data: Vec<u8>,
         reply: Reply<()>,
     },
@@ -352,7 +352,7 @@ impl Worker {
                     }
                 }
                 Event::QpError { qpn, status } => {
-                    tracing::debug!(qpn = qpn.0, ?status, "QP moved to the error state");
+                    tracing::debug!(%qpn, ?status, "QP moved to the error state");
                 }
                 Event::CqOverrun(cq) => {
                     tracing::warn!(?cq, "completion queue overrun");
@@ -463,11 +463,12 @@ fn log_lost(conn: ConnectionHandle, error: ConnectionError) {
 }
 
 /// `offset..offset + len` if it lies within `size` bytes.
-fn slice_range(size: usize, offset: usize, len: usize) -> Result<std::ops::Range<usize>, ApiError> {
-    match offset.checked_add(len) {
-        Some(end) if end <= size => Ok(offset..end),
+fn slice_range(size: usize, offset: u64, len: usize) -> Result<std::ops::Range<usize>, ApiError> {
+    let start = usize::try_from(offset).ok();
+    match start.and_then(|s| Some(s..s.checked_add(len)?)) {
+        Some(r) if r.end <= size => Ok(r),
         _ => Err(ApiError::OutOfBounds {
-            offset: offset as u64,
+            offset,
             len: len as u64,
             size: size as u64,
         }),

@@ -847,15 +847,13 @@ impl Endpoint {
         if q.rq.len() as u32 >= q.max_recv_wr {
             return Err(VerbsError::QueueFull(q.max_recv_wr));
         }
-        if !mrs.check_local(
+        mrs.local_access(
             q.pd,
             wr.sge.lkey,
             wr.sge.addr,
             wr.sge.len,
             AccessFlags::LOCAL_WRITE,
-        ) {
-            return Err(VerbsError::InvalidKey(wr.sge.lkey));
-        }
+        )?;
         if wr.sge.len > 0 {
             mrs.add_ref(wr.sge.lkey, 1);
         }
@@ -866,9 +864,11 @@ impl Endpoint {
     /// Posts a send work request (`ibv_post_send`).
     ///
     /// Refused at once (typed error) when the QP's state does not take sends
-    /// or its queue is full. A request whose local buffer is invalid is
-    /// accepted and completes with `LocalProtectionError` when its turn comes,
-    /// moving the QP to the error state, as with verbs.
+    /// or its queue is full. A request whose local buffer is invalid (no
+    /// such region, another PD, out of bounds, or a READ into a region
+    /// without `LOCAL_WRITE`) is accepted and completes with
+    /// `LocalProtectionError` when its turn comes, moving the QP to the
+    /// error state, as with verbs.
     pub fn post_send(&mut self, now: Instant, qpn: Qpn, wr: SendWr) -> Result<(), VerbsError> {
         let idx = self.qp_index(qpn).ok_or(VerbsError::InvalidQp(qpn))?;
         let Endpoint {

@@ -25,6 +25,27 @@ pub struct MrInfo {
     pub access: AccessFlags,
 }
 
+/// Why a peer's WRITE or READ was refused (it completes with
+/// `RemoteAccessError` at the peer), for the responder's log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum RemoteRefusal {
+    /// The QP was not given the right (`QpAttrs::access`).
+    #[error("the QP allows {has} only, not {need}")]
+    QpAccess { need: AccessFlags, has: AccessFlags },
+    /// No region has the key: never issued, deregistered, or forged.
+    #[error("no memory region has this rkey (never issued or deregistered)")]
+    NoRegion,
+    /// The region is in another protection domain than the QP.
+    #[error("the region is in another protection domain than the QP")]
+    OtherPd,
+    /// The region was not registered with the right.
+    #[error("the region was registered with {has}, without {need}")]
+    RegionAccess { need: AccessFlags, has: AccessFlags },
+    /// The range reaches outside the region.
+    #[error("the range reaches outside the region of {size} bytes at {start:#x}")]
+    Bounds { start: u64, size: u64 },
+}
+
 #[derive(Debug)]
 pub(crate) struct MemoryRegion {
     pub(crate) pd: PdHandle,
@@ -263,17 +284,77 @@ impl MrTable {
         len: u32,
         need: AccessFlags,
     ) -> bool {
+        self.local_access(pd, lkey, addr, len, need).is_ok()
+    }
+
+    /// [`check_local`](Self::check_local) with the reason of a refusal:
+    /// no such region, another PD, missing rights, or out of bounds (in
+    /// that order). An empty buffer names no memory and always passes.
+    pub(crate) fn local_access(
+        &self,
+        pd: PdHandle,
+        lkey: u32,
+        addr: u64,
+        len: u32,
+        need: AccessFlags,
+    ) -> Result<(), VerbsError> {
         if len == 0 {
-            return true;
+            return Ok(());
         }
-        match self.by_lkey(lkey) {
-            Some(mr) => {
-                mr.pd == pd
-                    && mr.info.access.contains(need)
-                    && mr.range(addr, u64::from(len)).is_some()
-            }
-            None => false,
+        let mr = self.by_lkey(lkey).ok_or(VerbsError::InvalidKey(lkey))?;
+        if mr.pd != pd {
+            return Err(VerbsError::OtherPd(lkey));
         }
+        if !mr.info.access.contains(need) {
+            return Err(VerbsError::AccessDenied {
+                lkey,
+                need,
+                has: mr.info.access,
+            });
+        }
+        mr.range(addr, u64::from(len))
+            .map(|_| ())
+            .ok_or(VerbsError::OutsideRegion { lkey, addr, len })
+    }
+
+    /// Checks a peer's access to `len` bytes at `addr` of region `rkey`
+    /// for a QP in `pd` whose access flags are `qp_access`, and says why
+    /// when it is refused (a `RemoteAccessError` for the peer). An empty
+    /// access names no memory and always passes (as in verbs).
+    pub(crate) fn remote_access(
+        &self,
+        pd: PdHandle,
+        qp_access: AccessFlags,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: AccessFlags,
+    ) -> Result<(), RemoteRefusal> {
+        if len == 0 {
+            return Ok(());
+        }
+        if !qp_access.contains(need) {
+            return Err(RemoteRefusal::QpAccess {
+                need,
+                has: qp_access,
+            });
+        }
+        let mr = self.by_rkey(rkey).ok_or(RemoteRefusal::NoRegion)?;
+        if mr.pd != pd {
+            return Err(RemoteRefusal::OtherPd);
+        }
+        if !mr.info.access.contains(need) {
+            return Err(RemoteRefusal::RegionAccess {
+                need,
+                has: mr.info.access,
+            });
+        }
+        mr.range(addr, len)
+            .map(|_| ())
+            .ok_or(RemoteRefusal::Bounds {
+                start: mr.info.addr,
+                size: mr.info.len,
+            })
     }
 
     /// Adds (`+1`) or drops (`-1`) a reference.
@@ -404,6 +485,77 @@ mod tests {
         let outputs: std::collections::HashSet<u32> =
             inputs.iter().map(|&x| g.permute(x)).collect();
         assert_eq!(outputs.len(), inputs.len());
+    }
+
+    #[test]
+    fn refusals_say_why() {
+        let mut t = MrTable::new((3, 4));
+        let pd = PdHandle(1);
+        let a = t
+            .register(pd, RegionBuf::zeroed(64), 0x100, AccessFlags::REMOTE_READ)
+            .unwrap();
+        let lw = AccessFlags::LOCAL_WRITE;
+        assert_eq!(
+            t.local_access(pd, a.lkey, 0x100, 64, AccessFlags::NONE),
+            Ok(())
+        );
+        assert_eq!(
+            t.local_access(pd, a.lkey, 0x100, 64, lw),
+            Err(VerbsError::AccessDenied {
+                lkey: a.lkey,
+                need: lw,
+                has: AccessFlags::REMOTE_READ
+            })
+        );
+        assert_eq!(
+            t.local_access(PdHandle(2), a.lkey, 0x100, 1, AccessFlags::NONE),
+            Err(VerbsError::OtherPd(a.lkey))
+        );
+        assert_eq!(
+            t.local_access(pd, a.lkey, 0x101, 64, AccessFlags::NONE),
+            Err(VerbsError::OutsideRegion {
+                lkey: a.lkey,
+                addr: 0x101,
+                len: 64
+            })
+        );
+        assert_eq!(
+            t.local_access(pd, a.lkey ^ 1, 0x100, 1, AccessFlags::NONE),
+            Err(VerbsError::InvalidKey(a.lkey ^ 1))
+        );
+        assert_eq!(t.local_access(pd, 0, 0, 0, lw), Ok(()), "empty");
+
+        let (rr, rw) = (AccessFlags::REMOTE_READ, AccessFlags::REMOTE_WRITE);
+        let all = AccessFlags::ALL;
+        assert_eq!(t.remote_access(pd, all, a.rkey, 0x100, 64, rr), Ok(()));
+        assert_eq!(
+            t.remote_access(pd, rr, a.rkey, 0x100, 64, rw),
+            Err(RemoteRefusal::QpAccess { need: rw, has: rr })
+        );
+        assert_eq!(
+            t.remote_access(pd, all, a.rkey, 0x100, 64, rw),
+            Err(RemoteRefusal::RegionAccess { need: rw, has: rr })
+        );
+        assert_eq!(
+            t.remote_access(pd, all, a.rkey ^ 1, 0x100, 64, rr),
+            Err(RemoteRefusal::NoRegion)
+        );
+        assert_eq!(
+            t.remote_access(PdHandle(2), all, a.rkey, 0x100, 64, rr),
+            Err(RemoteRefusal::OtherPd)
+        );
+        let e = t.remote_access(pd, all, a.rkey, 0x100, 65, rr).unwrap_err();
+        assert_eq!(
+            e,
+            RemoteRefusal::Bounds {
+                start: 0x100,
+                size: 64
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            "the range reaches outside the region of 64 bytes at 0x100"
+        );
     }
 
     #[test]
