@@ -85,7 +85,7 @@ pub use metaroce_proto as proto;
 // Every type in this crate's public signatures, nameable from here.
 pub use metaroce_proto::verbs::{
     AccessFlags, ConnectionHandle, CqHandle, MrInfo, PdHandle, QpAttrs, QpInit, QpState, Qpn,
-    RecvWr, RegionBuf, RemoteAddr, SendOp, SendWr, Sge, VerbsError, WcOpcode, WcStatus,
+    RcAttrs, RecvWr, RegionBuf, RemoteAddr, SendOp, SendWr, Sge, VerbsError, WcOpcode, WcStatus,
     WorkCompletion,
 };
 pub use metaroce_proto::{

@@ -653,6 +653,93 @@ fn qp_capacities_and_foreign_handles_portable() {
     run(Backend::Portable, qp_capacities_and_foreign_handles);
 }
 
+/// `rnr_retry = 0`: a SEND the peer has no receive for fails at the first
+/// RNR NAK with `RnrRetryExceeded` (the default, 7, retries forever).
+async fn rnr_retry_zero_fails_a_send_without_a_receive(backend: Backend) {
+    let (a, b) = pair(backend, FaultConfig::default()).await;
+    let attrs = metaroce_io::RcAttrs {
+        rnr_retry: 0,
+        ..Default::default()
+    };
+    let qa = a.pd.create_qp(&a.cq, &a.cq).await.unwrap();
+    let qb = b.pd.create_qp(&b.cq, &b.cq).await.unwrap();
+    qa.connect_with(&a.conn, qb.qpn(), attrs).await.unwrap();
+    qb.connect(&b.conn, qa.qpn()).await.unwrap();
+    let src = a.pd.reg_mr(vec![3u8; 64], AccessFlags::NONE).await.unwrap();
+    let t0 = std::time::Instant::now();
+    let e = tokio::time::timeout(Duration::from_secs(5), qa.send(src.sge(0, 64).unwrap()))
+        .await
+        .expect("with rnr_retry 0 the SEND fails, it is not retried forever")
+        .unwrap_err();
+    assert!(
+        matches!(&e, ApiError::Failed(wc) if wc.status == WcStatus::RnrRetryExceeded),
+        "{e}"
+    );
+    println!("RnrRetryExceeded after {:?}", t0.elapsed());
+    let bad = metaroce_io::RcAttrs {
+        rnr_retry: 8,
+        ..Default::default()
+    };
+    let q = a.pd.create_qp(&a.cq, &a.cq).await.unwrap();
+    let r = q.connect_with(&a.conn, qb.qpn(), bad).await;
+    assert!(
+        matches!(r, Err(ApiError::Verbs(VerbsError::InvalidAttribute(_)))),
+        "{r:?}"
+    );
+}
+
+/// A request whose peer QP is gone fails with `RetryExceeded` after the
+/// QP's progress probes go unanswered: `retry_cnt` and `timeout` set that
+/// time (default: the connection's RTO doubling over 7 probes, ~0.5 s).
+async fn retry_cnt_and_timeout_bound_retry_exceeded(backend: Backend) {
+    async fn time_to_fail(backend: Backend, attrs: metaroce_io::RcAttrs) -> Duration {
+        let (a, b) = pair(backend, FaultConfig::default()).await;
+        let qa = a.pd.create_qp(&a.cq, &a.cq).await.unwrap();
+        let qb = b.pd.create_qp(&b.cq, &b.cq).await.unwrap();
+        qa.connect_with(&a.conn, qb.qpn(), attrs).await.unwrap();
+        qb.connect(&b.conn, qa.qpn()).await.unwrap();
+        drop(qb);
+        // The destroy reaches the peer's endpoint thread before the SEND.
+        let _ = b.dev.stats().await.unwrap();
+        let src = a.pd.reg_mr(vec![3u8; 64], AccessFlags::NONE).await.unwrap();
+        let t0 = std::time::Instant::now();
+        let e = qa.send(src.sge(0, 64).unwrap()).await.unwrap_err();
+        let took = t0.elapsed();
+        assert!(
+            matches!(&e, ApiError::Failed(wc) if wc.status == WcStatus::RetryExceeded),
+            "{e}"
+        );
+        took
+    }
+    let default = time_to_fail(backend, Default::default()).await;
+    let fast = metaroce_io::RcAttrs {
+        retry_cnt: Some(1),
+        timeout: Some(Duration::from_millis(2)),
+        ..Default::default()
+    };
+    let fast = time_to_fail(backend, fast).await;
+    println!("RetryExceeded after {default:?} by default, {fast:?} with retry_cnt 1, timeout 2 ms");
+    assert!(default > Duration::from_millis(100), "default {default:?}");
+    assert!(fast < Duration::from_millis(60), "fast {fast:?}");
+    assert!(fast * 4 < default, "fast {fast:?} default {default:?}");
+}
+
+#[test]
+fn rnr_retry_zero_fails_a_send_without_a_receive_portable() {
+    run(
+        Backend::Portable,
+        rnr_retry_zero_fails_a_send_without_a_receive,
+    );
+}
+
+#[test]
+fn retry_cnt_and_timeout_bound_retry_exceeded_portable() {
+    run(
+        Backend::Portable,
+        retry_cnt_and_timeout_bound_retry_exceeded,
+    );
+}
+
 #[test]
 fn two_plane_devices_portable() {
     run(Backend::Portable, two_plane_devices);

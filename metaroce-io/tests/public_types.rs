@@ -11,9 +11,9 @@ use metaroce_io::{
     ConnectionState, ConnectionStats, CqHandle, Device, DriverConfig, DriverError, DriverStats,
     Endpoint, EndpointConfig, EndpointStats, Event, FaultConfig, Instant, MemoryRegion, Metrics,
     MrInfo, OobDecodeError, PathState, PathStats, PdHandle, ProtectionDomain, QpAttrs, QpCaps,
-    QpEndpoint, QpInit, QpState, Qpn, QueuePair, RecvWr, RegionBuf, Registry, RejectCounters,
-    RejectReason, RemoteAddr, RemoteMr, SendOp, SendWr, Sge, VerbsError, WcOpcode, WcStatus,
-    WorkCompletion, WorkRequest,
+    QpEndpoint, QpInit, QpState, Qpn, QueuePair, RcAttrs, RecvWr, RegionBuf, Registry,
+    RejectCounters, RejectReason, RemoteAddr, RemoteMr, SendOp, SendWr, Sge, VerbsError, WcOpcode,
+    WcStatus, WorkCompletion, WorkRequest,
 };
 
 /// What the async API's calls give, written down as a service would.
@@ -40,6 +40,7 @@ struct Held {
     handle: ConnectionHandle,
     wc: WorkCompletion,
     caps: QpCaps,
+    attrs: RcAttrs,
     pending: WorkRequest,
 }
 

@@ -36,7 +36,9 @@
 //! 2. each side creates its QP and sends the peer its [`QpEndpoint`]
 //!    (and any [`RemoteMr`]s);
 //! 3. each side calls [`QueuePair::connect`] with the connection and the
-//!    peer's QP number; the QPs are then ready to send (RTS).
+//!    peer's QP number (or [`QueuePair::connect_with`], with the RC
+//!    attributes of `ibv_modify_qp`: retry counts, timeouts, READ depths);
+//!    the QPs are then ready to send (RTS).
 //!
 //! # Which memory the application may touch
 //!
@@ -791,8 +793,47 @@ impl QueuePair {
     }
 
     /// Binds the QP to `conn` and the peer's QP `remote`, and brings it to
-    /// RTS (RESET→INIT→RTR→RTS with every remote access the regions allow).
+    /// RTS (RESET→INIT→RTR→RTS with every remote access the regions allow)
+    /// with the default attributes ([`RcAttrs::default`]); see
+    /// [`connect_with`](Self::connect_with).
     pub async fn connect(&self, conn: &Connection, remote: Qpn) -> Result<(), ApiError> {
+        self.connect_with(conn, remote, RcAttrs::default()).await
+    }
+
+    /// Binds the QP to `conn` and the peer's QP `remote`, and brings it to
+    /// RTS with the RC attributes `attrs`, as `ibv_modify_qp` does through
+    /// INIT, RTR and RTS: the remote access the QP allows, `retry_cnt` and
+    /// `timeout` (how soon a request that stops making progress, the peer's
+    /// QP gone say, fails with [`WcStatus::RetryExceeded`]), `rnr_retry`
+    /// (how many times a SEND the peer had no receive for is retried before
+    /// it fails with [`WcStatus::RnrRetryExceeded`]; 7 is forever),
+    /// `min_rnr_timer`, and the READ depths.
+    ///
+    /// Fails with [`VerbsError::InvalidAttribute`] for a value out of range,
+    /// [`VerbsError::InvalidConnection`] for a connection of another
+    /// [`Device`] (or one closed), and [`VerbsError::IllegalTransition`] if
+    /// the QP is connected already.
+    ///
+    /// ```no_run
+    /// # async fn demo(qp: metaroce_io::QueuePair, conn: metaroce_io::Connection, peer: metaroce_io::QpEndpoint) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::RcAttrs;
+    /// use std::time::Duration;
+    /// // A request-response service that would rather fail fast than wait.
+    /// let attrs = RcAttrs {
+    ///     rnr_retry: 0,
+    ///     retry_cnt: Some(2),
+    ///     timeout: Some(Duration::from_millis(5)),
+    ///     ..RcAttrs::default()
+    /// };
+    /// qp.connect_with(&conn, peer.qpn(), attrs).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect_with(
+        &self,
+        conn: &Connection,
+        remote: Qpn,
+        attrs: RcAttrs,
+    ) -> Result<(), ApiError> {
         if !self.dev.same(&conn.dev) {
             return Err(VerbsError::InvalidConnection.into());
         }
@@ -802,6 +843,7 @@ impl QueuePair {
                 qpn,
                 conn,
                 remote,
+                attrs,
                 reply,
             })
             .await

@@ -78,6 +78,7 @@ pub(super) enum Command {
         qpn: Qpn,
         conn: ConnectionHandle,
         remote: Qpn,
+        attrs: RcAttrs,
         reply: Reply<()>,
     },
     QpState(Qpn, Reply<Option<QpState>>),
@@ -283,9 +284,11 @@ impl Worker {
                 qpn,
                 conn,
                 remote,
+                attrs,
                 reply,
             } => {
-                let _ = reply.send(ep.connect_qp(qpn, conn, remote).map_err(Into::into));
+                let res = ep.connect_qp_with(qpn, conn, remote, &attrs);
+                let _ = reply.send(res.map_err(Into::into));
             }
             Command::QpState(q, r) => {
                 let _ = r.send(Ok(ep.qp_state(q)));

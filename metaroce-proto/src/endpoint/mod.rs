@@ -14,7 +14,8 @@ use crate::time::Instant;
 use crate::verbs::qp::{consumes_recv, Qp, SendWqe};
 use crate::verbs::{
     AccessFlags, CompletionQueue, ConnectionHandle, CqHandle, MrInfo, MrTable, PdHandle, QpAttrs,
-    QpInit, QpState, Qpn, RecvWr, RegionBuf, SendOp, SendWr, VerbsError, WcStatus, WorkCompletion,
+    QpInit, QpState, Qpn, RcAttrs, RecvWr, RegionBuf, SendOp, SendWr, VerbsError, WcStatus,
+    WorkCompletion,
 };
 use crate::wire::CloseCode;
 use std::collections::{BTreeSet, HashMap, VecDeque};
@@ -718,6 +719,9 @@ impl Endpoint {
     /// Moves a QP to state `to` with `attrs` (`ibv_modify_qp`). Illegal
     /// transitions and missing attributes are typed errors.
     pub fn modify_qp(&mut self, qpn: Qpn, to: QpState, attrs: QpAttrs) -> Result<(), VerbsError> {
+        if attrs.timeout.is_some_and(|t| t.is_zero()) {
+            return Err(VerbsError::InvalidAttribute("a timeout of 0"));
+        }
         let idx = self.qp_index(qpn).ok_or(VerbsError::InvalidQp(qpn))?;
         let from = self.qps[idx]
             .as_ref()
@@ -775,6 +779,12 @@ impl Endpoint {
         if let Some(v) = attrs.max_rd_atomic {
             q.max_rd_atomic = v.max(1);
         }
+        if let Some(v) = attrs.retry_cnt {
+            q.retry_cnt = Some(v.min(7));
+        }
+        if let Some(t) = attrs.timeout {
+            q.timeout = Some(t);
+        }
         q.state = to;
         let conn = q.conn;
         if let Some(c) = conn {
@@ -804,11 +814,38 @@ impl Endpoint {
         conn: ConnectionHandle,
         remote_qpn: Qpn,
     ) -> Result<(), VerbsError> {
+        self.connect_qp_with(qpn, conn, remote_qpn, &RcAttrs::default())
+    }
+
+    /// RESET→INIT→RTR→RTS in one call with the RC attributes `attrs` (what
+    /// `ibv_modify_qp` takes for the three transitions). Fails with
+    /// [`VerbsError::InvalidAttribute`] before any transition if a value is
+    /// out of range ([`RcAttrs::validate`]).
+    ///
+    /// ```
+    /// use metaroce_proto::verbs::{QpInit, QpState, RcAttrs};
+    /// use metaroce_proto::{Endpoint, EndpointConfig};
+    /// let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+    /// let (pd, cq) = (ep.alloc_pd(), ep.create_cq(16));
+    /// let qp = ep.create_qp(QpInit::new(pd, cq, cq)).unwrap();
+    /// let conn = ep.connect(metaroce_proto::Instant::ZERO, "127.0.0.1:4791".parse().unwrap()).unwrap();
+    /// let attrs = RcAttrs { rnr_retry: 0, ..RcAttrs::default() };
+    /// ep.connect_qp_with(qp, conn, qp, &attrs).unwrap();
+    /// assert_eq!(ep.qp_state(qp), Some(QpState::Rts));
+    /// ```
+    pub fn connect_qp_with(
+        &mut self,
+        qpn: Qpn,
+        conn: ConnectionHandle,
+        remote_qpn: Qpn,
+        attrs: &RcAttrs,
+    ) -> Result<(), VerbsError> {
+        attrs.validate()?;
         self.modify_qp(
             qpn,
             QpState::Init,
             QpAttrs {
-                access: Some(AccessFlags::ALL),
+                access: Some(attrs.access),
                 ..Default::default()
             },
         )?;
@@ -818,10 +855,22 @@ impl Endpoint {
             QpAttrs {
                 conn: Some(conn),
                 remote_qpn: Some(remote_qpn),
+                max_dest_rd_atomic: Some(attrs.max_dest_rd_atomic),
+                min_rnr_timer: Some(attrs.min_rnr_timer),
                 ..Default::default()
             },
         )?;
-        self.modify_qp(qpn, QpState::Rts, QpAttrs::default())
+        self.modify_qp(
+            qpn,
+            QpState::Rts,
+            QpAttrs {
+                retry_cnt: attrs.retry_cnt,
+                timeout: attrs.timeout,
+                rnr_retry: Some(attrs.rnr_retry),
+                max_rd_atomic: Some(attrs.max_rd_atomic),
+                ..Default::default()
+            },
+        )
     }
 
     /// Posts a receive (`ibv_post_recv`). In the error state it completes at

@@ -16,7 +16,7 @@ mod region_buf;
 pub(crate) use cq::CompletionQueue;
 pub use mr::MrInfo;
 pub(crate) use mr::MrTable;
-pub use qp::{QpAttrs, QpState};
+pub use qp::{QpAttrs, QpState, RcAttrs};
 pub use region_buf::RegionBuf;
 
 use core::time::Duration;
@@ -340,6 +340,9 @@ pub enum VerbsError {
     /// A transition was asked for without the attributes it needs.
     #[error("missing attribute `{0}` for this transition")]
     MissingAttribute(&'static str),
+    /// An attribute's value is out of its range.
+    #[error("invalid QP attribute: {0}")]
+    InvalidAttribute(&'static str),
     /// The QP's state does not allow posting this request.
     #[error("QP is in state {0:?}, which does not take this request")]
     InvalidState(QpState),
