@@ -502,8 +502,7 @@ async fn no_round_trip_stalls(backend: Backend) {
     );
     let echo = rb.sge(0, size).unwrap();
     let rounds = 5_000;
-    let mut worst = Duration::ZERO;
-    let mut slow = 0;
+    let mut rtts = Vec::with_capacity(rounds);
     for _ in 0..rounds {
         let got_b = b.qp.recv(echo);
         let got_a = a.qp.recv(resp);
@@ -512,16 +511,25 @@ async fn no_round_trip_stalls(backend: Backend) {
         got_b.await.unwrap();
         let sent_b = b.qp.send(echo);
         let wc = got_a.await.unwrap();
-        let rtt = t0.elapsed();
+        rtts.push(t0.elapsed());
         assert_eq!(wc.byte_len, size);
         sent_a.await.unwrap();
         sent_b.await.unwrap();
-        worst = worst.max(rtt);
-        slow += usize::from(rtt > Duration::from_millis(20));
     }
-    assert_eq!(
-        slow, 0,
-        "{slow} of {rounds} round trips over 20 ms (worst {worst:?})"
+    rtts.sort_unstable();
+    let worst = &rtts[rounds - 5..];
+    println!("p50 {:?}, five worst {worst:?}", rtts[rounds / 2]);
+    // A stall is the endpoint thread's 100 ms wait. On a loaded host (two
+    // busy-polling endpoint threads and this one on shared cores) a thread
+    // can wait its turn for a few tens of ms, now and then: a handful of
+    // rounds over 20 ms is that, one near 100 ms is a stall.
+    let slow = rtts
+        .iter()
+        .filter(|t| **t > Duration::from_millis(20))
+        .count();
+    assert!(
+        slow <= 3 && rtts[rounds - 1] < Duration::from_millis(90),
+        "{slow} of {rounds} round trips over 20 ms, the worst {worst:?}"
     );
     assert!(ra.read(u64::from(size), size as usize).await.unwrap() == pattern(11, size as usize));
 }
