@@ -12,10 +12,7 @@
 //! whichever ends first, then 1,000 flushed posts and 200 protection
 //! errors, and prints p50/p99/p99.9/max of each.
 
-use metaroce_io::{
-    AccessFlags, ApiError, CompletionQueue, Connection, Device, DriverConfig, ProtectionDomain,
-    QueuePair, WcStatus,
-};
+use metaroce_io::{connect_qp_pair, AccessFlags, ApiError, Device, DriverConfig, WcStatus};
 use std::time::{Duration, Instant};
 
 struct Args {
@@ -55,42 +52,6 @@ fn percentiles(t: &mut [Duration]) -> [f64; 4] {
     [at(0.50), at(0.99), at(0.999), at(1.0)]
 }
 
-/// One side of a connected QP pair, with what keeps it alive.
-struct Side {
-    qp: QueuePair,
-    pd: ProtectionDomain,
-    _cq: CompletionQueue,
-    conn: Connection,
-}
-
-impl Side {
-    fn pd(&self) -> &ProtectionDomain {
-        &self.pd
-    }
-}
-
-/// Connects `a` to `b` and creates a QP on each, connected to the other.
-async fn connect_qp_pair(a: &Device, b: &Device) -> Result<(Side, Side), ApiError> {
-    let (ca, cb) = tokio::join!(a.connect(b.local_addr()), b.accept());
-    let (ca, cb) = (ca?, cb?);
-    let mut sides = Vec::new();
-    for (d, c) in [(a, ca), (b, cb)] {
-        let pd = d.alloc_pd().await?;
-        let cq = d.create_cq(64).await?;
-        let qp = pd.create_qp(&cq, &cq).await?;
-        sides.push(Side {
-            qp,
-            pd,
-            _cq: cq,
-            conn: c,
-        });
-    }
-    let (sb, sa) = (sides.pop().expect("two"), sides.pop().expect("two"));
-    sa.qp.connect(&sa.conn, sb.qp.qpn()).await?;
-    sb.qp.connect(&sb.conn, sa.qp.qpn()).await?;
-    Ok((sa, sb))
-}
-
 async fn device() -> Result<Device, ApiError> {
     Device::open(DriverConfig::new("127.0.0.1:0".parse().expect("address"))).await
 }
@@ -107,7 +68,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let (client, server) = (device().await?, device().await?);
     let (qc, qs) = connect_qp_pair(&client, &server).await?;
     let size = args.size;
-    let (pdc, pds) = (qc.pd(), qs.pd());
+    let (pdc, pds) = (&qc.pd, &qs.pd);
     let mc = pdc
         .reg_mr(vec![7u8; 2 * size as usize], AccessFlags::LOCAL_WRITE)
         .await?;
@@ -164,7 +125,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut flush = Vec::new();
     for _ in 0..200 {
         let (qc, _qs) = connect_qp_pair(&client, &server).await?;
-        let src = qc.pd().reg_mr(vec![1u8; 4096], AccessFlags::NONE).await?;
+        let src = qc.pd.reg_mr(vec![1u8; 4096], AccessFlags::NONE).await?;
         let mut bad = src.sge(0, 4096)?;
         bad.lkey ^= 0x5a5a;
         let t0 = Instant::now();

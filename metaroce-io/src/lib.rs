@@ -65,13 +65,13 @@ pub use config::{
     DEFAULT_TURN_SEND_BYTES,
 };
 pub use device::{
-    ApiError, CompletionQueue, Connection, Device, MemoryRegion, OobDecodeError, ProtectionDomain,
-    QpCaps, QpEndpoint, QueuePair, RemoteMr, WorkRequest,
+    connect_qp_pair, ApiError, CompletionQueue, ConnectedQp, Connection, Device, MemoryRegion,
+    OobDecodeError, ProtectionDomain, QpCaps, QpEndpoint, QueuePair, RemoteMr, WorkRequest,
 };
 pub use error::DriverError;
 pub use fault::FaultConfig;
 pub use memory::{make_resident, Mapping};
-pub use metrics::{Metrics, MetricsServer};
+pub use metrics::{Metrics, MetricsServer, Refresh};
 pub use mtu::max_udp_payload;
 pub use pair::{connect_pair, PairError};
 pub use portable::PortableDriver;

@@ -198,8 +198,12 @@ impl Device {
     }
 
     /// Like [`open`](Self::open), and keeps `metrics` up to date with the
-    /// endpoint's and the driver's counters (every 250 ms); serve its
-    /// registry with [`MetricsServer`](crate::MetricsServer).
+    /// endpoint's and the driver's counters: every 250 ms, and at once when
+    /// [`metrics_refresher`](Self::metrics_refresher) asks. Serve its
+    /// registry with [`MetricsServer::start_with_refresh`] and that
+    /// refresher, and every scrape sees the counters as they are.
+    ///
+    /// [`MetricsServer::start_with_refresh`]: crate::MetricsServer::start_with_refresh
     pub async fn open_with_metrics(
         cfg: DriverConfig,
         metrics: Metrics,
@@ -326,6 +330,84 @@ impl Device {
     pub async fn stats(&self) -> Result<EndpointStats, ApiError> {
         self.call(Command::Stats).await
     }
+
+    /// A [`Refresh`](crate::Refresh) for
+    /// [`MetricsServer::start_with_refresh`](crate::MetricsServer::start_with_refresh):
+    /// each call has the endpoint thread bring the metrics given to
+    /// [`open_with_metrics`](Self::open_with_metrics) up to date, and
+    /// waits for it (at most 100 ms; a device opened without metrics
+    /// answers at once). It blocks: call it from a thread that may block,
+    /// as the metrics server's does, not from an async task.
+    pub fn metrics_refresher(&self) -> crate::Refresh {
+        let dev = self.clone();
+        Box::new(move || {
+            let (tx, rx) = mpsc::sync_channel(1);
+            dev.send(Command::RefreshMetrics(tx));
+            let _ = rx.recv_timeout(std::time::Duration::from_millis(100));
+        })
+    }
+}
+
+/// One end of a QP pair made by [`connect_qp_pair`]: the connection, and a
+/// PD, a CQ (for both sends and receives) and a QP in RTS on it.
+#[derive(Debug)]
+pub struct ConnectedQp {
+    /// The QP, connected to the other end's.
+    pub qp: QueuePair,
+    /// Where requests posted with [`QueuePair::post_send`] and
+    /// [`QueuePair::post_recv`] complete.
+    pub cq: CompletionQueue,
+    /// The QP's protection domain, for its memory regions.
+    pub pd: ProtectionDomain,
+    /// The connection the QP runs on.
+    pub conn: Connection,
+}
+
+impl ConnectedQp {
+    /// A PD, a CQ and a QP on `dev`, for `conn` (not connected yet).
+    async fn make(dev: &Device, conn: Connection) -> Result<ConnectedQp, ApiError> {
+        let pd = dev.alloc_pd().await?;
+        let cq = dev.create_cq(1024).await?;
+        let qp = pd.create_qp(&cq, &cq).await?;
+        Ok(ConnectedQp { qp, cq, pd, conn })
+    }
+}
+
+/// Connects device `a` to device `b` and makes a connected RC QP pair on
+/// it, with default capacities and attributes: what every test and
+/// single-process program writes (the driver API's
+/// [`connect_pair`](crate::connect_pair) does the connection part for
+/// drivers). Both devices must be in this process (between processes or
+/// hosts, the QP numbers cross out of band: see the module documentation),
+/// and nothing else may be waiting in `b`'s [`Device::accept`] meanwhile:
+/// this takes `b`'s next incoming connection, which is `a`'s.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), metaroce_io::ApiError> {
+/// use metaroce_io::{connect_qp_pair, AccessFlags, Device, DriverConfig};
+/// let a = Device::open(DriverConfig::new("127.0.0.1:0".parse().unwrap())).await?;
+/// let b = Device::open(DriverConfig::new("127.0.0.1:0".parse().unwrap())).await?;
+/// let (qa, qb) = connect_qp_pair(&a, &b).await?;
+/// let src = qa.pd.reg_mr(vec![1u8; 64], AccessFlags::NONE).await?;
+/// let dst = qb.pd.reg_mr(vec![0u8; 64], AccessFlags::LOCAL_WRITE).await?;
+/// let got = qb.qp.recv(dst.sge(0, 64)?);
+/// qa.qp.send(src.sge(0, 64)?).await?;
+/// assert_eq!(got.await?.byte_len, 64);
+/// # Ok(()) }
+/// ```
+pub async fn connect_qp_pair(
+    a: &Device,
+    b: &Device,
+) -> Result<(ConnectedQp, ConnectedQp), ApiError> {
+    // The handshake completes on the endpoint threads; `accept` then
+    // takes what `b`'s reported.
+    let ca = a.connect(b.local_addr()).await?;
+    let cb = b.accept().await?;
+    let sa = ConnectedQp::make(a, ca).await?;
+    let sb = ConnectedQp::make(b, cb).await?;
+    sa.qp.connect(&sa.conn, sb.qp.qpn()).await?;
+    sb.qp.connect(&sb.conn, sa.qp.qpn()).await?;
+    Ok((sa, sb))
 }
 
 /// A connection to a peer endpoint; QPs are bound to it with

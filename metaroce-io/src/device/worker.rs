@@ -90,6 +90,8 @@ pub(super) enum Command {
     ConnState(ConnectionHandle, Reply<Option<ConnectionState>>),
     ConnStats(ConnectionHandle, Reply<Option<ConnectionStats>>),
     Stats(Reply<EndpointStats>),
+    /// Brings the metrics up to date, then says so.
+    RefreshMetrics(mpsc::SyncSender<()>),
 }
 
 /// A posted request waiting for its completion.
@@ -330,6 +332,13 @@ impl Worker {
             }
             Command::Stats(r) => {
                 let _ = r.send(Ok(ep.stats()));
+            }
+            Command::RefreshMetrics(done) => {
+                if let Some(m) = &mut self.metrics {
+                    m.update(ep);
+                    m.update_driver(&self.drv.stats());
+                }
+                let _ = done.send(());
             }
         }
     }
