@@ -5,12 +5,16 @@
 //! `LocalProtectionError` for a SEND from an invalid local buffer).
 //!
 //! ```sh
-//! cargo run --release --example device_echo -- [--rounds N] [--seconds S] [--size BYTES] [--json]
+//! cargo run --release --example device_echo -- [--rounds N] [--seconds S] [--size BYTES] [--verify-mib M] [--json]
 //! ```
 //!
 //! Runs `--rounds` round trips (1,000,000) or for `--seconds` (60),
 //! whichever ends first, then 1,000 flushed posts and 200 protection
-//! errors, and prints p50/p99/p99.9/max of each.
+//! errors, and prints p50/p99/p99.9/max of each. Then it verifies a
+//! registered region of `--verify-mib` MiB (120; 0 skips) against the
+//! expected bytes, in place through `MemoryRegion::lend` and by copy
+//! through `MemoryRegion::read`, beside a plain `memcmp` of two buffers
+//! (the best of 5 each).
 
 use metaroce_io::{connect_qp_pair, AccessFlags, ApiError, Device, DriverConfig, WcStatus};
 use std::time::{Duration, Instant};
@@ -19,6 +23,7 @@ struct Args {
     rounds: usize,
     seconds: u64,
     size: u32,
+    verify_mib: usize,
     json: bool,
 }
 
@@ -27,6 +32,7 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
         rounds: 1_000_000,
         seconds: 60,
         size: 4096,
+        verify_mib: 120,
         json: false,
     };
     let mut it = std::env::args().skip(1);
@@ -36,6 +42,7 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
             "--rounds" => a.rounds = it.next().ok_or("--rounds N")?.parse()?,
             "--seconds" => a.seconds = it.next().ok_or("--seconds S")?.parse()?,
             "--size" => a.size = it.next().ok_or("--size BYTES")?.parse()?,
+            "--verify-mib" => a.verify_mib = it.next().ok_or("--verify-mib M")?.parse()?,
             other => return Err(format!("unknown argument {other}").into()),
         }
     }
@@ -140,6 +147,12 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
 
+    let [memcmp_ms, lend_ms, copy_ms] = if args.verify_mib > 0 {
+        verify(&client, args.verify_mib << 20).await?
+    } else {
+        [0.0; 3]
+    };
+
     let [p50, p99, p999, max] = percentiles(&mut rtt);
     let over_1ms = rtt
         .iter()
@@ -153,10 +166,12 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
              \"rtt_us\":{{\"p50\":{p50:.1},\"p99\":{p99:.1},\"p99_9\":{p999:.1},\"max\":{max:.1}}},\
              \"over_1ms\":{over_1ms},\
              \"flush_us\":{{\"n\":{},\"p50\":{f50:.1},\"p99\":{f99:.1},\"p99_9\":{f999:.1},\"max\":{fmax:.1}}},\
-             \"protection_us\":{{\"n\":{},\"p50\":{l50:.1},\"p99\":{l99:.1},\"p99_9\":{l999:.1},\"max\":{lmax:.1}}}}}",
+             \"protection_us\":{{\"n\":{},\"p50\":{l50:.1},\"p99\":{l99:.1},\"p99_9\":{l999:.1},\"max\":{lmax:.1}}},\
+             \"verify_ms\":{{\"mib\":{},\"memcmp\":{memcmp_ms:.2},\"in_place\":{lend_ms:.2},\"by_copy\":{copy_ms:.2}}}}}",
             client.backend(),
             flush.len(),
-            prot.len()
+            prot.len(),
+            args.verify_mib
         );
     } else {
         println!(
@@ -166,8 +181,45 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         println!("round trip   p50 {p50:8.1} us  p99 {p99:8.1}  p99.9 {p999:8.1}  max {max:9.1}  (over 1 ms: {over_1ms})");
         println!("flush error  p50 {f50:8.1} us  p99 {f99:8.1}  p99.9 {f999:8.1}  max {fmax:9.1}  (n={})", flush.len());
         println!("protection   p50 {l50:8.1} us  p99 {l99:8.1}  p99.9 {l999:8.1}  max {lmax:9.1}  (n={})", prot.len());
+        if args.verify_mib > 0 {
+            println!(
+                "verify {} MiB: memcmp {memcmp_ms:.2} ms, in place (lend) {lend_ms:.2} ms, by copy (read) {copy_ms:.2} ms",
+                args.verify_mib
+            );
+        }
     }
     Ok(())
+}
+
+/// Verifies a region of `len` bytes against the expected bytes: the best
+/// of 5 of a plain `memcmp` of two buffers, of `lend` and compare in
+/// place, and of `read` (a copy) and compare, in milliseconds.
+async fn verify(dev: &Device, len: usize) -> Result<[f64; 3], Box<dyn std::error::Error>> {
+    let expected: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
+    let pd = dev.alloc_pd().await?;
+    let mut mr = pd
+        .reg_mr(expected.clone(), AccessFlags::LOCAL_WRITE)
+        .await?;
+    let other = expected.clone();
+    let mut best = [f64::MAX; 3];
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        let same = std::hint::black_box(&other[..]) == &expected[..];
+        best[0] = best[0].min(t0.elapsed().as_secs_f64() * 1e3);
+        let t0 = Instant::now();
+        let in_place = {
+            let bytes = mr.lend().await?;
+            bytes[..] == expected[..]
+        };
+        best[1] = best[1].min(t0.elapsed().as_secs_f64() * 1e3);
+        let t0 = Instant::now();
+        let by_copy = mr.read(0, len).await? == expected;
+        best[2] = best[2].min(t0.elapsed().as_secs_f64() * 1e3);
+        if !(same && in_place && by_copy) {
+            return Err("a region's bytes differ from what was registered".into());
+        }
+    }
+    Ok(best)
 }
 
 fn expect_status(

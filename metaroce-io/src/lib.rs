@@ -65,8 +65,9 @@ pub use config::{
     DEFAULT_TURN_SEND_BYTES,
 };
 pub use device::{
-    connect_qp_pair, ApiError, CompletionQueue, ConnectedQp, Connection, Device, MemoryRegion,
-    OobDecodeError, ProtectionDomain, QpCaps, QpEndpoint, QueuePair, RemoteMr, WorkRequest,
+    connect_qp_pair, ApiError, CompletionQueue, ConnectedQp, Connection, Device, LentRegion,
+    MemoryRegion, OobDecodeError, ProtectionDomain, QpCaps, QpEndpoint, QueuePair, RemoteMr,
+    WorkRequest,
 };
 pub use error::DriverError;
 pub use fault::FaultConfig;

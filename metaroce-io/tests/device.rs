@@ -8,7 +8,7 @@
 
 use metaroce_io::{
     AccessFlags, ApiError, Backend, CompletionQueue, Connection, Device, DriverConfig, FaultConfig,
-    ProtectionDomain, QueuePair, RecvWr, SendOp, SendWr, WcOpcode, WcStatus,
+    ProtectionDomain, QueuePair, RecvWr, RegionBuf, SendOp, SendWr, WcOpcode, WcStatus,
 };
 use metaroce_proto::verbs::{QpState, VerbsError};
 mod common;
@@ -746,6 +746,81 @@ fn retry_cnt_and_timeout_bound_retry_exceeded_portable() {
         Backend::Portable,
         retry_cnt_and_timeout_bound_retry_exceeded,
     );
+}
+
+/// `MemoryRegion::lend`: the region's bytes filled and read in place
+/// (what a SEND carries, what a RECV left), and, while they are lent, a
+/// post with an earlier `Sge` refused (`MrLent`), a peer's WRITE to the
+/// region failing (`RemoteAccessError`), and no lend while a request
+/// references the region (`MrInUse`).
+async fn regions_lent_in_place(backend: Backend) {
+    let (a, b) = pair(backend, FaultConfig::default()).await;
+    let len = 1 << 20;
+    let mut src =
+        a.pd.reg_mr(RegionBuf::zeroed(len), AccessFlags::NONE)
+            .await
+            .unwrap();
+    let mut dst =
+        b.pd.reg_mr(RegionBuf::zeroed(len), AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    let data = pattern(21, len);
+    let early = src.sge(0, len as u32).unwrap();
+    {
+        let mut bytes = src.lend().await.unwrap();
+        assert!(bytes.iter().all(|&x| x == 0));
+        bytes.copy_from_slice(&data);
+        // Lent: a post that names the region is refused, the QP unharmed.
+        let r = a.qp.send(early).await;
+        assert!(
+            matches!(r, Err(ApiError::Verbs(VerbsError::MrLent(_)))),
+            "{r:?}"
+        );
+    } // given back here, before the SEND below is issued
+    let got = b.qp.recv(dst.sge(0, len as u32).unwrap());
+    a.qp.send(src.sge(0, len as u32).unwrap()).await.unwrap();
+    assert_eq!(got.await.unwrap().byte_len, len as u32);
+    assert!(
+        dst.lend().await.unwrap()[..] == data[..],
+        "received bytes, read in place"
+    );
+    assert_eq!(a.qp.state().await.unwrap(), Some(QpState::Rts));
+
+    // No lend while a request references the region.
+    let pending = b.qp.recv(dst.sge(0, 64).unwrap());
+    let l = dst.lend().await;
+    assert!(
+        matches!(l, Err(ApiError::Verbs(VerbsError::MrInUse(1)))),
+        "{l:?}"
+    );
+    drop(l);
+    drop(pending);
+
+    // A peer's WRITE into a lent region fails.
+    let mut target =
+        b.pd.reg_mr(RegionBuf::zeroed(4096), AccessFlags::REMOTE_WRITE)
+            .await
+            .unwrap();
+    let remote = target.remote();
+    let held = target.lend().await.unwrap();
+    let w =
+        a.qp.write(src.sge(0, 4096).unwrap(), remote.at(0, 4096).unwrap())
+            .await;
+    assert!(
+        matches!(&w, Err(ApiError::Failed(wc)) if wc.status == WcStatus::RemoteAccessError),
+        "{w:?}"
+    );
+    assert!(held.iter().all(|&x| x == 0), "nothing was written");
+}
+
+#[test]
+fn regions_lent_in_place_portable() {
+    run(Backend::Portable, regions_lent_in_place);
+}
+
+#[test]
+fn regions_lent_in_place_io_uring() {
+    run(Backend::Uring, regions_lent_in_place);
 }
 
 #[test]

@@ -47,8 +47,10 @@
 //! no reference into it, so no request can race with the application's own
 //! loads and stores in the memory-safety sense. It reads and writes the
 //! region through [`MemoryRegion::read`] and [`MemoryRegion::write`], which
-//! copy, in order with the requests posted on the same device. The verbs
-//! rule still applies to the *contents*:
+//! copy, in order with the requests posted on the same device, or in place
+//! through [`MemoryRegion::lend`], which hands the bytes themselves over
+//! for as long as its guard lives (nothing else uses the region
+//! meanwhile). The verbs rule still applies to the *contents*:
 //!
 //! - bytes a posted SEND or WRITE reads must not be changed until its
 //!   completion: packets are built from the region when they are sent and
@@ -711,6 +713,49 @@ impl MemoryRegion {
         })
     }
 
+    /// Lends the region's bytes to the application, to fill or read in
+    /// place, without a copy: the guard derefs to them, and dropping it
+    /// gives them back (in order with the data-path calls issued after
+    /// the drop, so a SEND posted right after carries what was written).
+    ///
+    /// While the guard lives the region's keys stay, and nothing else may
+    /// use its bytes: it borrows this `MemoryRegion` (no [`sge`](Self::sge),
+    /// [`read`](Self::read) or [`write`](Self::write) meanwhile), a post
+    /// that names the region with an earlier [`Sge`] is refused with
+    /// [`VerbsError::MrLent`], and a peer's WRITE or READ of it fails with
+    /// `RemoteAccessError`, which fails the peer's QP, as if the region were
+    /// deregistered. So lend a region registered for local access only, or
+    /// one the application knows no peer accesses at the time (its
+    /// protocol says so: a WRITE_IMM or SEND after the peer's last WRITE).
+    ///
+    /// Waits while the driver still sends from the region (microseconds);
+    /// fails with [`VerbsError::MrInUse`] while posted requests or a peer's
+    /// READ response reference it: await their completions first.
+    ///
+    /// ```no_run
+    /// # async fn demo(pd: metaroce_io::ProtectionDomain, qp: metaroce_io::QueuePair) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::{AccessFlags, RegionBuf};
+    /// let mut mr = pd.reg_mr(RegionBuf::zeroed(1 << 20), AccessFlags::LOCAL_WRITE).await?;
+    /// {
+    ///     let mut bytes = mr.lend().await?;
+    ///     bytes.fill(7); // in place: no copy, no allocation
+    /// } // back to the endpoint here
+    /// qp.send(mr.sge(0, 1 << 20)?).await?;
+    /// let received = qp.recv(mr.sge(0, 1 << 20)?).await?;
+    /// let bytes = mr.lend().await?;
+    /// let n = received.byte_len as usize;
+    /// println!("got {n} bytes: {:?}", &bytes[..n.min(16)]);
+    /// # Ok(()) }
+    /// ```
+    pub async fn lend(&mut self) -> Result<LentRegion<'_>, ApiError> {
+        let lkey = self.info.lkey;
+        let buf = self.dev.call(|r| Command::LendMr(lkey, r)).await?;
+        Ok(LentRegion {
+            mr: self,
+            buf: Some(buf),
+        })
+    }
+
     /// Deregisters the region and gives its buffer back; fails (and keeps
     /// the region) while requests still use it.
     pub async fn dereg(mut self) -> Result<RegionBuf, ApiError> {
@@ -720,6 +765,38 @@ impl MemoryRegion {
             self.live = false;
         }
         buf
+    }
+}
+
+/// The bytes of a [`MemoryRegion`] lent to the application
+/// ([`MemoryRegion::lend`]): a `[u8]` to read and write in place. Dropping
+/// it gives them back to the endpoint.
+#[derive(Debug)]
+pub struct LentRegion<'a> {
+    mr: &'a mut MemoryRegion,
+    /// `Some` until dropped.
+    buf: Option<RegionBuf>,
+}
+
+impl std::ops::Deref for LentRegion<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.buf.as_deref().unwrap_or(&[])
+    }
+}
+
+impl std::ops::DerefMut for LentRegion<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.buf.as_deref_mut().unwrap_or(&mut [])
+    }
+}
+
+impl Drop for LentRegion<'_> {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            // A stopped endpoint thread drops the bytes with the command.
+            self.mr.dev.send(Command::ReturnMr(self.mr.info.lkey, buf));
+        }
     }
 }
 

@@ -59,6 +59,8 @@ pub(super) enum Command {
         reply: Reply<MrInfo>,
     },
     DeregMr(u32, Reply<RegionBuf>),
+    LendMr(u32, Reply<RegionBuf>),
+    ReturnMr(u32, RegionBuf),
     DropMr(u32),
     ReadMr {
         lkey: u32,
@@ -119,6 +121,8 @@ pub(super) struct Worker {
     /// Deregistrations waiting for the driver's last send from the region
     /// (a gathered payload still with the kernel, microseconds at most).
     deregs: Vec<(u32, Reply<RegionBuf>)>,
+    /// Lends waiting for the same.
+    lends: Vec<(u32, Reply<RegionBuf>)>,
     scratch: Vec<WorkCompletion>,
 }
 
@@ -170,6 +174,7 @@ pub(super) fn run(
         connecting: HashMap::new(),
         zombies_mr: Vec::new(),
         deregs: Vec::new(),
+        lends: Vec::new(),
         zombies_pd: Vec::new(),
         scratch: Vec::new(),
     };
@@ -207,7 +212,10 @@ impl Worker {
             self.drv.poll(Duration::from_millis(100))?;
             self.events();
             self.completions();
-            if !self.zombies_mr.is_empty() || !self.zombies_pd.is_empty() || !self.deregs.is_empty()
+            if !self.zombies_mr.is_empty()
+                || !self.zombies_pd.is_empty()
+                || !self.deregs.is_empty()
+                || !self.lends.is_empty()
             {
                 self.reap_zombies();
             }
@@ -243,6 +251,12 @@ impl Worker {
                 let _ = reply.send(ep.reg_mr(pd, buf, addr, access).map_err(Into::into));
             }
             Command::DeregMr(lkey, r) => self.deregs.extend(try_dereg(ep, lkey, r)),
+            Command::LendMr(lkey, r) => self.lends.extend(try_lend(ep, lkey, r)),
+            Command::ReturnMr(lkey, buf) => {
+                if let Err(e) = ep.return_mr(lkey, buf) {
+                    tracing::warn!(lkey, error = %e, "lent region bytes not taken back");
+                }
+            }
             Command::DropMr(lkey) => {
                 if let Err(VerbsError::MrInUse(_) | VerbsError::MrSending(_)) = ep.dereg_mr(lkey) {
                     self.zombies_mr.push(lkey);
@@ -423,6 +437,11 @@ impl Worker {
             .into_iter()
             .filter_map(|(lkey, r)| try_dereg(ep, lkey, r))
             .collect();
+        let waiting = std::mem::take(&mut self.lends);
+        self.lends = waiting
+            .into_iter()
+            .filter_map(|(lkey, r)| try_lend(ep, lkey, r))
+            .collect();
         self.zombies_pd.retain(|&pd| ep.dealloc_pd(pd).is_err());
     }
 }
@@ -434,6 +453,21 @@ fn try_dereg(ep: &mut Endpoint, lkey: u32, r: Reply<RegionBuf>) -> Option<(u32, 
         Err(VerbsError::MrSending(_)) => Some((lkey, r)),
         res => {
             let _ = r.send(res.map_err(Into::into));
+            None
+        }
+    }
+}
+
+/// Lends `lkey`'s bytes and answers `r`, unless the driver is still
+/// sending from the region: then hands both back, to try again after a poll.
+fn try_lend(ep: &mut Endpoint, lkey: u32, r: Reply<RegionBuf>) -> Option<(u32, Reply<RegionBuf>)> {
+    match ep.lend_mr(lkey) {
+        Err(VerbsError::MrSending(_)) => Some((lkey, r)),
+        res => {
+            if let Err(Ok(buf)) = r.send(res.map_err(Into::into)) {
+                // The caller went away before the bytes came: they go back.
+                let _ = ep.return_mr(lkey, buf);
+            }
             None
         }
     }

@@ -609,6 +609,40 @@ impl Endpoint {
         self.mrs.by_lkey_mut(lkey).map(|m| &mut m.buf[..])
     }
 
+    /// Lends the bytes of region `lkey` to the application: they leave
+    /// the endpoint, which keeps the region's keys, until
+    /// [`return_mr`](Self::return_mr) brings them back. Meanwhile a post
+    /// that names the region is refused with [`VerbsError::MrLent`],
+    /// [`mr`](Self::mr) shows no bytes, and a peer's WRITE or READ of it
+    /// fails with `RemoteAccessError` (its QP then fails, as when a region
+    /// is deregistered): lend a region no peer accesses at the time.
+    ///
+    /// Refused while requests or READ responses reference the region
+    /// ([`VerbsError::MrInUse`]), while the driver still sends from it
+    /// ([`VerbsError::MrSending`]: retry after its next poll), or if it is
+    /// lent already ([`VerbsError::MrLent`]).
+    ///
+    /// ```
+    /// use metaroce_proto::verbs::{AccessFlags, RegionBuf};
+    /// use metaroce_proto::{Endpoint, EndpointConfig};
+    /// let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+    /// let pd = ep.alloc_pd();
+    /// let mr = ep.reg_mr(pd, RegionBuf::zeroed(4096), 0, AccessFlags::LOCAL_WRITE).unwrap();
+    /// let mut bytes = ep.lend_mr(mr.lkey).unwrap();
+    /// bytes[..5].copy_from_slice(b"hello"); // in place, no copy
+    /// ep.return_mr(mr.lkey, bytes).unwrap();
+    /// assert_eq!(&ep.mr(mr.lkey).unwrap()[..5], b"hello");
+    /// ```
+    pub fn lend_mr(&mut self, lkey: u32) -> Result<RegionBuf, VerbsError> {
+        self.mrs.lend(lkey)
+    }
+
+    /// Brings lent bytes back ([`lend_mr`](Self::lend_mr)); `buf` must be
+    /// as long as the region ([`VerbsError::InvalidLength`] if not).
+    pub fn return_mr(&mut self, lkey: u32, buf: RegionBuf) -> Result<(), VerbsError> {
+        self.mrs.give_back(lkey, buf)
+    }
+
     /// Information about a registered region.
     pub fn mr_info(&self, lkey: u32) -> Option<MrInfo> {
         self.mrs.by_lkey(lkey).map(|m| m.info)
@@ -912,8 +946,9 @@ impl Endpoint {
 
     /// Posts a send work request (`ibv_post_send`).
     ///
-    /// Refused at once (typed error) when the QP's state does not take sends
-    /// or its queue is full. A request whose local buffer is invalid (no
+    /// Refused at once (typed error) when the QP's state does not take sends,
+    /// its queue is full, or its local region is lent
+    /// ([`lend_mr`](Self::lend_mr)). A request whose local buffer is invalid (no
     /// such region, another PD, out of bounds, or a READ into a region
     /// without `LOCAL_WRITE`) is accepted and completes with
     /// `LocalProtectionError` when its turn comes, moving the QP to the
@@ -944,7 +979,13 @@ impl Endpoint {
         } else {
             AccessFlags::NONE
         };
-        let ok = mrs.check_local(q.pd, wr.local.lkey, wr.local.addr, wr.local.len, need);
+        let checked = mrs.local_access(q.pd, wr.local.lkey, wr.local.addr, wr.local.len, need);
+        // A lent region is a passing state, not a bad buffer: refused now,
+        // the QP stays as it is.
+        if let Err(e @ VerbsError::MrLent(_)) = checked {
+            return Err(e);
+        }
+        let ok = checked.is_ok();
         let has_ref = ok && wr.local.len > 0;
         if has_ref {
             mrs.add_ref(wr.local.lkey, 1);

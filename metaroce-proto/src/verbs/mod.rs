@@ -357,6 +357,10 @@ pub enum VerbsError {
     /// retry after the driver's next poll.
     #[error("memory region still being sent from by {0} transmits")]
     MrSending(u32),
+    /// The memory region's bytes are lent to the application
+    /// (`Endpoint::lend_mr`): nothing may use it until they are back.
+    #[error("memory region (key {0:#x}) is lent to the application")]
+    MrLent(u32),
     /// The memory region is too large or empty.
     #[error("invalid memory region length {0}")]
     InvalidLength(usize),
