@@ -823,6 +823,90 @@ fn regions_lent_in_place_io_uring() {
     run(Backend::Uring, regions_lent_in_place);
 }
 
+/// Posting as `ibv_post_send` does: a batch (chain) in one call, only
+/// signaled requests leaving a completion, completions polled into a
+/// reused vector; a refused request in a batch says how many were posted.
+async fn batched_and_unsignaled_posts(backend: Backend) {
+    let (a, b) = pair(backend, FaultConfig::default()).await;
+    let (n, size) = (64u64, 4096u32);
+    let data = pattern(31, (n * u64::from(size)) as usize);
+    let src = a.pd.reg_mr(data.clone(), AccessFlags::NONE).await.unwrap();
+    let dst =
+        b.pd.reg_mr(vec![0u8; data.len()], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    for i in 0..n {
+        let sge = dst.sge(i * u64::from(size), size).unwrap();
+        b.qp.post_recv(RecvWr { wr_id: i, sge }).await.unwrap();
+    }
+    // Every 8th signaled: 8 completions for 64 SENDs.
+    let wrs = (0..n).map(|i| SendWr {
+        signaled: i % 8 == 7,
+        ..SendWr::new(i, SendOp::Send, src.sge(i * u64::from(size), size).unwrap())
+    });
+    a.qp.post_send_batch(wrs).await.unwrap();
+    let mut recvd = 0;
+    while recvd < n {
+        let wc = b.cq.next().await.unwrap();
+        assert_eq!((wc.wr_id, wc.status), (recvd, WcStatus::Success));
+        recvd += 1;
+    }
+    assert!(dst.read(0, data.len()).await.unwrap() == data);
+    let mut wcs = Vec::with_capacity(16);
+    let mut got = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while got.len() < 8 && std::time::Instant::now() < deadline {
+        wcs.clear();
+        if a.cq.poll_into(16, &mut wcs) == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        got.extend(wcs.iter().map(|wc| wc.wr_id));
+    }
+    // A moment for any completion that should not be there.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    wcs.clear();
+    a.cq.poll_into(16, &mut wcs);
+    got.extend(wcs.iter().map(|wc| wc.wr_id));
+    assert_eq!(
+        got,
+        (0..8).map(|k| k * 8 + 7).collect::<Vec<_>>(),
+        "signaled only"
+    );
+
+    // A batch beyond the send queue's room: the first 4 are posted (the
+    // peer has no receive for them: they wait in RNR), the 5th refused.
+    let caps = metaroce_io::QpCaps {
+        max_send_wr: 4,
+        ..Default::default()
+    };
+    let qa = a.pd.create_qp_with(&a.cq, &a.cq, caps).await.unwrap();
+    let qb = b.pd.create_qp(&b.cq, &b.cq).await.unwrap();
+    qa.connect(&a.conn, qb.qpn()).await.unwrap();
+    qb.connect(&b.conn, qa.qpn()).await.unwrap();
+    let wrs = (0..6).map(|i| SendWr::new(100 + i, SendOp::Send, src.sge(0, 64).unwrap()));
+    let r = qa.post_send_batch(wrs).await;
+    assert!(
+        matches!(
+            r,
+            Err(ApiError::BatchRefused {
+                posted: 4,
+                error: VerbsError::QueueFull(4)
+            })
+        ),
+        "{r:?}"
+    );
+}
+
+#[test]
+fn batched_and_unsignaled_posts_portable() {
+    run(Backend::Portable, batched_and_unsignaled_posts);
+}
+
+#[test]
+fn batched_and_unsignaled_posts_io_uring() {
+    run(Backend::Uring, batched_and_unsignaled_posts);
+}
+
 #[test]
 fn two_plane_devices_portable() {
     run(Backend::Portable, two_plane_devices);

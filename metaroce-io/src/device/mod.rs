@@ -130,6 +130,16 @@ pub enum ApiError {
         /// The region's size.
         size: u64,
     },
+    /// A request of a batch ([`QueuePair::post_send_batch`]) was refused:
+    /// the `posted` requests before it were posted (and complete as
+    /// usual), it and those after it were not (`ibv_post_send`'s `bad_wr`).
+    #[error("request {posted} of a batch refused ({error}); the {posted} before it were posted, none after")]
+    BatchRefused {
+        /// How many requests of the batch were posted (the index of the refused one).
+        posted: usize,
+        /// Why it was refused.
+        error: VerbsError,
+    },
     /// The endpoint thread has stopped (a driver error, logged).
     #[error("the endpoint thread has stopped")]
     Closed,
@@ -842,11 +852,38 @@ impl CompletionQueue {
         &self.dev
     }
 
-    /// Takes up to `max` completions that are ready, without waiting (`ibv_poll_cq`).
+    /// Takes up to `max` completions that are ready, without waiting
+    /// (`ibv_poll_cq`), into a new vector; [`poll_into`](Self::poll_into)
+    /// reuses one.
     pub fn poll(&self, max: usize) -> Vec<WorkCompletion> {
+        let mut out = Vec::new();
+        self.poll_into(max, &mut out);
+        out
+    }
+
+    /// Appends up to `max` completions that are ready to `out`, without
+    /// waiting and without allocating once `out` has room (`ibv_poll_cq`
+    /// into the caller's array); returns how many.
+    ///
+    /// ```no_run
+    /// # fn demo(cq: &metaroce_io::CompletionQueue) {
+    /// let mut wcs = Vec::with_capacity(64);
+    /// loop {
+    ///     wcs.clear();
+    ///     if cq.poll_into(64, &mut wcs) == 0 {
+    ///         break;
+    ///     }
+    ///     for wc in &wcs {
+    ///         println!("{} {:?}", wc.wr_id, wc.status);
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    pub fn poll_into(&self, max: usize, out: &mut Vec<WorkCompletion>) -> usize {
         let mut q = self.sink.queue.lock().unwrap_or_else(|e| e.into_inner());
         let n = max.min(q.len());
-        q.drain(..n).collect()
+        out.extend(q.drain(..n));
+        n
     }
 
     /// Waits for the next completion.
@@ -1055,11 +1092,42 @@ impl QueuePair {
     }
 
     /// Posts a send request whose completion goes to the send CQ, with
-    /// `wr.wr_id` (`ibv_post_send`). Every request completes: `signaled`
-    /// is ignored. Resolves when the endpoint accepted (or refused) it.
+    /// `wr.wr_id` (`ibv_post_send`). As in verbs, a request with
+    /// `signaled: false` that succeeds leaves no completion: it is done once
+    /// a later signaled request of this QP completes (post one now and
+    /// then, or the send queue fills); a failed one always completes.
+    /// Resolves when the endpoint accepted (or refused) it.
     pub fn post_send(&self, wr: SendWr) -> impl Future<Output = Result<(), ApiError>> {
         let (tx, rx) = oneshot::channel();
         self.dev.send(Command::PostSend(self.qpn, wr, Dest::Cq(tx)));
+        answer(rx)
+    }
+
+    /// Posts send requests in order, as one chain (`ibv_post_send` with a
+    /// linked list of work requests): one command and one wake of the
+    /// endpoint thread for all of them. Completions go to the send CQ as
+    /// with [`post_send`](Self::post_send) (`signaled` honoured). If one
+    /// is refused, those before it stay posted and the rest are dropped:
+    /// [`ApiError::BatchRefused`] says how many were posted.
+    ///
+    /// ```no_run
+    /// # async fn demo(qp: metaroce_io::QueuePair, mr: metaroce_io::MemoryRegion) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::{SendOp, SendWr};
+    /// // 16 SENDs of 4 KiB, only the last one signaled.
+    /// let wrs = (0..16u64).map(|i| SendWr {
+    ///     signaled: i == 15,
+    ///     ..SendWr::new(i, SendOp::Send, mr.sge(i * 4096, 4096).unwrap())
+    /// });
+    /// qp.post_send_batch(wrs).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn post_send_batch(
+        &self,
+        wrs: impl IntoIterator<Item = SendWr>,
+    ) -> impl Future<Output = Result<(), ApiError>> {
+        let wrs = wrs.into_iter().collect();
+        let (tx, rx) = oneshot::channel();
+        self.dev.send(Command::PostSendBatch(self.qpn, wrs, tx));
         answer(rx)
     }
 

@@ -9,7 +9,7 @@ use metaroce_proto::verbs::*;
 use metaroce_proto::{
     ConnectionError, ConnectionState, ConnectionStats, Endpoint, EndpointStats, Event,
 };
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::mpsc::{self, TryRecvError};
 use std::sync::Arc;
@@ -86,6 +86,9 @@ pub(super) enum Command {
     QpState(Qpn, Reply<Option<QpState>>),
     DestroyQp(Qpn),
     PostSend(Qpn, SendWr, Notify),
+    /// Send requests posted in order, to the send CQ; the reply says how
+    /// far it got.
+    PostSendBatch(Qpn, Vec<SendWr>, Reply<()>),
     PostRecv(Qpn, RecvWr, Notify),
     Connect(SocketAddr, Reply<ConnectionHandle>),
     Close(ConnectionHandle, Reply<()>),
@@ -113,6 +116,10 @@ pub(super) struct Worker {
     /// Requests in flight, by the internal wr_id given to the core.
     pending: HashMap<u64, Pending>,
     next_wr: u64,
+    /// Unsignaled sends posted to a completion queue, by QP, oldest first
+    /// (internal wr_ids): done, with no completion of their own, when a
+    /// later send of their QP completes (RC completes in order).
+    unsignaled: HashMap<Qpn, VecDeque<u64>>,
     /// Connects waiting for the handshake.
     connecting: HashMap<ConnectionHandle, Reply<ConnectionHandle>>,
     /// Regions and PDs whose handles were dropped while still in use.
@@ -171,6 +178,7 @@ pub(super) fn run(
         cqs: HashMap::new(),
         pending: HashMap::new(),
         next_wr: 1,
+        unsignaled: HashMap::new(),
         connecting: HashMap::new(),
         zombies_mr: Vec::new(),
         deregs: Vec::new(),
@@ -313,13 +321,35 @@ impl Worker {
                 let _ = ep.destroy_qp(q);
             }
             Command::PostSend(qpn, mut wr, notify) => {
-                // Every request completes, so that every entry in `pending`
-                // is removed by its completion.
-                wr.signaled = true;
+                // An awaited request always completes (its future waits
+                // for it); one for the CQ only if signaled, as in verbs.
+                let unsignaled = matches!(notify, Notify::Cq(_)) && !wr.signaled;
+                wr.signaled |= !unsignaled;
                 let user = wr.wr_id;
-                track(&mut self.pending, &mut self.next_wr, user, notify, |id| {
+                let id = track(&mut self.pending, &mut self.next_wr, user, notify, |id| {
                     ep.post_send(now, qpn, SendWr { wr_id: id, ..wr })
                 });
+                if let Some(id) = id.filter(|_| unsignaled) {
+                    self.unsignaled.entry(qpn).or_default().push_back(id);
+                }
+            }
+            Command::PostSendBatch(qpn, wrs, reply) => {
+                let mut res = Ok(());
+                for (i, wr) in wrs.into_iter().enumerate() {
+                    let id = self.next_wr;
+                    self.next_wr += 1;
+                    if let Err(error) = ep.post_send(now, qpn, SendWr { wr_id: id, ..wr }) {
+                        res = Err(ApiError::BatchRefused { posted: i, error });
+                        break;
+                    }
+                    let waiter = Waiter::Cq;
+                    let user_wr_id = wr.wr_id;
+                    self.pending.insert(id, Pending { user_wr_id, waiter });
+                    if !wr.signaled {
+                        self.unsignaled.entry(qpn).or_default().push_back(id);
+                    }
+                }
+                let _ = reply.send(res);
             }
             Command::PostRecv(qpn, wr, notify) => {
                 let user = wr.wr_id;
@@ -402,6 +432,9 @@ impl Worker {
                 }
                 let mut to_sink = Vec::new();
                 for wc in self.scratch.drain(..) {
+                    if !matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
+                        retire_unsignaled(&mut self.unsignaled, &mut self.pending, &wc);
+                    }
                     let Some(p) = self.pending.remove(&wc.wr_id) else {
                         tracing::debug!(wr_id = wc.wr_id, "completion of an unknown request");
                         continue;
@@ -474,22 +507,52 @@ fn try_lend(ep: &mut Endpoint, lkey: u32, r: Reply<RegionBuf>) -> Option<(u32, R
 }
 
 /// Posts a request under a fresh internal wr_id and, if the core took it,
-/// remembers where its completion goes; if not, tells the caller why.
+/// remembers where its completion goes and returns the id; if not, tells
+/// the caller why.
 fn track(
     pending: &mut HashMap<u64, Pending>,
     next_wr: &mut u64,
     user_wr_id: u64,
     notify: Notify,
     post: impl FnOnce(u64) -> Result<(), VerbsError>,
-) {
+) -> Option<u64> {
     let id = *next_wr;
     *next_wr += 1;
     match post(id) {
         Ok(()) => {
             let waiter = notify.accepted();
             pending.insert(id, Pending { user_wr_id, waiter });
+            Some(id)
         }
-        Err(e) => refuse(notify, e),
+        Err(e) => {
+            refuse(notify, e);
+            None
+        }
+    }
+}
+
+/// A send of `wc.qpn` completed: the unsignaled sends posted before it on
+/// that QP are done too, with no completion of their own (and the request
+/// itself, if it was unsignaled and failed, leaves the list).
+fn retire_unsignaled(
+    unsignaled: &mut HashMap<Qpn, VecDeque<u64>>,
+    pending: &mut HashMap<u64, Pending>,
+    wc: &WorkCompletion,
+) {
+    let Some(q) = unsignaled.get_mut(&wc.qpn) else {
+        return;
+    };
+    while let Some(&id) = q.front() {
+        if id > wc.wr_id {
+            break;
+        }
+        q.pop_front();
+        if id != wc.wr_id {
+            pending.remove(&id);
+        }
+    }
+    if q.is_empty() {
+        unsignaled.remove(&wc.qpn);
     }
 }
 
