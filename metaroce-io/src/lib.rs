@@ -67,7 +67,7 @@ pub use config::{
 pub use device::{
     connect_qp_pair, ApiError, CompletionQueue, ConnectedQp, Connection, Device, LentRegion,
     MemoryRegion, OobDecodeError, ProtectionDomain, QpCaps, QpEndpoint, QueuePair, RemoteMr,
-    WorkRequest,
+    WorkRequest, REG_MR_THREAD_BYTES,
 };
 pub use error::DriverError;
 pub use fault::FaultConfig;

@@ -477,6 +477,25 @@ impl Drop for ProtectionDomain {
     }
 }
 
+/// The size from which [`ProtectionDomain::reg_mr`] maps a buffer's pages
+/// on a thread of its own (4 MiB: about 1.6 ms of mapping), so that a
+/// large registration does not hold up the async executor.
+pub const REG_MR_THREAD_BYTES: usize = 4 << 20;
+
+/// Maps `buf`'s pages ([`make_resident`](crate::make_resident)) on a new
+/// thread and hands it back.
+async fn make_resident_off_thread(mut buf: RegionBuf) -> Result<RegionBuf, ApiError> {
+    let (tx, rx) = oneshot::channel();
+    std::thread::Builder::new()
+        .name("metaroce-reg-mr".into())
+        .spawn(move || {
+            crate::make_resident(&mut buf);
+            let _ = tx.send(buf);
+        })
+        .map_err(DriverError::Io)?;
+    rx.await.map_err(|_| ApiError::Closed)
+}
+
 impl ProtectionDomain {
     /// Registers `buf` as a memory region (`ibv_reg_mr`); the endpoint owns
     /// it until [`MemoryRegion::dereg`]. Its virtual address is chosen by
@@ -485,12 +504,14 @@ impl ProtectionDomain {
     /// `Box<[u8]>` is taken as it is.
     ///
     /// As `ibv_reg_mr` pins a region's pages, this maps every page of
-    /// `buf` before the endpoint takes it, keeping its bytes: here, on the
-    /// calling thread (with one `madvise(MADV_POPULATE_WRITE)` where the
-    /// kernel has it, else a fault a page; about 0.4 s for a GiB, during
-    /// which this `await` does not yield), not by the driver in the middle
-    /// of a transfer. `access` with [`AccessFlags::ON_DEMAND`] leaves them to
-    /// the first access of each page instead.
+    /// `buf` before the endpoint takes it, keeping its bytes (with one
+    /// `madvise(MADV_POPULATE_WRITE)` where the kernel has it, else a fault
+    /// a page; about 0.4 s for a GiB), not the driver in the middle of a
+    /// transfer: a buffer of [`REG_MR_THREAD_BYTES`] or more on a thread of
+    /// its own, which this future awaits without blocking the executor; a
+    /// smaller one (a millisecond at most) on the calling thread. `access`
+    /// with [`AccessFlags::ON_DEMAND`] leaves them to the first access of
+    /// each page instead.
     ///
     /// `access` is what the peer may do (`REMOTE_WRITE`, `REMOTE_READ`) and
     /// whether this side's own requests may write into it: a region a
@@ -520,9 +541,14 @@ impl ProtectionDomain {
     ) -> Result<MemoryRegion, ApiError> {
         let mut buf = buf.into();
         if !access.contains(AccessFlags::ON_DEMAND) {
-            // Here rather than on the driver's thread, which would stall
-            // every connection's traffic while it took the faults.
-            crate::make_resident(&mut buf);
+            // Not on the driver's thread, which would stall every
+            // connection's traffic while it took the faults, nor, for a
+            // large buffer, on the executor's.
+            if buf.len() >= REG_MR_THREAD_BYTES {
+                buf = make_resident_off_thread(buf).await?;
+            } else {
+                crate::make_resident(&mut buf);
+            }
         }
         let pd = self.pd;
         let info = self
