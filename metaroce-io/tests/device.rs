@@ -481,10 +481,19 @@ async fn two_plane_devices(backend: Backend) {
 }
 
 /// Round trips no completion may wait out: a SEND/RECV echo of 4 KiB,
-/// each round trip timed from the SEND's post to the echo's arrival. The
-/// endpoint thread used to sleep in its driver's poll (up to 100 ms) with
-/// a command waiting for it (io_uring: the wake consumed by the turn's
-/// first reap), which showed as 100 ms round trips now and then.
+/// each round trip timed from the SEND's post to the echo's arrival.
+///
+/// The endpoint thread used to sleep in its driver's poll (up to 100 ms)
+/// with a command waiting for it (io_uring: the wake consumed by the
+/// turn's first reap), which showed as a 100 ms round trip in about one of
+/// 10,000: too rare for a test of a few thousand rounds to catch reliably.
+/// That mechanism is tested deterministically by
+/// `backends::a_wake_before_the_poll_is_not_lost` (and locally made
+/// completions by `local_errors_complete_at_once`); this end-to-end test
+/// fails if round trips wait systematically. Its bounds allow for a loaded
+/// host: with the load average at 7 on 2 cores (other jobs, and two
+/// busy-polling endpoint threads beside this one) single rounds took up to
+/// 280 ms, so a few rounds over 20 ms are the host's, not the transport's.
 async fn no_round_trip_stalls(backend: Backend) {
     let (a, b) = pair(backend, FaultConfig::default()).await;
     let size = 4096u32;
@@ -519,16 +528,12 @@ async fn no_round_trip_stalls(backend: Backend) {
     rtts.sort_unstable();
     let worst = &rtts[rounds - 5..];
     println!("p50 {:?}, five worst {worst:?}", rtts[rounds / 2]);
-    // A stall is the endpoint thread's 100 ms wait. On a loaded host (two
-    // busy-polling endpoint threads and this one on shared cores) a thread
-    // can wait its turn for a few tens of ms, now and then: a handful of
-    // rounds over 20 ms is that, one near 100 ms is a stall.
     let slow = rtts
         .iter()
         .filter(|t| **t > Duration::from_millis(20))
         .count();
     assert!(
-        slow <= 3 && rtts[rounds - 1] < Duration::from_millis(90),
+        slow <= rounds / 500 && rtts[rounds - 1] < Duration::from_secs(1),
         "{slow} of {rounds} round trips over 20 ms, the worst {worst:?}"
     );
     assert!(ra.read(u64::from(size), size as usize).await.unwrap() == pattern(11, size as usize));

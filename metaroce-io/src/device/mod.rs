@@ -350,6 +350,17 @@ impl Device {
     /// waits for it (at most 100 ms; a device opened without metrics
     /// answers at once). It blocks: call it from a thread that may block,
     /// as the metrics server's does, not from an async task.
+    ///
+    /// ```no_run
+    /// // `registry`: that of the metrics the device was opened with.
+    /// # fn demo(dev: metaroce_io::Device, registry: metaroce_io::Registry) {
+    /// let refresh = dev.metrics_refresher();
+    /// std::thread::spawn(move || {
+    ///     refresh(); // the device's series in `registry` are current now
+    ///     println!("{} metric families", registry.gather().len());
+    /// });
+    /// # }
+    /// ```
     pub fn metrics_refresher(&self) -> crate::Refresh {
         let dev = self.clone();
         Box::new(move || {
@@ -361,7 +372,15 @@ impl Device {
 }
 
 /// One end of a QP pair made by [`connect_qp_pair`]: the connection, and a
-/// PD, a CQ (for both sends and receives) and a QP in RTS on it.
+/// PD, a CQ (for both sends and receives) and a QP in RTS on it. Its fields
+/// drop in order (QP, CQ, PD, connection).
+///
+/// ```no_run
+/// # async fn demo(a: metaroce_io::Device, b: metaroce_io::Device) -> Result<(), metaroce_io::ApiError> {
+/// let (end_a, _end_b) = metaroce_io::connect_qp_pair(&a, &b).await?;
+/// println!("QP {} on a connection to {}", end_a.qp.qpn(), end_a.conn.peer());
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct ConnectedQp {
     /// The QP, connected to the other end's.
@@ -807,6 +826,15 @@ impl MemoryRegion {
 /// The bytes of a [`MemoryRegion`] lent to the application
 /// ([`MemoryRegion::lend`]): a `[u8]` to read and write in place. Dropping
 /// it gives them back to the endpoint.
+///
+/// ```no_run
+/// # async fn demo(mut mr: metaroce_io::MemoryRegion) -> Result<(), metaroce_io::ApiError> {
+/// let bytes = mr.lend().await?;
+/// let zeros = bytes.iter().filter(|&&b| b == 0).count();
+/// drop(bytes); // the region is usable again
+/// println!("{zeros} zero bytes of {}", mr.len());
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct LentRegion<'a> {
     mr: &'a mut MemoryRegion,
@@ -852,11 +880,13 @@ impl CqSink {
         self.ready.notify_one();
     }
 
-    fn push(&self, wcs: Vec<WorkCompletion>) {
+    /// Moves every completion of `wcs` to the queue (leaving `wcs` empty,
+    /// its capacity kept for the next batch).
+    fn push(&self, wcs: &mut Vec<WorkCompletion>) {
         self.queue
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .extend(wcs);
+            .extend(wcs.drain(..));
         self.ready.notify_one();
     }
 }

@@ -131,6 +131,8 @@ pub(super) struct Worker {
     /// Lends waiting for the same.
     lends: Vec<(u32, Reply<RegionBuf>)>,
     scratch: Vec<WorkCompletion>,
+    /// Completions on their way to a CQ sink (reused: no allocation per batch).
+    to_sink: Vec<WorkCompletion>,
 }
 
 /// What the endpoint thread tells `open` once it is up.
@@ -185,6 +187,7 @@ pub(super) fn run(
         lends: Vec::new(),
         zombies_pd: Vec::new(),
         scratch: Vec::new(),
+        to_sink: Vec::new(),
     };
     if let Err(e) = w.run() {
         tracing::error!(error = %e, "metaroce endpoint thread stopped on a driver error");
@@ -430,7 +433,6 @@ impl Worker {
                 if n == 0 {
                     break;
                 }
-                let mut to_sink = Vec::new();
                 for wc in self.scratch.drain(..) {
                     if !matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
                         retire_unsignaled(&mut self.unsignaled, &mut self.pending, &wc);
@@ -447,11 +449,11 @@ impl Worker {
                         Waiter::Once(tx) => {
                             let _ = tx.send(Ok(wc));
                         }
-                        Waiter::Cq => to_sink.push(wc),
+                        Waiter::Cq => self.to_sink.push(wc),
                     }
                 }
-                if !to_sink.is_empty() {
-                    sink.push(to_sink);
+                if !self.to_sink.is_empty() {
+                    sink.push(&mut self.to_sink);
                 }
             }
         }
