@@ -5,7 +5,7 @@
 //! `LocalProtectionError` for a SEND from an invalid local buffer).
 //!
 //! ```sh
-//! cargo run --release --example device_echo -- [--rounds N] [--seconds S] [--size BYTES] [--verify-mib M] [--json]
+//! cargo run --release --example device_echo -- [--rounds N] [--seconds S] [--size BYTES] [--verify-mib M] [--backend B] [--json]
 //! ```
 //!
 //! Runs `--rounds` round trips (1,000,000) or for `--seconds` (60),
@@ -24,6 +24,7 @@ struct Args {
     seconds: u64,
     size: u32,
     verify_mib: usize,
+    backend: metaroce_io::Backend,
     json: bool,
 }
 
@@ -33,6 +34,7 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
         seconds: 60,
         size: 4096,
         verify_mib: 120,
+        backend: metaroce_io::Backend::Auto,
         json: false,
     };
     let mut it = std::env::args().skip(1);
@@ -43,6 +45,12 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
             "--seconds" => a.seconds = it.next().ok_or("--seconds S")?.parse()?,
             "--size" => a.size = it.next().ok_or("--size BYTES")?.parse()?,
             "--verify-mib" => a.verify_mib = it.next().ok_or("--verify-mib M")?.parse()?,
+            "--backend" => {
+                a.backend = it
+                    .next()
+                    .ok_or("--backend auto|io_uring|portable")?
+                    .parse()?
+            }
             other => return Err(format!("unknown argument {other}").into()),
         }
     }
@@ -59,8 +67,10 @@ fn percentiles(t: &mut [Duration]) -> [f64; 4] {
     [at(0.50), at(0.99), at(0.999), at(1.0)]
 }
 
-async fn device() -> Result<Device, ApiError> {
-    Device::open(DriverConfig::new("127.0.0.1:0".parse().expect("address"))).await
+async fn device(backend: metaroce_io::Backend) -> Result<Device, ApiError> {
+    let mut cfg = DriverConfig::new("127.0.0.1:0".parse().expect("address"));
+    cfg.backend = backend;
+    Device::open(cfg).await
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -72,7 +82,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    let (client, server) = (device().await?, device().await?);
+    let (client, server) = (device(args.backend).await?, device(args.backend).await?);
     let (qc, qs) = connect_qp_pair(&client, &server).await?;
     let size = args.size;
     let (pdc, pds) = (&qc.pd, &qs.pd);
