@@ -167,7 +167,7 @@ async fn session(dev: Device, mut tcp: TcpStream, handshake: Arc<Mutex<()>>) -> 
         // Commands run in the order they are issued, so the receive is
         // re-posted after the copy-out, in one round trip to the endpoint.
         let (req, posted) = tokio::join!(
-            inbox.read(slot * MAX, wc.byte_len as usize),
+            inbox.read((slot * MAX) as u64, wc.byte_len as usize),
             post_recv(&qp, &inbox, slot)
         );
         let req = req?;
@@ -188,7 +188,7 @@ async fn session(dev: Device, mut tcp: TcpStream, handshake: Arc<Mutex<()>>) -> 
         let sge = outbox.sge((slot * MAX) as u64, len)?;
         let imm = wc.imm.unwrap_or(0);
         let (written, posted) = tokio::join!(
-            outbox.write(slot * MAX, out),
+            outbox.write((slot * MAX) as u64, out),
             qp.post_send(SendWr::new(slot as u64, SendOp::SendImm(imm), sge))
         );
         written?;
@@ -277,7 +277,7 @@ async fn client(server: SocketAddr, requests: u32, size: usize) -> Result<Report
             let slot = sent as usize % DEPTH;
             let sge = reqs.sge((slot * MAX) as u64, size as u32)?;
             let (written, posted) = tokio::join!(
-                reqs.write(slot * MAX, request(sent, size)),
+                reqs.write((slot * MAX) as u64, request(sent, size)),
                 qp.post_send(SendWr::new(u64::from(sent), SendOp::SendImm(sent), sge))
             );
             written?;
@@ -303,7 +303,7 @@ async fn client(server: SocketAddr, requests: u32, size: usize) -> Result<Report
         let slot = wc.wr_id as usize;
         latencies_us.push(sent_at[n as usize % DEPTH].elapsed().as_secs_f64() * 1e6);
         let (got, posted) = tokio::join!(
-            replies.read(slot * MAX, wc.byte_len as usize),
+            replies.read((slot * MAX) as u64, wc.byte_len as usize),
             post_recv(&qp, &replies, slot)
         );
         if got? != reply(&request(n, size)) {

@@ -65,13 +65,14 @@ pub use config::{
     DEFAULT_TURN_SEND_BYTES,
 };
 pub use device::{
-    ApiError, CompletionQueue, Connection, Device, MemoryRegion, OobDecodeError, ProtectionDomain,
-    QpEndpoint, QueuePair, RemoteMr, WorkRequest,
+    connect_qp_pair, ApiError, CompletionQueue, ConnectedQp, Connection, Device, LentRegion,
+    MemoryRegion, OobDecodeError, ProtectionDomain, QpCaps, QpEndpoint, QueuePair, RemoteMr,
+    WorkRequest, REG_MR_THREAD_BYTES,
 };
 pub use error::DriverError;
 pub use fault::FaultConfig;
 pub use memory::{make_resident, Mapping};
-pub use metrics::{Metrics, MetricsServer};
+pub use metrics::{Metrics, MetricsServer, Refresh};
 pub use mtu::max_udp_payload;
 pub use pair::{connect_pair, PairError};
 pub use portable::PortableDriver;
@@ -79,10 +80,20 @@ pub use portable::PortableDriver;
 pub use uring::{uring_probe, UringCaps, UringDriver, ZC_COPIED_LIMIT};
 pub use waker::Waker;
 
+/// The sans-IO core this crate drives, whole: everything the driver API's
+/// [`Endpoint`] takes and gives.
+pub use metaroce_proto as proto;
+// Every type in this crate's public signatures, nameable from here.
 pub use metaroce_proto::verbs::{
-    AccessFlags, RecvWr, RegionBuf, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+    AccessFlags, ConnectionHandle, CqHandle, MrInfo, PdHandle, QpAttrs, QpInit, QpState, Qpn,
+    RcAttrs, RecvWr, RegionBuf, RemoteAddr, SendOp, SendWr, Sge, VerbsError, WcOpcode, WcStatus,
+    WorkCompletion,
 };
-use metaroce_proto::{Endpoint, Instant};
+pub use metaroce_proto::{
+    ConnectionError, ConnectionState, ConnectionStats, Endpoint, EndpointConfig, EndpointStats,
+    Event, Instant, PathState, PathStats, RejectCounters, RejectReason,
+};
+pub use prometheus::Registry;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -109,7 +120,9 @@ pub trait IoDriver {
     fn local_addr(&self) -> SocketAddr;
     /// Runs one turn of the loop: receives, runs due timers, sends, and if
     /// nothing happened waits at most `max_wait` (or until the core's next
-    /// timer) for something to.
+    /// timer) for something to. A turn that made completions or events
+    /// ([`Endpoint::unpolled`] grew), or that a [`Waker`] cut short, does
+    /// not wait: the caller has something to look at.
     fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError>;
     /// The driver's own counters.
     fn stats(&self) -> DriverStats;

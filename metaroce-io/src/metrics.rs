@@ -398,6 +398,11 @@ fn encode(registry: &Registry) -> String {
     String::from_utf8(out).unwrap_or_default()
 }
 
+/// What a [`MetricsServer`] calls before it answers each scrape, to bring
+/// the registry's values up to date (see
+/// [`Device::metrics_refresher`](crate::Device::metrics_refresher)).
+pub type Refresh = Box<dyn Fn() + Send + 'static>;
+
 /// A tiny HTTP server for Prometheus scrapes: `GET /metrics` answers the
 /// registry in the text exposition format, anything else 404.
 ///
@@ -421,8 +426,29 @@ pub struct MetricsServer {
 
 impl MetricsServer {
     /// Binds `addr` (port 0: any free port) and serves `registry` from a
-    /// background thread.
+    /// background thread, as it is at the time of each scrape.
     pub fn start(addr: impl ToSocketAddrs, registry: Registry) -> std::io::Result<Self> {
+        Self::start_with_refresh(addr, registry, Box::new(|| {}))
+    }
+
+    /// Like [`start`](Self::start), and calls `refresh` before it answers
+    /// each scrape, so that the values are current when scraped (the
+    /// server thread waits for it).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use metaroce_io::{Device, DriverConfig, Metrics, MetricsServer};
+    /// let metrics = Metrics::new("node1")?;
+    /// let registry = metrics.registry().clone();
+    /// let dev = Device::open_with_metrics(DriverConfig::new("0.0.0.0:4791".parse()?), metrics).await?;
+    /// let server = MetricsServer::start_with_refresh("0.0.0.0:9464", registry, dev.metrics_refresher())?;
+    /// # let _ = server; Ok(()) }
+    /// ```
+    pub fn start_with_refresh(
+        addr: impl ToSocketAddrs,
+        registry: Registry,
+        refresh: Refresh,
+    ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(addr)?;
         let local = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -436,7 +462,7 @@ impl MetricsServer {
                     }
                     match conn {
                         Ok(c) => {
-                            if let Err(e) = serve(c, &registry) {
+                            if let Err(e) = serve(c, &registry, &refresh) {
                                 tracing::debug!(error = %e, "metrics request failed");
                             }
                         }
@@ -476,7 +502,7 @@ impl Drop for MetricsServer {
 }
 
 /// Reads one request (head only) and answers it.
-fn serve(mut c: TcpStream, registry: &Registry) -> std::io::Result<()> {
+fn serve(mut c: TcpStream, registry: &Registry, refresh: &Refresh) -> std::io::Result<()> {
     c.set_read_timeout(Some(Duration::from_secs(2)))?;
     c.set_write_timeout(Some(Duration::from_secs(2)))?;
     let mut buf = [0u8; 8192];
@@ -496,6 +522,7 @@ fn serve(mut c: TcpStream, registry: &Registry) -> std::io::Result<()> {
     let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
     let path = path.split('?').next().unwrap_or("");
     let (status, ctype, body) = if method == "GET" && path == "/metrics" {
+        refresh();
         (
             "200 OK",
             TextEncoder::new().format_type().to_string(),

@@ -157,12 +157,18 @@ impl PortableDriver {
     }
 
     /// Runs one turn of the loop: sends what the core has, reads what the
-    /// kernel has, runs due timers; if nothing happened, waits for a datagram
-    /// for at most `max_wait` or until the core's next timer.
+    /// kernel has, runs due timers; if nothing happened (nothing sent or
+    /// received, no completion or event made), waits for a datagram or a
+    /// wake for at most `max_wait` or until the core's next timer.
     pub fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError> {
+        let unpolled = self.ep.unpolled();
         let sent = self.flush()?;
         let got = self.receive()? | self.release();
-        if !sent && !got {
+        // Completions or events this turn made (a request that failed
+        // locally when its turn to be sent came sends nothing) are the
+        // caller's to see before the turn may sleep.
+        let made = self.ep.unpolled() != unpolled;
+        if !sent && !got && !made {
             let mut wait = max_wait;
             if let Some(t) = self.ep.poll_timeout() {
                 wait = wait.min(self.clock.until(t));

@@ -257,6 +257,37 @@ fn timers_wake_the_wait<D: IoDriver>(name: &str) {
     assert!(a.stats().waits > 0);
 }
 
+/// A wake that came before `poll` makes it return at once, as [`Waker`]
+/// promises, even when the turn's own first look consumes it (io_uring
+/// reaps the waker's poll completion with the datagrams): a turn that
+/// swallowed it and then slept held back the command it announced (the
+/// async API's 100 ms stalls).
+///
+/// [`Waker`]: metaroce_io::Waker
+fn a_wake_before_the_poll_is_not_lost<D: IoDriver>(name: &str) {
+    if !runnable(name) {
+        return;
+    }
+    let mut a = D::bind(config(1)).unwrap();
+    let waker = a.waker().unwrap();
+    for _ in 0..3 {
+        // Arms the waker's poll (io_uring: on the ring).
+        a.poll(Duration::ZERO).unwrap();
+    }
+    for round in 0..5 {
+        waker.wake();
+        // The kernel sees the byte and completes the waker's poll.
+        std::thread::sleep(Duration::from_millis(5));
+        let t0 = Instant::now();
+        a.poll(Duration::from_secs(1)).unwrap();
+        let took = t0.elapsed();
+        assert!(
+            took < Duration::from_millis(200),
+            "{name}: round {round}: a poll after a wake slept {took:?}"
+        );
+    }
+}
+
 /// Each side on its own thread with blocking waits, as `metaroce perf` runs.
 fn threaded_write<D: IoDriver + Send + 'static>(name: &str) {
     if !runnable(name) {
@@ -803,6 +834,7 @@ suite!(
     ping_pong_acks_ride_on_the_answers,
     read,
     timers_wake_the_wait,
+    a_wake_before_the_poll_is_not_lost,
     threaded_write,
     threaded_write_busy_poll,
     busy_poll_finds_a_datagram,

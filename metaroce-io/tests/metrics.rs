@@ -183,3 +183,52 @@ fn live_transfer_then_scrape() {
         "the server closed its socket"
     );
 }
+
+/// A device's metrics, served with its refresher, are current when
+/// scraped: the counters a scrape shows lie between the endpoint's own
+/// stats read just before and just after it, though traffic ran right up
+/// to the first read (the periodic refresh, every 250 ms, lags behind).
+#[test]
+fn device_metrics_are_current_when_scraped() {
+    use metaroce_io::{connect_qp_pair, AccessFlags, Device};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let metrics = Metrics::new("dev").unwrap();
+        let registry = metrics.registry().clone();
+        let cfg = || DriverConfig::new("127.0.0.1:0".parse().unwrap());
+        let a = Device::open_with_metrics(cfg(), metrics).await.unwrap();
+        let b = Device::open(cfg()).await.unwrap();
+        let server =
+            MetricsServer::start_with_refresh("127.0.0.1:0", registry, a.metrics_refresher())
+                .unwrap();
+        let (qa, qb) = connect_qp_pair(&a, &b).await.unwrap();
+        let src = qa.pd.reg_mr(vec![5u8; 4096], AccessFlags::NONE).await.unwrap();
+        let dst = qb.pd.reg_mr(vec![0u8; 4096], AccessFlags::LOCAL_WRITE).await.unwrap();
+        for round in 0..5 {
+            // Traffic, then the scrape at once.
+            for _ in 0..20 {
+                let got = qb.qp.recv(dst.sge(0, 4096).unwrap());
+                qa.qp.send(src.sge(0, 4096).unwrap()).await.unwrap();
+                got.await.unwrap();
+            }
+            let before = a.stats().await.unwrap().datagrams_sent;
+            let addr = server.local_addr();
+            let text = tokio::task::spawn_blocking(move || get(addr, "/metrics"))
+                .await
+                .unwrap();
+            let after = a.stats().await.unwrap().datagrams_sent;
+            let series = "metaroce_datagrams_sent_total{endpoint=\"dev\"}";
+            let scraped = text
+                .lines()
+                .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')))
+                .map(|v| v.trim().parse::<u64>().unwrap());
+            assert!(
+                scraped.is_some_and(|n| (before..=after).contains(&n)),
+                "round {round}: scraped {scraped:?}, the endpoint had sent {before} before the scrape and {after} after"
+            );
+        }
+    });
+}

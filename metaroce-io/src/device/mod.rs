@@ -36,7 +36,9 @@
 //! 2. each side creates its QP and sends the peer its [`QpEndpoint`]
 //!    (and any [`RemoteMr`]s);
 //! 3. each side calls [`QueuePair::connect`] with the connection and the
-//!    peer's QP number; the QPs are then ready to send (RTS).
+//!    peer's QP number (or [`QueuePair::connect_with`], with the RC
+//!    attributes of `ibv_modify_qp`: retry counts, timeouts, READ depths);
+//!    the QPs are then ready to send (RTS).
 //!
 //! # Which memory the application may touch
 //!
@@ -45,8 +47,10 @@
 //! no reference into it, so no request can race with the application's own
 //! loads and stores in the memory-safety sense. It reads and writes the
 //! region through [`MemoryRegion::read`] and [`MemoryRegion::write`], which
-//! copy, in order with the requests posted on the same device. The verbs
-//! rule still applies to the *contents*:
+//! copy, in order with the requests posted on the same device, or in place
+//! through [`MemoryRegion::lend`], which hands the bytes themselves over
+//! for as long as its guard lives (nothing else uses the region
+//! meanwhile). The verbs rule still applies to the *contents*:
 //!
 //! - bytes a posted SEND or WRITE reads must not be changed until its
 //!   completion: packets are built from the region when they are sent and
@@ -77,7 +81,7 @@
 //! qp_s.connect(&conn_s, ep_c.qpn()).await?;
 //!
 //! let src = pd_c.reg_mr(vec![7u8; 1 << 20], AccessFlags::NONE).await?;
-//! qp_c.write(src.sge(0, 1 << 20)?, remote.at(0).unwrap()).await?;
+//! qp_c.write(src.sge(0, 1 << 20)?, remote.at(0, 1 << 20)?).await?;
 //! assert_eq!(target.read(0, 4).await?, vec![7u8; 4]);
 //! # Ok(()) }
 //! ```
@@ -111,8 +115,10 @@ pub enum ApiError {
     /// The connection failed or was lost.
     #[error("connection failed: {0}")]
     Connection(#[from] ConnectionError),
-    /// A work request completed with an error status.
-    #[error("work request {} failed: {:?}", .0.wr_id, .0.status)]
+    /// A work request completed with an error status (the completion
+    /// says which request, by the `wr_id` the post gave it or, for an
+    /// awaited call, [`WorkRequest::wr_id`], and what it was).
+    #[error("work request {} ({:?} on QP {}) failed: {:?}", .0.wr_id, .0.opcode, .0.qpn, .0.status)]
     Failed(WorkCompletion),
     /// A range lies outside a memory region.
     #[error("range of {len} bytes at offset {offset} outside a region of {size} bytes")]
@@ -123,6 +129,16 @@ pub enum ApiError {
         len: u64,
         /// The region's size.
         size: u64,
+    },
+    /// A request of a batch ([`QueuePair::post_send_batch`]) was refused:
+    /// the `posted` requests before it were posted (and complete as
+    /// usual), it and those after it were not (`ibv_post_send`'s `bad_wr`).
+    #[error("request {posted} of a batch refused ({error}); the {posted} before it were posted, none after")]
+    BatchRefused {
+        /// How many requests of the batch were posted (the index of the refused one).
+        posted: usize,
+        /// Why it was refused.
+        error: VerbsError,
     },
     /// The endpoint thread has stopped (a driver error, logged).
     #[error("the endpoint thread has stopped")]
@@ -138,6 +154,8 @@ struct Incoming {
 
 struct Shared {
     tx: mpsc::Sender<Command>,
+    /// The `wr_id` of the next awaited work request.
+    next_wr_id: std::sync::atomic::AtomicU64,
     waker: Waker,
     local: SocketAddr,
     backend: Backend,
@@ -192,8 +210,12 @@ impl Device {
     }
 
     /// Like [`open`](Self::open), and keeps `metrics` up to date with the
-    /// endpoint's and the driver's counters (every 250 ms); serve its
-    /// registry with [`MetricsServer`](crate::MetricsServer).
+    /// endpoint's and the driver's counters: every 250 ms, and at once when
+    /// [`metrics_refresher`](Self::metrics_refresher) asks. Serve its
+    /// registry with [`MetricsServer::start_with_refresh`] and that
+    /// refresher, and every scrape sees the counters as they are.
+    ///
+    /// [`MetricsServer::start_with_refresh`]: crate::MetricsServer::start_with_refresh
     pub async fn open_with_metrics(
         cfg: DriverConfig,
         metrics: Metrics,
@@ -213,6 +235,7 @@ impl Device {
         Ok(Device {
             shared: Arc::new(Shared {
                 tx,
+                next_wr_id: std::sync::atomic::AtomicU64::new(1),
                 waker: started.waker,
                 local: started.local,
                 backend: started.backend,
@@ -229,6 +252,18 @@ impl Device {
     /// The backend the driver runs on.
     pub fn backend(&self) -> Backend {
         self.shared.backend
+    }
+
+    /// A fresh `wr_id` for an awaited work request.
+    fn next_wr_id(&self) -> u64 {
+        self.shared
+            .next_wr_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether `other` is a handle of this same device (endpoint thread).
+    fn same(&self, other: &Device) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
     }
 
     fn send(&self, c: Command) {
@@ -307,6 +342,103 @@ impl Device {
     pub async fn stats(&self) -> Result<EndpointStats, ApiError> {
         self.call(Command::Stats).await
     }
+
+    /// A [`Refresh`](crate::Refresh) for
+    /// [`MetricsServer::start_with_refresh`](crate::MetricsServer::start_with_refresh):
+    /// each call has the endpoint thread bring the metrics given to
+    /// [`open_with_metrics`](Self::open_with_metrics) up to date, and
+    /// waits for it (at most 100 ms; a device opened without metrics
+    /// answers at once). It blocks: call it from a thread that may block,
+    /// as the metrics server's does, not from an async task.
+    ///
+    /// ```no_run
+    /// // `registry`: that of the metrics the device was opened with.
+    /// # fn demo(dev: metaroce_io::Device, registry: metaroce_io::Registry) {
+    /// let refresh = dev.metrics_refresher();
+    /// std::thread::spawn(move || {
+    ///     refresh(); // the device's series in `registry` are current now
+    ///     println!("{} metric families", registry.gather().len());
+    /// });
+    /// # }
+    /// ```
+    pub fn metrics_refresher(&self) -> crate::Refresh {
+        let dev = self.clone();
+        Box::new(move || {
+            let (tx, rx) = mpsc::sync_channel(1);
+            dev.send(Command::RefreshMetrics(tx));
+            let _ = rx.recv_timeout(std::time::Duration::from_millis(100));
+        })
+    }
+}
+
+/// One end of a QP pair made by [`connect_qp_pair`]: the connection, and a
+/// PD, a CQ (for both sends and receives) and a QP in RTS on it. Its fields
+/// drop in order (QP, CQ, PD, connection).
+///
+/// ```no_run
+/// # async fn demo(a: metaroce_io::Device, b: metaroce_io::Device) -> Result<(), metaroce_io::ApiError> {
+/// let (end_a, _end_b) = metaroce_io::connect_qp_pair(&a, &b).await?;
+/// println!("QP {} on a connection to {}", end_a.qp.qpn(), end_a.conn.peer());
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct ConnectedQp {
+    /// The QP, connected to the other end's.
+    pub qp: QueuePair,
+    /// Where requests posted with [`QueuePair::post_send`] and
+    /// [`QueuePair::post_recv`] complete.
+    pub cq: CompletionQueue,
+    /// The QP's protection domain, for its memory regions.
+    pub pd: ProtectionDomain,
+    /// The connection the QP runs on.
+    pub conn: Connection,
+}
+
+impl ConnectedQp {
+    /// A PD, a CQ and a QP on `dev`, for `conn` (not connected yet).
+    async fn make(dev: &Device, conn: Connection) -> Result<ConnectedQp, ApiError> {
+        let pd = dev.alloc_pd().await?;
+        let cq = dev.create_cq(1024).await?;
+        let qp = pd.create_qp(&cq, &cq).await?;
+        Ok(ConnectedQp { qp, cq, pd, conn })
+    }
+}
+
+/// Connects device `a` to device `b` and makes a connected RC QP pair on
+/// it, with default capacities and attributes: what every test and
+/// single-process program writes (the driver API's
+/// [`connect_pair`](crate::connect_pair) does the connection part for
+/// drivers). Both devices must be in this process (between processes or
+/// hosts, the QP numbers cross out of band: see the module documentation),
+/// and nothing else may be waiting in `b`'s [`Device::accept`] meanwhile:
+/// this takes `b`'s next incoming connection, which is `a`'s.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), metaroce_io::ApiError> {
+/// use metaroce_io::{connect_qp_pair, AccessFlags, Device, DriverConfig};
+/// let a = Device::open(DriverConfig::new("127.0.0.1:0".parse().unwrap())).await?;
+/// let b = Device::open(DriverConfig::new("127.0.0.1:0".parse().unwrap())).await?;
+/// let (qa, qb) = connect_qp_pair(&a, &b).await?;
+/// let src = qa.pd.reg_mr(vec![1u8; 64], AccessFlags::NONE).await?;
+/// let dst = qb.pd.reg_mr(vec![0u8; 64], AccessFlags::LOCAL_WRITE).await?;
+/// let got = qb.qp.recv(dst.sge(0, 64)?);
+/// qa.qp.send(src.sge(0, 64)?).await?;
+/// assert_eq!(got.await?.byte_len, 64);
+/// # Ok(()) }
+/// ```
+pub async fn connect_qp_pair(
+    a: &Device,
+    b: &Device,
+) -> Result<(ConnectedQp, ConnectedQp), ApiError> {
+    // The handshake completes on the endpoint threads; `accept` then
+    // takes what `b`'s reported.
+    let ca = a.connect(b.local_addr()).await?;
+    let cb = b.accept().await?;
+    let sa = ConnectedQp::make(a, ca).await?;
+    let sb = ConnectedQp::make(b, cb).await?;
+    sa.qp.connect(&sa.conn, sb.qp.qpn()).await?;
+    sb.qp.connect(&sb.conn, sa.qp.qpn()).await?;
+    Ok((sa, sb))
 }
 
 /// A connection to a peer endpoint; QPs are bound to it with
@@ -364,6 +496,25 @@ impl Drop for ProtectionDomain {
     }
 }
 
+/// The size from which [`ProtectionDomain::reg_mr`] maps a buffer's pages
+/// on a thread of its own (4 MiB: about 1.6 ms of mapping), so that a
+/// large registration does not hold up the async executor.
+pub const REG_MR_THREAD_BYTES: usize = 4 << 20;
+
+/// Maps `buf`'s pages ([`make_resident`](crate::make_resident)) on a new
+/// thread and hands it back.
+async fn make_resident_off_thread(mut buf: RegionBuf) -> Result<RegionBuf, ApiError> {
+    let (tx, rx) = oneshot::channel();
+    std::thread::Builder::new()
+        .name("metaroce-reg-mr".into())
+        .spawn(move || {
+            crate::make_resident(&mut buf);
+            let _ = tx.send(buf);
+        })
+        .map_err(DriverError::Io)?;
+    rx.await.map_err(|_| ApiError::Closed)
+}
+
 impl ProtectionDomain {
     /// Registers `buf` as a memory region (`ibv_reg_mr`); the endpoint owns
     /// it until [`MemoryRegion::dereg`]. Its virtual address is chosen by
@@ -372,17 +523,22 @@ impl ProtectionDomain {
     /// `Box<[u8]>` is taken as it is.
     ///
     /// As `ibv_reg_mr` pins a region's pages, this maps every page of
-    /// `buf` before the endpoint takes it, keeping its bytes: here, on the
-    /// calling thread (with one `madvise(MADV_POPULATE_WRITE)` where the
-    /// kernel has it, else a fault a page; about 0.4 s for a GiB, during
-    /// which this `await` does not yield), not by the driver in the middle
-    /// of a transfer. `access` with [`AccessFlags::ON_DEMAND`] leaves them to
-    /// the first access of each page instead.
+    /// `buf` before the endpoint takes it, keeping its bytes (with one
+    /// `madvise(MADV_POPULATE_WRITE)` where the kernel has it, else a fault
+    /// a page; about 0.4 s for a GiB), not the driver in the middle of a
+    /// transfer: a buffer of [`REG_MR_THREAD_BYTES`] or more on a thread of
+    /// its own, which this future awaits without blocking the executor; a
+    /// smaller one (a millisecond at most) on the calling thread. `access`
+    /// with [`AccessFlags::ON_DEMAND`] leaves them to the first access of
+    /// each page instead.
     ///
     /// `access` is what the peer may do (`REMOTE_WRITE`, `REMOTE_READ`) and
     /// whether this side's own requests may write into it: a region a
-    /// receive or a READ lands in needs `LOCAL_WRITE`, as in verbs (a post
-    /// without it is refused with [`VerbsError::InvalidKey`]).
+    /// receive or a READ lands in needs `LOCAL_WRITE`, as in verbs. A
+    /// receive into a region without it is refused when posted, with
+    /// [`VerbsError::AccessDenied`]; a READ into one is accepted and
+    /// completes with [`WcStatus::LocalProtectionError`] (moving the QP to
+    /// ERROR), as every send request whose local buffer is invalid does.
     pub async fn reg_mr(
         &self,
         buf: impl Into<RegionBuf>,
@@ -404,9 +560,14 @@ impl ProtectionDomain {
     ) -> Result<MemoryRegion, ApiError> {
         let mut buf = buf.into();
         if !access.contains(AccessFlags::ON_DEMAND) {
-            // Here rather than on the driver's thread, which would stall
-            // every connection's traffic while it took the faults.
-            crate::make_resident(&mut buf);
+            // Not on the driver's thread, which would stall every
+            // connection's traffic while it took the faults, nor, for a
+            // large buffer, on the executor's.
+            if buf.len() >= REG_MR_THREAD_BYTES {
+                buf = make_resident_off_thread(buf).await?;
+            } else {
+                crate::make_resident(&mut buf);
+            }
         }
         let pd = self.pd;
         let info = self
@@ -426,26 +587,92 @@ impl ProtectionDomain {
         })
     }
 
-    /// Creates an RC queue pair (`ibv_create_qp`) with default capacities
-    /// (1024 send and 1024 receive requests).
+    /// Creates an RC queue pair (`ibv_create_qp`) with the default
+    /// capacities ([`QpCaps::default`]: 1024 send and 1024 receive
+    /// requests). See [`create_qp_with`](Self::create_qp_with).
     pub async fn create_qp(
         &self,
         send_cq: &CompletionQueue,
         recv_cq: &CompletionQueue,
     ) -> Result<QueuePair, ApiError> {
-        self.create_qp_with(QpInit::new(self.pd, send_cq.cq, recv_cq.cq))
+        self.create_qp_with(send_cq, recv_cq, QpCaps::default())
             .await
     }
 
-    /// Creates a queue pair with explicit capacities (`init.pd` is replaced
-    /// by this PD).
-    pub async fn create_qp_with(&self, mut init: QpInit) -> Result<QueuePair, ApiError> {
-        init.pd = self.pd;
+    /// Creates an RC queue pair (`ibv_create_qp`) whose send requests
+    /// complete in `send_cq` and receives in `recv_cq`, with the capacities
+    /// `caps` (`ibv_qp_init_attr.cap`): a post beyond them is refused with
+    /// [`VerbsError::QueueFull`].
+    ///
+    /// Fails with [`VerbsError::InvalidCq`] if a queue belongs to another
+    /// [`Device`], and with [`VerbsError::InvalidLength`] for a capacity of
+    /// zero or a send capacity above the protocol's message window
+    /// (`MSG_WINDOW`).
+    ///
+    /// ```no_run
+    /// # async fn demo(dev: metaroce_io::Device) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::QpCaps;
+    /// let pd = dev.alloc_pd().await?;
+    /// let (scq, rcq) = (dev.create_cq(64).await?, dev.create_cq(256).await?);
+    /// let caps = QpCaps { max_send_wr: 64, max_recv_wr: 256 };
+    /// let qp = pd.create_qp_with(&scq, &rcq, caps).await?;
+    /// # let _ = qp; Ok(()) }
+    /// ```
+    pub async fn create_qp_with(
+        &self,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+        caps: QpCaps,
+    ) -> Result<QueuePair, ApiError> {
+        for cq in [send_cq, recv_cq] {
+            if !self.dev.same(&cq.dev) {
+                return Err(VerbsError::InvalidCq.into());
+            }
+        }
+        for n in [caps.max_send_wr, caps.max_recv_wr] {
+            if n == 0 {
+                return Err(VerbsError::InvalidLength(0).into());
+            }
+        }
+        if caps.max_send_wr > metaroce_proto::consts::MSG_WINDOW {
+            return Err(VerbsError::InvalidLength(caps.max_send_wr as usize).into());
+        }
+        let init = QpInit {
+            max_send_wr: caps.max_send_wr,
+            max_recv_wr: caps.max_recv_wr,
+            ..QpInit::new(self.pd, send_cq.cq, recv_cq.cq)
+        };
         let qpn = self.dev.call(|r| Command::CreateQp(init, r)).await?;
         Ok(QueuePair {
             dev: self.dev.clone(),
             qpn,
         })
+    }
+}
+
+/// The capacities of a queue pair (`ibv_qp_cap`), for
+/// [`ProtectionDomain::create_qp_with`]: how many send and receive requests
+/// may be outstanding at once (posted and not yet completed).
+///
+/// ```
+/// let caps = metaroce_io::QpCaps { max_recv_wr: 4096, ..Default::default() };
+/// assert_eq!(caps.max_send_wr, 1024);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpCaps {
+    /// Send requests (SEND, WRITE, READ…) outstanding at once, 1 to the
+    /// protocol's message window (`MSG_WINDOW`); 1024 by default.
+    pub max_send_wr: u32,
+    /// Receives posted and not yet consumed at once; 1024 by default.
+    pub max_recv_wr: u32,
+}
+
+impl Default for QpCaps {
+    fn default() -> Self {
+        QpCaps {
+            max_send_wr: 1024,
+            max_recv_wr: 1024,
+        }
     }
 }
 
@@ -512,7 +739,7 @@ impl MemoryRegion {
     /// data-path calls; the future waits for the bytes.
     pub fn read(
         &self,
-        offset: usize,
+        offset: u64,
         len: usize,
     ) -> impl Future<Output = Result<Vec<u8>, ApiError>> + Send + 'static {
         let lkey = self.info.lkey;
@@ -529,7 +756,7 @@ impl MemoryRegion {
     /// it, even before this future is awaited, carries the new bytes.
     pub fn write(
         &self,
-        offset: usize,
+        offset: u64,
         data: impl Into<Vec<u8>>,
     ) -> impl Future<Output = Result<(), ApiError>> + Send + 'static {
         let (lkey, data) = (self.info.lkey, data.into());
@@ -538,6 +765,49 @@ impl MemoryRegion {
             offset,
             data,
             reply,
+        })
+    }
+
+    /// Lends the region's bytes to the application, to fill or read in
+    /// place, without a copy: the guard derefs to them, and dropping it
+    /// gives them back (in order with the data-path calls issued after
+    /// the drop, so a SEND posted right after carries what was written).
+    ///
+    /// While the guard lives the region's keys stay, and nothing else may
+    /// use its bytes: it borrows this `MemoryRegion` (no [`sge`](Self::sge),
+    /// [`read`](Self::read) or [`write`](Self::write) meanwhile), a post
+    /// that names the region with an earlier [`Sge`] is refused with
+    /// [`VerbsError::MrLent`], and a peer's WRITE or READ of it fails with
+    /// `RemoteAccessError`, which fails the peer's QP, as if the region were
+    /// deregistered. So lend a region registered for local access only, or
+    /// one the application knows no peer accesses at the time (its
+    /// protocol says so: a WRITE_IMM or SEND after the peer's last WRITE).
+    ///
+    /// Waits while the driver still sends from the region (microseconds);
+    /// fails with [`VerbsError::MrInUse`] while posted requests or a peer's
+    /// READ response reference it: await their completions first.
+    ///
+    /// ```no_run
+    /// # async fn demo(pd: metaroce_io::ProtectionDomain, qp: metaroce_io::QueuePair) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::{AccessFlags, RegionBuf};
+    /// let mut mr = pd.reg_mr(RegionBuf::zeroed(1 << 20), AccessFlags::LOCAL_WRITE).await?;
+    /// {
+    ///     let mut bytes = mr.lend().await?;
+    ///     bytes.fill(7); // in place: no copy, no allocation
+    /// } // back to the endpoint here
+    /// qp.send(mr.sge(0, 1 << 20)?).await?;
+    /// let received = qp.recv(mr.sge(0, 1 << 20)?).await?;
+    /// let bytes = mr.lend().await?;
+    /// let n = received.byte_len as usize;
+    /// println!("got {n} bytes: {:?}", &bytes[..n.min(16)]);
+    /// # Ok(()) }
+    /// ```
+    pub async fn lend(&mut self) -> Result<LentRegion<'_>, ApiError> {
+        let lkey = self.info.lkey;
+        let buf = self.dev.call(|r| Command::LendMr(lkey, r)).await?;
+        Ok(LentRegion {
+            mr: self,
+            buf: Some(buf),
         })
     }
 
@@ -550,6 +820,47 @@ impl MemoryRegion {
             self.live = false;
         }
         buf
+    }
+}
+
+/// The bytes of a [`MemoryRegion`] lent to the application
+/// ([`MemoryRegion::lend`]): a `[u8]` to read and write in place. Dropping
+/// it gives them back to the endpoint.
+///
+/// ```no_run
+/// # async fn demo(mut mr: metaroce_io::MemoryRegion) -> Result<(), metaroce_io::ApiError> {
+/// let bytes = mr.lend().await?;
+/// let zeros = bytes.iter().filter(|&&b| b == 0).count();
+/// drop(bytes); // the region is usable again
+/// println!("{zeros} zero bytes of {}", mr.len());
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct LentRegion<'a> {
+    mr: &'a mut MemoryRegion,
+    /// `Some` until dropped.
+    buf: Option<RegionBuf>,
+}
+
+impl std::ops::Deref for LentRegion<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.buf.as_deref().unwrap_or(&[])
+    }
+}
+
+impl std::ops::DerefMut for LentRegion<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.buf.as_deref_mut().unwrap_or(&mut [])
+    }
+}
+
+impl Drop for LentRegion<'_> {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            // A stopped endpoint thread drops the bytes with the command.
+            self.mr.dev.send(Command::ReturnMr(self.mr.info.lkey, buf));
+        }
     }
 }
 
@@ -569,11 +880,13 @@ impl CqSink {
         self.ready.notify_one();
     }
 
-    fn push(&self, wcs: Vec<WorkCompletion>) {
+    /// Moves every completion of `wcs` to the queue (leaving `wcs` empty,
+    /// its capacity kept for the next batch).
+    fn push(&self, wcs: &mut Vec<WorkCompletion>) {
         self.queue
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .extend(wcs);
+            .extend(wcs.drain(..));
         self.ready.notify_one();
     }
 }
@@ -595,11 +908,38 @@ impl CompletionQueue {
         &self.dev
     }
 
-    /// Takes up to `max` completions that are ready, without waiting (`ibv_poll_cq`).
+    /// Takes up to `max` completions that are ready, without waiting
+    /// (`ibv_poll_cq`), into a new vector; [`poll_into`](Self::poll_into)
+    /// reuses one.
     pub fn poll(&self, max: usize) -> Vec<WorkCompletion> {
+        let mut out = Vec::new();
+        self.poll_into(max, &mut out);
+        out
+    }
+
+    /// Appends up to `max` completions that are ready to `out`, without
+    /// waiting and without allocating once `out` has room (`ibv_poll_cq`
+    /// into the caller's array); returns how many.
+    ///
+    /// ```no_run
+    /// # fn demo(cq: &metaroce_io::CompletionQueue) {
+    /// let mut wcs = Vec::with_capacity(64);
+    /// loop {
+    ///     wcs.clear();
+    ///     if cq.poll_into(64, &mut wcs) == 0 {
+    ///         break;
+    ///     }
+    ///     for wc in &wcs {
+    ///         println!("{} {:?}", wc.wr_id, wc.status);
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    pub fn poll_into(&self, max: usize, out: &mut Vec<WorkCompletion>) -> usize {
         let mut q = self.sink.queue.lock().unwrap_or_else(|e| e.into_inner());
         let n = max.min(q.len());
-        q.drain(..n).collect()
+        out.extend(q.drain(..n));
+        n
     }
 
     /// Waits for the next completion.
@@ -647,7 +987,29 @@ impl Drop for QueuePair {
 #[derive(Debug)]
 #[must_use = "a work request's outcome is only known by awaiting it"]
 pub struct WorkRequest {
+    wr_id: u64,
     rx: oneshot::Receiver<Result<WorkCompletion, ApiError>>,
+}
+
+impl WorkRequest {
+    /// The request's `wr_id`, given by the device (counting from 1, one
+    /// sequence per [`Device`]): its completion, and an
+    /// [`ApiError::Failed`], carry the same.
+    ///
+    /// ```no_run
+    /// # async fn demo(qp: metaroce_io::QueuePair, sge: metaroce_io::Sge) {
+    /// let req = qp.send(sge);
+    /// let id = req.wr_id();
+    /// match req.await {
+    ///     Ok(wc) => assert_eq!(wc.wr_id, id),
+    ///     Err(metaroce_io::ApiError::Failed(wc)) => assert_eq!(wc.wr_id, id),
+    ///     Err(e) => eprintln!("not posted: {e}"),
+    /// }
+    /// # }
+    /// ```
+    pub fn wr_id(&self) -> u64 {
+        self.wr_id
+    }
 }
 
 impl Future for WorkRequest {
@@ -683,14 +1045,57 @@ impl QueuePair {
     }
 
     /// Binds the QP to `conn` and the peer's QP `remote`, and brings it to
-    /// RTS (RESET→INIT→RTR→RTS with every remote access the regions allow).
+    /// RTS (RESET→INIT→RTR→RTS with every remote access the regions allow)
+    /// with the default attributes ([`RcAttrs::default`]); see
+    /// [`connect_with`](Self::connect_with).
     pub async fn connect(&self, conn: &Connection, remote: Qpn) -> Result<(), ApiError> {
+        self.connect_with(conn, remote, RcAttrs::default()).await
+    }
+
+    /// Binds the QP to `conn` and the peer's QP `remote`, and brings it to
+    /// RTS with the RC attributes `attrs`, as `ibv_modify_qp` does through
+    /// INIT, RTR and RTS: the remote access the QP allows, `retry_cnt` and
+    /// `timeout` (how soon a request that stops making progress, the peer's
+    /// QP gone say, fails with [`WcStatus::RetryExceeded`]), `rnr_retry`
+    /// (how many times a SEND the peer had no receive for is retried before
+    /// it fails with [`WcStatus::RnrRetryExceeded`]; 7 is forever),
+    /// `min_rnr_timer`, and the READ depths.
+    ///
+    /// Fails with [`VerbsError::InvalidAttribute`] for a value out of range,
+    /// [`VerbsError::InvalidConnection`] for a connection of another
+    /// [`Device`] (or one closed), and [`VerbsError::IllegalTransition`] if
+    /// the QP is connected already.
+    ///
+    /// ```no_run
+    /// # async fn demo(qp: metaroce_io::QueuePair, conn: metaroce_io::Connection, peer: metaroce_io::QpEndpoint) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::RcAttrs;
+    /// use std::time::Duration;
+    /// // A request-response service that would rather fail fast than wait.
+    /// let attrs = RcAttrs {
+    ///     rnr_retry: 0,
+    ///     retry_cnt: Some(2),
+    ///     timeout: Some(Duration::from_millis(5)),
+    ///     ..RcAttrs::default()
+    /// };
+    /// qp.connect_with(&conn, peer.qpn(), attrs).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect_with(
+        &self,
+        conn: &Connection,
+        remote: Qpn,
+        attrs: RcAttrs,
+    ) -> Result<(), ApiError> {
+        if !self.dev.same(&conn.dev) {
+            return Err(VerbsError::InvalidConnection.into());
+        }
         let (qpn, conn) = (self.qpn, conn.conn);
         self.dev
             .call(|reply| Command::ConnectQp {
                 qpn,
                 conn,
                 remote,
+                attrs,
                 reply,
             })
             .await
@@ -698,10 +1103,11 @@ impl QueuePair {
 
     fn post(&self, op: SendOp, local: Sge) -> WorkRequest {
         let (tx, rx) = oneshot::channel();
-        let wr = SendWr::new(0, op, local);
+        let wr_id = self.dev.next_wr_id();
+        let wr = SendWr::new(wr_id, op, local);
         self.dev
             .send(Command::PostSend(self.qpn, wr, Dest::Once(tx)));
-        WorkRequest { rx }
+        WorkRequest { wr_id, rx }
     }
 
     /// RDMA WRITE of `local` to `remote`.
@@ -734,18 +1140,50 @@ impl QueuePair {
     /// WRITE with immediate) consumed it (`byte_len`, `imm`).
     pub fn recv(&self, sge: Sge) -> WorkRequest {
         let (tx, rx) = oneshot::channel();
-        let wr = RecvWr { wr_id: 0, sge };
+        let wr_id = self.dev.next_wr_id();
+        let wr = RecvWr { wr_id, sge };
         self.dev
             .send(Command::PostRecv(self.qpn, wr, Dest::Once(tx)));
-        WorkRequest { rx }
+        WorkRequest { wr_id, rx }
     }
 
     /// Posts a send request whose completion goes to the send CQ, with
-    /// `wr.wr_id` (`ibv_post_send`). Every request completes: `signaled`
-    /// is ignored. Resolves when the endpoint accepted (or refused) it.
+    /// `wr.wr_id` (`ibv_post_send`). As in verbs, a request with
+    /// `signaled: false` that succeeds leaves no completion: it is done once
+    /// a later signaled request of this QP completes (post one now and
+    /// then, or the send queue fills); a failed one always completes.
+    /// Resolves when the endpoint accepted (or refused) it.
     pub fn post_send(&self, wr: SendWr) -> impl Future<Output = Result<(), ApiError>> {
         let (tx, rx) = oneshot::channel();
         self.dev.send(Command::PostSend(self.qpn, wr, Dest::Cq(tx)));
+        answer(rx)
+    }
+
+    /// Posts send requests in order, as one chain (`ibv_post_send` with a
+    /// linked list of work requests): one command and one wake of the
+    /// endpoint thread for all of them. Completions go to the send CQ as
+    /// with [`post_send`](Self::post_send) (`signaled` honoured). If one
+    /// is refused, those before it stay posted and the rest are dropped:
+    /// [`ApiError::BatchRefused`] says how many were posted.
+    ///
+    /// ```no_run
+    /// # async fn demo(qp: metaroce_io::QueuePair, mr: metaroce_io::MemoryRegion) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::{SendOp, SendWr};
+    /// // 16 SENDs of 4 KiB, only the last one signaled.
+    /// let wrs = (0..16u64).map(|i| SendWr {
+    ///     signaled: i == 15,
+    ///     ..SendWr::new(i, SendOp::Send, mr.sge(i * 4096, 4096).unwrap())
+    /// });
+    /// qp.post_send_batch(wrs).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn post_send_batch(
+        &self,
+        wrs: impl IntoIterator<Item = SendWr>,
+    ) -> impl Future<Output = Result<(), ApiError>> {
+        let wrs = wrs.into_iter().collect();
+        let (tx, rx) = oneshot::channel();
+        self.dev.send(Command::PostSendBatch(self.qpn, wrs, tx));
         answer(rx)
     }
 

@@ -8,6 +8,7 @@
 //! every WRITE/READ is still checked against the region's bounds and access
 //! rights at the target.
 
+use super::ApiError;
 use metaroce_proto::verbs::{Qpn, RemoteAddr};
 use serde::{Deserialize, Serialize};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -105,8 +106,9 @@ impl QpEndpoint {
 /// ```
 /// use metaroce_io::RemoteMr;
 /// let mr = RemoteMr { rkey: 0xabcd, addr: 0x10_0000, len: 4096 };
-/// assert_eq!(mr.at(96).unwrap().addr, 0x10_0060);
-/// assert!(mr.at(4096).is_none());
+/// assert_eq!(mr.at(96, 4000).unwrap().addr, 0x10_0060);
+/// assert!(mr.at(96, 4001).is_err(), "reaches past the end");
+/// assert!(mr.at(4096, 1).is_err());
 /// assert_eq!(RemoteMr::from_bytes(&mr.to_bytes()).unwrap(), mr);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -123,15 +125,27 @@ impl RemoteMr {
     /// Size of the byte form: rkey (4), address (8), length (8).
     pub const LEN: usize = 20;
 
-    /// The remote address `offset` bytes into the region (`None` past its end).
-    pub fn at(&self, offset: u64) -> Option<RemoteAddr> {
-        if offset >= self.len {
-            return None;
+    /// The remote address `offset` bytes into the region, for a WRITE or
+    /// READ of `len` bytes there; [`ApiError::OutOfBounds`] if those bytes
+    /// do not all lie in the region (as [`MemoryRegion::sge`] checks a
+    /// local buffer). The peer checks again, and refuses a range outside
+    /// its region with `RemoteAccessError`.
+    ///
+    /// [`MemoryRegion::sge`]: super::MemoryRegion::sge
+    pub fn at(&self, offset: u64, len: u32) -> Result<RemoteAddr, ApiError> {
+        match offset.checked_add(u64::from(len)) {
+            Some(end) if end <= self.len => Ok(RemoteAddr {
+                rkey: self.rkey,
+                // Within `len` bytes of `addr`: no overflow unless the
+                // peer's region itself wraps, which no region does.
+                addr: self.addr.wrapping_add(offset),
+            }),
+            _ => Err(ApiError::OutOfBounds {
+                offset,
+                len: u64::from(len),
+                size: self.len,
+            }),
         }
-        Some(RemoteAddr {
-            rkey: self.rkey,
-            addr: self.addr.checked_add(offset)?,
-        })
     }
 
     /// The fixed little-endian byte form.
@@ -195,6 +209,7 @@ mod tests {
         };
         assert_eq!(RemoteMr::from_bytes(&m.to_bytes()).unwrap(), m);
         assert!(RemoteMr::from_bytes(&m.to_bytes()[..19]).is_err());
-        assert!(m.at(2).is_some() && m.at(3).is_none());
+        assert!(m.at(2, 1).is_ok() && m.at(3, 1).is_err() && m.at(2, 2).is_err());
+        assert!(m.at(0, 3).is_ok() && m.at(u64::MAX, 2).is_err());
     }
 }

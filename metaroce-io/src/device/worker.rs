@@ -9,7 +9,7 @@ use metaroce_proto::verbs::*;
 use metaroce_proto::{
     ConnectionError, ConnectionState, ConnectionStats, Endpoint, EndpointStats, Event,
 };
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::mpsc::{self, TryRecvError};
 use std::sync::Arc;
@@ -59,16 +59,18 @@ pub(super) enum Command {
         reply: Reply<MrInfo>,
     },
     DeregMr(u32, Reply<RegionBuf>),
+    LendMr(u32, Reply<RegionBuf>),
+    ReturnMr(u32, RegionBuf),
     DropMr(u32),
     ReadMr {
         lkey: u32,
-        offset: usize,
+        offset: u64,
         len: usize,
         reply: Reply<Vec<u8>>,
     },
     WriteMr {
         lkey: u32,
-        offset: usize,
+        offset: u64,
         data: Vec<u8>,
         reply: Reply<()>,
     },
@@ -78,17 +80,23 @@ pub(super) enum Command {
         qpn: Qpn,
         conn: ConnectionHandle,
         remote: Qpn,
+        attrs: RcAttrs,
         reply: Reply<()>,
     },
     QpState(Qpn, Reply<Option<QpState>>),
     DestroyQp(Qpn),
     PostSend(Qpn, SendWr, Notify),
+    /// Send requests posted in order, to the send CQ; the reply says how
+    /// far it got.
+    PostSendBatch(Qpn, Vec<SendWr>, Reply<()>),
     PostRecv(Qpn, RecvWr, Notify),
     Connect(SocketAddr, Reply<ConnectionHandle>),
     Close(ConnectionHandle, Reply<()>),
     ConnState(ConnectionHandle, Reply<Option<ConnectionState>>),
     ConnStats(ConnectionHandle, Reply<Option<ConnectionStats>>),
     Stats(Reply<EndpointStats>),
+    /// Brings the metrics up to date, then says so.
+    RefreshMetrics(mpsc::SyncSender<()>),
 }
 
 /// A posted request waiting for its completion.
@@ -108,6 +116,10 @@ pub(super) struct Worker {
     /// Requests in flight, by the internal wr_id given to the core.
     pending: HashMap<u64, Pending>,
     next_wr: u64,
+    /// Unsignaled sends posted to a completion queue, by QP, oldest first
+    /// (internal wr_ids): done, with no completion of their own, when a
+    /// later send of their QP completes (RC completes in order).
+    unsignaled: HashMap<Qpn, VecDeque<u64>>,
     /// Connects waiting for the handshake.
     connecting: HashMap<ConnectionHandle, Reply<ConnectionHandle>>,
     /// Regions and PDs whose handles were dropped while still in use.
@@ -116,7 +128,11 @@ pub(super) struct Worker {
     /// Deregistrations waiting for the driver's last send from the region
     /// (a gathered payload still with the kernel, microseconds at most).
     deregs: Vec<(u32, Reply<RegionBuf>)>,
+    /// Lends waiting for the same.
+    lends: Vec<(u32, Reply<RegionBuf>)>,
     scratch: Vec<WorkCompletion>,
+    /// Completions on their way to a CQ sink (reused: no allocation per batch).
+    to_sink: Vec<WorkCompletion>,
 }
 
 /// What the endpoint thread tells `open` once it is up.
@@ -164,11 +180,14 @@ pub(super) fn run(
         cqs: HashMap::new(),
         pending: HashMap::new(),
         next_wr: 1,
+        unsignaled: HashMap::new(),
         connecting: HashMap::new(),
         zombies_mr: Vec::new(),
         deregs: Vec::new(),
+        lends: Vec::new(),
         zombies_pd: Vec::new(),
         scratch: Vec::new(),
+        to_sink: Vec::new(),
     };
     if let Err(e) = w.run() {
         tracing::error!(error = %e, "metaroce endpoint thread stopped on a driver error");
@@ -195,11 +214,19 @@ impl Worker {
                     Err(TryRecvError::Disconnected) => return Ok(()),
                 }
             }
+            // What the commands made without the driver (a post to a QP in
+            // ERROR completes flushed at once, a close fails its QPs) goes
+            // out now: the turn below may sleep.
+            self.events();
+            self.completions();
             // Nothing to do: sleep until a datagram, a timer or a command.
             self.drv.poll(Duration::from_millis(100))?;
             self.events();
             self.completions();
-            if !self.zombies_mr.is_empty() || !self.zombies_pd.is_empty() || !self.deregs.is_empty()
+            if !self.zombies_mr.is_empty()
+                || !self.zombies_pd.is_empty()
+                || !self.deregs.is_empty()
+                || !self.lends.is_empty()
             {
                 self.reap_zombies();
             }
@@ -235,6 +262,12 @@ impl Worker {
                 let _ = reply.send(ep.reg_mr(pd, buf, addr, access).map_err(Into::into));
             }
             Command::DeregMr(lkey, r) => self.deregs.extend(try_dereg(ep, lkey, r)),
+            Command::LendMr(lkey, r) => self.lends.extend(try_lend(ep, lkey, r)),
+            Command::ReturnMr(lkey, buf) => {
+                if let Err(e) = ep.return_mr(lkey, buf) {
+                    tracing::warn!(lkey, error = %e, "lent region bytes not taken back");
+                }
+            }
             Command::DropMr(lkey) => {
                 if let Err(VerbsError::MrInUse(_) | VerbsError::MrSending(_)) = ep.dereg_mr(lkey) {
                     self.zombies_mr.push(lkey);
@@ -278,9 +311,11 @@ impl Worker {
                 qpn,
                 conn,
                 remote,
+                attrs,
                 reply,
             } => {
-                let _ = reply.send(ep.connect_qp(qpn, conn, remote).map_err(Into::into));
+                let res = ep.connect_qp_with(qpn, conn, remote, &attrs);
+                let _ = reply.send(res.map_err(Into::into));
             }
             Command::QpState(q, r) => {
                 let _ = r.send(Ok(ep.qp_state(q)));
@@ -289,13 +324,35 @@ impl Worker {
                 let _ = ep.destroy_qp(q);
             }
             Command::PostSend(qpn, mut wr, notify) => {
-                // Every request completes, so that every entry in `pending`
-                // is removed by its completion.
-                wr.signaled = true;
+                // An awaited request always completes (its future waits
+                // for it); one for the CQ only if signaled, as in verbs.
+                let unsignaled = matches!(notify, Notify::Cq(_)) && !wr.signaled;
+                wr.signaled |= !unsignaled;
                 let user = wr.wr_id;
-                track(&mut self.pending, &mut self.next_wr, user, notify, |id| {
+                let id = track(&mut self.pending, &mut self.next_wr, user, notify, |id| {
                     ep.post_send(now, qpn, SendWr { wr_id: id, ..wr })
                 });
+                if let Some(id) = id.filter(|_| unsignaled) {
+                    self.unsignaled.entry(qpn).or_default().push_back(id);
+                }
+            }
+            Command::PostSendBatch(qpn, wrs, reply) => {
+                let mut res = Ok(());
+                for (i, wr) in wrs.into_iter().enumerate() {
+                    let id = self.next_wr;
+                    self.next_wr += 1;
+                    if let Err(error) = ep.post_send(now, qpn, SendWr { wr_id: id, ..wr }) {
+                        res = Err(ApiError::BatchRefused { posted: i, error });
+                        break;
+                    }
+                    let waiter = Waiter::Cq;
+                    let user_wr_id = wr.wr_id;
+                    self.pending.insert(id, Pending { user_wr_id, waiter });
+                    if !wr.signaled {
+                        self.unsignaled.entry(qpn).or_default().push_back(id);
+                    }
+                }
+                let _ = reply.send(res);
             }
             Command::PostRecv(qpn, wr, notify) => {
                 let user = wr.wr_id;
@@ -323,6 +380,13 @@ impl Worker {
             Command::Stats(r) => {
                 let _ = r.send(Ok(ep.stats()));
             }
+            Command::RefreshMetrics(done) => {
+                if let Some(m) = &mut self.metrics {
+                    m.update(ep);
+                    m.update_driver(&self.drv.stats());
+                }
+                let _ = done.send(());
+            }
         }
     }
 
@@ -347,7 +411,7 @@ impl Worker {
                     }
                 }
                 Event::QpError { qpn, status } => {
-                    tracing::debug!(qpn = qpn.0, ?status, "QP moved to the error state");
+                    tracing::debug!(%qpn, ?status, "QP moved to the error state");
                 }
                 Event::CqOverrun(cq) => {
                     tracing::warn!(?cq, "completion queue overrun");
@@ -369,8 +433,10 @@ impl Worker {
                 if n == 0 {
                     break;
                 }
-                let mut to_sink = Vec::new();
                 for wc in self.scratch.drain(..) {
+                    if !matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
+                        retire_unsignaled(&mut self.unsignaled, &mut self.pending, &wc);
+                    }
                     let Some(p) = self.pending.remove(&wc.wr_id) else {
                         tracing::debug!(wr_id = wc.wr_id, "completion of an unknown request");
                         continue;
@@ -383,11 +449,11 @@ impl Worker {
                         Waiter::Once(tx) => {
                             let _ = tx.send(Ok(wc));
                         }
-                        Waiter::Cq => to_sink.push(wc),
+                        Waiter::Cq => self.to_sink.push(wc),
                     }
                 }
-                if !to_sink.is_empty() {
-                    sink.push(to_sink);
+                if !self.to_sink.is_empty() {
+                    sink.push(&mut self.to_sink);
                 }
             }
         }
@@ -406,6 +472,11 @@ impl Worker {
             .into_iter()
             .filter_map(|(lkey, r)| try_dereg(ep, lkey, r))
             .collect();
+        let waiting = std::mem::take(&mut self.lends);
+        self.lends = waiting
+            .into_iter()
+            .filter_map(|(lkey, r)| try_lend(ep, lkey, r))
+            .collect();
         self.zombies_pd.retain(|&pd| ep.dealloc_pd(pd).is_err());
     }
 }
@@ -422,23 +493,68 @@ fn try_dereg(ep: &mut Endpoint, lkey: u32, r: Reply<RegionBuf>) -> Option<(u32, 
     }
 }
 
+/// Lends `lkey`'s bytes and answers `r`, unless the driver is still
+/// sending from the region: then hands both back, to try again after a poll.
+fn try_lend(ep: &mut Endpoint, lkey: u32, r: Reply<RegionBuf>) -> Option<(u32, Reply<RegionBuf>)> {
+    match ep.lend_mr(lkey) {
+        Err(VerbsError::MrSending(_)) => Some((lkey, r)),
+        res => {
+            if let Err(Ok(buf)) = r.send(res.map_err(Into::into)) {
+                // The caller went away before the bytes came: they go back.
+                let _ = ep.return_mr(lkey, buf);
+            }
+            None
+        }
+    }
+}
+
 /// Posts a request under a fresh internal wr_id and, if the core took it,
-/// remembers where its completion goes; if not, tells the caller why.
+/// remembers where its completion goes and returns the id; if not, tells
+/// the caller why.
 fn track(
     pending: &mut HashMap<u64, Pending>,
     next_wr: &mut u64,
     user_wr_id: u64,
     notify: Notify,
     post: impl FnOnce(u64) -> Result<(), VerbsError>,
-) {
+) -> Option<u64> {
     let id = *next_wr;
     *next_wr += 1;
     match post(id) {
         Ok(()) => {
             let waiter = notify.accepted();
             pending.insert(id, Pending { user_wr_id, waiter });
+            Some(id)
         }
-        Err(e) => refuse(notify, e),
+        Err(e) => {
+            refuse(notify, e);
+            None
+        }
+    }
+}
+
+/// A send of `wc.qpn` completed: the unsignaled sends posted before it on
+/// that QP are done too, with no completion of their own (and the request
+/// itself, if it was unsignaled and failed, leaves the list).
+fn retire_unsignaled(
+    unsignaled: &mut HashMap<Qpn, VecDeque<u64>>,
+    pending: &mut HashMap<u64, Pending>,
+    wc: &WorkCompletion,
+) {
+    let Some(q) = unsignaled.get_mut(&wc.qpn) else {
+        return;
+    };
+    while let Some(&id) = q.front() {
+        if id > wc.wr_id {
+            break;
+        }
+        q.pop_front();
+        if id != wc.wr_id {
+            pending.remove(&id);
+        }
+    }
+    if q.is_empty() {
+        unsignaled.remove(&wc.qpn);
     }
 }
 
@@ -458,11 +574,12 @@ fn log_lost(conn: ConnectionHandle, error: ConnectionError) {
 }
 
 /// `offset..offset + len` if it lies within `size` bytes.
-fn slice_range(size: usize, offset: usize, len: usize) -> Result<std::ops::Range<usize>, ApiError> {
-    match offset.checked_add(len) {
-        Some(end) if end <= size => Ok(offset..end),
+fn slice_range(size: usize, offset: u64, len: usize) -> Result<std::ops::Range<usize>, ApiError> {
+    let start = usize::try_from(offset).ok();
+    match start.and_then(|s| Some(s..s.checked_add(len)?)) {
+        Some(r) if r.end <= size => Ok(r),
         _ => Err(ApiError::OutOfBounds {
-            offset: offset as u64,
+            offset,
             len: len as u64,
             size: size as u64,
         }),

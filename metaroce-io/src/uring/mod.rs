@@ -474,6 +474,7 @@ impl UringDriver {
         self.wall = None;
         self.recv_starved = false;
         self.backlog = false;
+        let unpolled = self.ep.unpolled();
         let mut progress = self.reap(now);
         if let Some(f) = &mut self.faults {
             progress |= f.release(now, &mut self.ep);
@@ -488,6 +489,10 @@ impl UringDriver {
             progress = true;
         }
         progress |= self.flush(now)?;
+        // Completions or events the turn made (a request that failed
+        // locally when its turn to be sent came sends nothing) are the
+        // caller's to see before this turn may sleep.
+        progress |= self.ep.unpolled() != unpolled;
         self.arm_receives()?;
         self.arm_wake()?;
         Ok(progress)
@@ -580,6 +585,10 @@ impl UringDriver {
                     if let Some(w) = &self.wake {
                         w.drain();
                     }
+                    // Whoever woke us has work for the caller (a command
+                    // queued): the turn must return to it, not sleep with
+                    // the wake consumed.
+                    progress = true;
                     if !cqueue::more(c.flags()) && self.wake_armed.is_some_and(|(g, _)| g == low) {
                         self.wake_armed = None;
                     }

@@ -14,7 +14,8 @@ use crate::time::Instant;
 use crate::verbs::qp::{consumes_recv, Qp, SendWqe};
 use crate::verbs::{
     AccessFlags, CompletionQueue, ConnectionHandle, CqHandle, MrInfo, MrTable, PdHandle, QpAttrs,
-    QpInit, QpState, Qpn, RecvWr, RegionBuf, SendOp, SendWr, VerbsError, WcStatus, WorkCompletion,
+    QpInit, QpState, Qpn, RcAttrs, RecvWr, RegionBuf, SendOp, SendWr, VerbsError, WcStatus,
+    WorkCompletion,
 };
 use crate::wire::CloseCode;
 use std::collections::{BTreeSet, HashMap, VecDeque};
@@ -617,6 +618,40 @@ impl Endpoint {
         self.mrs.by_lkey_mut(lkey).map(|m| &mut m.buf[..])
     }
 
+    /// Lends the bytes of region `lkey` to the application: they leave
+    /// the endpoint, which keeps the region's keys, until
+    /// [`return_mr`](Self::return_mr) brings them back. Meanwhile a post
+    /// that names the region is refused with [`VerbsError::MrLent`],
+    /// [`mr`](Self::mr) shows no bytes, and a peer's WRITE or READ of it
+    /// fails with `RemoteAccessError` (its QP then fails, as when a region
+    /// is deregistered): lend a region no peer accesses at the time.
+    ///
+    /// Refused while requests or READ responses reference the region
+    /// ([`VerbsError::MrInUse`]), while the driver still sends from it
+    /// ([`VerbsError::MrSending`]: retry after its next poll), or if it is
+    /// lent already ([`VerbsError::MrLent`]).
+    ///
+    /// ```
+    /// use metaroce_proto::verbs::{AccessFlags, RegionBuf};
+    /// use metaroce_proto::{Endpoint, EndpointConfig};
+    /// let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+    /// let pd = ep.alloc_pd();
+    /// let mr = ep.reg_mr(pd, RegionBuf::zeroed(4096), 0, AccessFlags::LOCAL_WRITE).unwrap();
+    /// let mut bytes = ep.lend_mr(mr.lkey).unwrap();
+    /// bytes[..5].copy_from_slice(b"hello"); // in place, no copy
+    /// ep.return_mr(mr.lkey, bytes).unwrap();
+    /// assert_eq!(&ep.mr(mr.lkey).unwrap()[..5], b"hello");
+    /// ```
+    pub fn lend_mr(&mut self, lkey: u32) -> Result<RegionBuf, VerbsError> {
+        self.mrs.lend(lkey)
+    }
+
+    /// Brings lent bytes back ([`lend_mr`](Self::lend_mr)); `buf` must be
+    /// as long as the region ([`VerbsError::InvalidLength`] if not).
+    pub fn return_mr(&mut self, lkey: u32, buf: RegionBuf) -> Result<(), VerbsError> {
+        self.mrs.give_back(lkey, buf)
+    }
+
     /// Information about a registered region.
     pub fn mr_info(&self, lkey: u32) -> Option<MrInfo> {
         self.mrs.by_lkey(lkey).map(|m| m.info)
@@ -727,6 +762,9 @@ impl Endpoint {
     /// Moves a QP to state `to` with `attrs` (`ibv_modify_qp`). Illegal
     /// transitions and missing attributes are typed errors.
     pub fn modify_qp(&mut self, qpn: Qpn, to: QpState, attrs: QpAttrs) -> Result<(), VerbsError> {
+        if attrs.timeout.is_some_and(|t| t.is_zero()) {
+            return Err(VerbsError::InvalidAttribute("a timeout of 0"));
+        }
         let idx = self.qp_index(qpn).ok_or(VerbsError::InvalidQp(qpn))?;
         let from = self.qps[idx]
             .as_ref()
@@ -784,6 +822,12 @@ impl Endpoint {
         if let Some(v) = attrs.max_rd_atomic {
             q.max_rd_atomic = v.max(1);
         }
+        if let Some(v) = attrs.retry_cnt {
+            q.retry_cnt = Some(v.min(7));
+        }
+        if let Some(t) = attrs.timeout {
+            q.timeout = Some(t);
+        }
         q.state = to;
         let conn = q.conn;
         if let Some(c) = conn {
@@ -813,11 +857,38 @@ impl Endpoint {
         conn: ConnectionHandle,
         remote_qpn: Qpn,
     ) -> Result<(), VerbsError> {
+        self.connect_qp_with(qpn, conn, remote_qpn, &RcAttrs::default())
+    }
+
+    /// RESET→INIT→RTR→RTS in one call with the RC attributes `attrs` (what
+    /// `ibv_modify_qp` takes for the three transitions). Fails with
+    /// [`VerbsError::InvalidAttribute`] before any transition if a value is
+    /// out of range ([`RcAttrs::validate`]).
+    ///
+    /// ```
+    /// use metaroce_proto::verbs::{QpInit, QpState, RcAttrs};
+    /// use metaroce_proto::{Endpoint, EndpointConfig};
+    /// let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+    /// let (pd, cq) = (ep.alloc_pd(), ep.create_cq(16));
+    /// let qp = ep.create_qp(QpInit::new(pd, cq, cq)).unwrap();
+    /// let conn = ep.connect(metaroce_proto::Instant::ZERO, "127.0.0.1:4791".parse().unwrap()).unwrap();
+    /// let attrs = RcAttrs { rnr_retry: 0, ..RcAttrs::default() };
+    /// ep.connect_qp_with(qp, conn, qp, &attrs).unwrap();
+    /// assert_eq!(ep.qp_state(qp), Some(QpState::Rts));
+    /// ```
+    pub fn connect_qp_with(
+        &mut self,
+        qpn: Qpn,
+        conn: ConnectionHandle,
+        remote_qpn: Qpn,
+        attrs: &RcAttrs,
+    ) -> Result<(), VerbsError> {
+        attrs.validate()?;
         self.modify_qp(
             qpn,
             QpState::Init,
             QpAttrs {
-                access: Some(AccessFlags::ALL),
+                access: Some(attrs.access),
                 ..Default::default()
             },
         )?;
@@ -827,10 +898,22 @@ impl Endpoint {
             QpAttrs {
                 conn: Some(conn),
                 remote_qpn: Some(remote_qpn),
+                max_dest_rd_atomic: Some(attrs.max_dest_rd_atomic),
+                min_rnr_timer: Some(attrs.min_rnr_timer),
                 ..Default::default()
             },
         )?;
-        self.modify_qp(qpn, QpState::Rts, QpAttrs::default())
+        self.modify_qp(
+            qpn,
+            QpState::Rts,
+            QpAttrs {
+                retry_cnt: attrs.retry_cnt,
+                timeout: attrs.timeout,
+                rnr_retry: Some(attrs.rnr_retry),
+                max_rd_atomic: Some(attrs.max_rd_atomic),
+                ..Default::default()
+            },
+        )
     }
 
     /// Posts a receive (`ibv_post_recv`). In the error state it completes at
@@ -856,15 +939,13 @@ impl Endpoint {
         if q.rq.len() as u32 >= q.max_recv_wr {
             return Err(VerbsError::QueueFull(q.max_recv_wr));
         }
-        if !mrs.check_local(
+        mrs.local_access(
             q.pd,
             wr.sge.lkey,
             wr.sge.addr,
             wr.sge.len,
             AccessFlags::LOCAL_WRITE,
-        ) {
-            return Err(VerbsError::InvalidKey(wr.sge.lkey));
-        }
+        )?;
         if wr.sge.len > 0 {
             mrs.add_ref(wr.sge.lkey, 1);
         }
@@ -874,10 +955,13 @@ impl Endpoint {
 
     /// Posts a send work request (`ibv_post_send`).
     ///
-    /// Refused at once (typed error) when the QP's state does not take sends
-    /// or its queue is full. A request whose local buffer is invalid is
-    /// accepted and completes with `LocalProtectionError` when its turn comes,
-    /// moving the QP to the error state, as with verbs.
+    /// Refused at once (typed error) when the QP's state does not take sends,
+    /// its queue is full, or its local region is lent
+    /// ([`lend_mr`](Self::lend_mr)). A request whose local buffer is invalid (no
+    /// such region, another PD, out of bounds, or a READ into a region
+    /// without `LOCAL_WRITE`) is accepted and completes with
+    /// `LocalProtectionError` when its turn comes, moving the QP to the
+    /// error state, as with verbs.
     pub fn post_send(&mut self, now: Instant, qpn: Qpn, wr: SendWr) -> Result<(), VerbsError> {
         let idx = self.qp_index(qpn).ok_or(VerbsError::InvalidQp(qpn))?;
         let Endpoint {
@@ -904,7 +988,13 @@ impl Endpoint {
         } else {
             AccessFlags::NONE
         };
-        let ok = mrs.check_local(q.pd, wr.local.lkey, wr.local.addr, wr.local.len, need);
+        let checked = mrs.local_access(q.pd, wr.local.lkey, wr.local.addr, wr.local.len, need);
+        // A lent region is a passing state, not a bad buffer: refused now,
+        // the QP stays as it is.
+        if let Err(e @ VerbsError::MrLent(_)) = checked {
+            return Err(e);
+        }
+        let ok = checked.is_ok();
         let has_ref = ok && wr.local.len > 0;
         if has_ref {
             mrs.add_ref(wr.local.lkey, 1);
@@ -1068,6 +1158,26 @@ impl Endpoint {
     /// The next event, if any.
     pub fn poll_event(&mut self) -> Option<Event> {
         self.events.pop_front()
+    }
+
+    /// How many completions (in every completion queue) and events wait
+    /// for the application: what [`poll_cq`](Self::poll_cq) and
+    /// [`poll_event`](Self::poll_event) would hand out.
+    ///
+    /// A driver compares it before and after a turn: a turn that made
+    /// completions or events (a request that failed on this side when its
+    /// turn to be sent came, say, which sends nothing) is one in which
+    /// something happened, and must return to its caller rather than sleep
+    /// with them undelivered.
+    ///
+    /// ```
+    /// use metaroce_proto::{Endpoint, EndpointConfig};
+    /// let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+    /// ep.create_cq(16);
+    /// assert_eq!(ep.unpolled(), 0);
+    /// ```
+    pub fn unpolled(&self) -> usize {
+        self.events.len() + self.cqs.iter().map(|q| q.entries.len()).sum::<usize>()
     }
 
     /// When [`handle_timeout`](Self::handle_timeout) must be called next.

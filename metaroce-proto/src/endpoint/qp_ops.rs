@@ -644,7 +644,7 @@ impl Endpoint {
             if q.probe_deadline(rto).is_none_or(|d| d > now) {
                 continue;
             }
-            if q.probes >= retry_cnt {
+            if q.probes >= q.probe_limit(retry_cnt) {
                 let oldest = q.sq.front().map(|w| w.msn);
                 tracing::debug!(?qpn, "no progress after {} probes", q.probes);
                 self.fail_qp(qpn, oldest.map(|m| (m, WcStatus::RetryExceeded)), true);

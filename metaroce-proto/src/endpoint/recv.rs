@@ -644,11 +644,19 @@ impl Endpoint {
         };
         // Zero-length WRITEs and READs touch no memory: no key check (as in verbs).
         let remote_ok = |rkey: u32, addr: u64, need: AccessFlags| -> bool {
-            hdr.msg_len == 0
-                || qp_access.contains(need)
-                    && self.mrs.by_rkey(rkey).is_some_and(|m| {
-                        m.permits(pd, need, addr, u64::from(hdr.msg_len)).is_some()
-                    })
+            let len = u64::from(hdr.msg_len);
+            let checked = self.mrs.remote_access(pd, qp_access, rkey, addr, len, need);
+            if let Err(why) = checked {
+                tracing::debug!(
+                    qpn = hdr.dst_qpn,
+                    msn = hdr.msn,
+                    rkey,
+                    addr,
+                    len,
+                    "remote access refused: {why}"
+                );
+            }
+            checked.is_ok()
         };
         let recv_seq = match hdr.ext {
             OpcodeExt::Send { recv_seq }

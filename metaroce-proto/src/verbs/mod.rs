@@ -16,7 +16,7 @@ mod region_buf;
 pub(crate) use cq::CompletionQueue;
 pub use mr::MrInfo;
 pub(crate) use mr::MrTable;
-pub use qp::{QpAttrs, QpState};
+pub use qp::{QpAttrs, QpState, RcAttrs};
 pub use region_buf::RegionBuf;
 
 use core::time::Duration;
@@ -79,6 +79,40 @@ impl core::ops::BitOr for AccessFlags {
     }
 }
 
+/// The rights by name, `|`-separated (`LOCAL_WRITE|REMOTE_READ`; `NONE`
+/// for none), as error messages and logs show them.
+///
+/// ```
+/// use metaroce_proto::verbs::AccessFlags;
+/// let a = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ;
+/// assert_eq!(a.to_string(), "LOCAL_WRITE|REMOTE_READ");
+/// assert_eq!(AccessFlags::NONE.to_string(), "NONE");
+/// ```
+impl core::fmt::Display for AccessFlags {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        let names = [
+            (AccessFlags::LOCAL_WRITE, "LOCAL_WRITE"),
+            (AccessFlags::REMOTE_WRITE, "REMOTE_WRITE"),
+            (AccessFlags::REMOTE_READ, "REMOTE_READ"),
+            (AccessFlags::ON_DEMAND, "ON_DEMAND"),
+        ];
+        let mut first = true;
+        for (flag, name) in names {
+            if self.contains(flag) {
+                if !first {
+                    f.write_str("|")?;
+                }
+                f.write_str(name)?;
+                first = false;
+            }
+        }
+        if first {
+            f.write_str("NONE")?;
+        }
+        Ok(())
+    }
+}
+
 /// A protection domain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PdHandle(pub(crate) u32);
@@ -88,8 +122,29 @@ pub struct PdHandle(pub(crate) u32);
 pub struct CqHandle(pub(crate) u32);
 
 /// A queue pair, named by its QP number (what the peer puts in `dst_qpn`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+///
+/// Shown as the bare decimal number by both `Display` and `Debug`, so that
+/// a QP reads the same in every log line and message (`qpn=1048577`),
+/// however the line was written.
+///
+/// ```
+/// use metaroce_proto::verbs::Qpn;
+/// assert_eq!(format!("{} {:?}", Qpn(1048577), Qpn(1048577)), "1048577 1048577");
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Qpn(pub u32);
+
+impl core::fmt::Display for Qpn {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        core::fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl core::fmt::Debug for Qpn {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        core::fmt::Display::fmt(&self.0, f)
+    }
+}
 
 /// A connection to a peer endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -241,11 +296,36 @@ pub enum VerbsError {
     #[error("no such completion queue")]
     InvalidCq,
     /// No such queue pair.
-    #[error("no such queue pair {0:?}")]
+    #[error("no such queue pair {0}")]
     InvalidQp(Qpn),
-    /// No such memory region.
+    /// No such memory region: the key was never issued, or its region was
+    /// deregistered.
     #[error("no such memory region (key {0:#x})")]
     InvalidKey(u32),
+    /// The region exists but was not registered with the rights the request
+    /// needs: a receive (and a READ's destination) needs `LOCAL_WRITE`.
+    #[error("memory region (key {lkey:#x}) lacks {need} access (registered with {has})")]
+    AccessDenied {
+        /// The region's local key.
+        lkey: u32,
+        /// What the request needs.
+        need: AccessFlags,
+        /// What the region was registered with.
+        has: AccessFlags,
+    },
+    /// The region belongs to another protection domain than the QP.
+    #[error("memory region (key {0:#x}) is in another protection domain than the QP")]
+    OtherPd(u32),
+    /// The buffer reaches outside its region.
+    #[error("{len} bytes at address {addr:#x} reach outside memory region (key {lkey:#x})")]
+    OutsideRegion {
+        /// The region's local key.
+        lkey: u32,
+        /// The buffer's first byte.
+        addr: u64,
+        /// Its length.
+        len: u32,
+    },
     /// No such connection, or it is closed.
     #[error("no such connection")]
     InvalidConnection,
@@ -260,6 +340,9 @@ pub enum VerbsError {
     /// A transition was asked for without the attributes it needs.
     #[error("missing attribute `{0}` for this transition")]
     MissingAttribute(&'static str),
+    /// An attribute's value is out of its range.
+    #[error("invalid QP attribute: {0}")]
+    InvalidAttribute(&'static str),
     /// The QP's state does not allow posting this request.
     #[error("QP is in state {0:?}, which does not take this request")]
     InvalidState(QpState),
@@ -274,6 +357,10 @@ pub enum VerbsError {
     /// retry after the driver's next poll.
     #[error("memory region still being sent from by {0} transmits")]
     MrSending(u32),
+    /// The memory region's bytes are lent to the application
+    /// (`Endpoint::lend_mr`): nothing may use it until they are back.
+    #[error("memory region (key {0:#x}) is lent to the application")]
+    MrLent(u32),
     /// The memory region is too large or empty.
     #[error("invalid memory region length {0}")]
     InvalidLength(usize),

@@ -25,6 +25,30 @@ pub struct MrInfo {
     pub access: AccessFlags,
 }
 
+/// Why a peer's WRITE or READ was refused (it completes with
+/// `RemoteAccessError` at the peer), for the responder's log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum RemoteRefusal {
+    /// The QP was not given the right (`QpAttrs::access`).
+    #[error("the QP allows {has} only, not {need}")]
+    QpAccess { need: AccessFlags, has: AccessFlags },
+    /// No region has the key: never issued, deregistered, or forged.
+    #[error("no memory region has this rkey (never issued or deregistered)")]
+    NoRegion,
+    /// The region is in another protection domain than the QP.
+    #[error("the region is in another protection domain than the QP")]
+    OtherPd,
+    /// The region's bytes are lent to the application.
+    #[error("the region is lent to the application (MemoryRegion::lend)")]
+    Lent,
+    /// The region was not registered with the right.
+    #[error("the region was registered with {has}, without {need}")]
+    RegionAccess { need: AccessFlags, has: AccessFlags },
+    /// The range reaches outside the region.
+    #[error("the range reaches outside the region of {size} bytes at {start:#x}")]
+    Bounds { start: u64, size: u64 },
+}
+
 #[derive(Debug)]
 pub(crate) struct MemoryRegion {
     pub(crate) pd: PdHandle,
@@ -35,6 +59,9 @@ pub(crate) struct MemoryRegion {
     /// Gathered transmits the driver still sends from the region
     /// ([`Chunk::Region`](crate::Chunk::Region)): its memory must stay.
     pub(crate) pins: u32,
+    /// The bytes are lent to the application ([`MrTable::lend`]): `buf` is
+    /// empty until they come back, and nothing may use the region.
+    pub(crate) lent: bool,
 }
 
 impl MemoryRegion {
@@ -200,12 +227,16 @@ impl MrTable {
             buf,
             refs: 0,
             pins: 0,
+            lent: false,
         });
         Ok(info)
     }
 
     pub(crate) fn deregister(&mut self, lkey: u32) -> Result<RegionBuf, VerbsError> {
         let mr = self.by_lkey(lkey).ok_or(VerbsError::InvalidKey(lkey))?;
+        if mr.lent {
+            return Err(VerbsError::MrLent(lkey));
+        }
         if mr.refs > 0 {
             return Err(VerbsError::MrInUse(mr.refs));
         }
@@ -221,6 +252,42 @@ impl MrTable {
         self.keys.remove(&rkey);
         self.free.push(idx);
         Ok(mr.buf)
+    }
+
+    /// Takes a region's bytes out for the application, keeping its keys:
+    /// refused while requests or READ responses reference it
+    /// ([`VerbsError::MrInUse`]), while the driver still sends from it
+    /// ([`VerbsError::MrSending`], microseconds), or if they are lent
+    /// already. Until [`give_back`](Self::give_back), posts that name the
+    /// region are refused and peers' accesses to it fail.
+    pub(crate) fn lend(&mut self, lkey: u32) -> Result<RegionBuf, VerbsError> {
+        let mr = self.by_lkey_mut(lkey).ok_or(VerbsError::InvalidKey(lkey))?;
+        if mr.lent {
+            return Err(VerbsError::MrLent(lkey));
+        }
+        if mr.refs > 0 {
+            return Err(VerbsError::MrInUse(mr.refs));
+        }
+        if mr.pins > 0 {
+            return Err(VerbsError::MrSending(mr.pins));
+        }
+        mr.lent = true;
+        Ok(std::mem::take(&mut mr.buf))
+    }
+
+    /// Puts lent bytes back ([`lend`](Self::lend)): `buf` must be as long as
+    /// the region ([`VerbsError::InvalidLength`] if not, and it is dropped).
+    pub(crate) fn give_back(&mut self, lkey: u32, buf: RegionBuf) -> Result<(), VerbsError> {
+        let mr = self.by_lkey_mut(lkey).ok_or(VerbsError::InvalidKey(lkey))?;
+        if !mr.lent {
+            return Err(VerbsError::InvalidKey(lkey));
+        }
+        if buf.len() as u64 != mr.info.len {
+            return Err(VerbsError::InvalidLength(buf.len()));
+        }
+        mr.buf = buf;
+        mr.lent = false;
+        Ok(())
     }
 
     fn slot(&self, key: u32) -> Option<&MemoryRegion> {
@@ -254,26 +321,80 @@ impl MrTable {
         self.slots.iter().flatten().filter(|m| m.pd == pd).count()
     }
 
-    /// Checks a local buffer: region exists, same PD, rights, bounds.
-    pub(crate) fn check_local(
+    /// Checks a local buffer for a request, and says why it is refused:
+    /// no such region, lent, another PD, missing rights, or out of bounds
+    /// (in that order). An empty buffer names no memory and always passes.
+    pub(crate) fn local_access(
         &self,
         pd: PdHandle,
         lkey: u32,
         addr: u64,
         len: u32,
         need: AccessFlags,
-    ) -> bool {
+    ) -> Result<(), VerbsError> {
         if len == 0 {
-            return true;
+            return Ok(());
         }
-        match self.by_lkey(lkey) {
-            Some(mr) => {
-                mr.pd == pd
-                    && mr.info.access.contains(need)
-                    && mr.range(addr, u64::from(len)).is_some()
-            }
-            None => false,
+        let mr = self.by_lkey(lkey).ok_or(VerbsError::InvalidKey(lkey))?;
+        if mr.lent {
+            return Err(VerbsError::MrLent(lkey));
         }
+        if mr.pd != pd {
+            return Err(VerbsError::OtherPd(lkey));
+        }
+        if !mr.info.access.contains(need) {
+            return Err(VerbsError::AccessDenied {
+                lkey,
+                need,
+                has: mr.info.access,
+            });
+        }
+        mr.range(addr, u64::from(len))
+            .map(|_| ())
+            .ok_or(VerbsError::OutsideRegion { lkey, addr, len })
+    }
+
+    /// Checks a peer's access to `len` bytes at `addr` of region `rkey`
+    /// for a QP in `pd` whose access flags are `qp_access`, and says why
+    /// when it is refused (a `RemoteAccessError` for the peer). An empty
+    /// access names no memory and always passes (as in verbs).
+    pub(crate) fn remote_access(
+        &self,
+        pd: PdHandle,
+        qp_access: AccessFlags,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: AccessFlags,
+    ) -> Result<(), RemoteRefusal> {
+        if len == 0 {
+            return Ok(());
+        }
+        if !qp_access.contains(need) {
+            return Err(RemoteRefusal::QpAccess {
+                need,
+                has: qp_access,
+            });
+        }
+        let mr = self.by_rkey(rkey).ok_or(RemoteRefusal::NoRegion)?;
+        if mr.lent {
+            return Err(RemoteRefusal::Lent);
+        }
+        if mr.pd != pd {
+            return Err(RemoteRefusal::OtherPd);
+        }
+        if !mr.info.access.contains(need) {
+            return Err(RemoteRefusal::RegionAccess {
+                need,
+                has: mr.info.access,
+            });
+        }
+        mr.range(addr, len)
+            .map(|_| ())
+            .ok_or(RemoteRefusal::Bounds {
+                start: mr.info.addr,
+                size: mr.info.len,
+            })
     }
 
     /// Adds (`+1`) or drops (`-1`) a reference.
@@ -327,8 +448,12 @@ mod tests {
         assert_eq!(mr.range(0x0fff, 1), None);
         assert_eq!(mr.range(0x1000, 101), None);
         assert_eq!(mr.range(u64::MAX, 2), None);
-        assert!(t.check_local(pd, a.lkey, 0x1000, 100, AccessFlags::LOCAL_WRITE));
-        assert!(!t.check_local(PdHandle(1), a.lkey, 0x1000, 100, AccessFlags::NONE));
+        assert!(t
+            .local_access(pd, a.lkey, 0x1000, 100, AccessFlags::LOCAL_WRITE)
+            .is_ok());
+        assert!(t
+            .local_access(PdHandle(1), a.lkey, 0x1000, 100, AccessFlags::NONE)
+            .is_err());
         t.add_ref(a.lkey, 1);
         assert_eq!(t.deregister(a.lkey), Err(VerbsError::MrInUse(1)));
         t.add_ref(a.lkey, -1);
@@ -404,6 +529,115 @@ mod tests {
         let outputs: std::collections::HashSet<u32> =
             inputs.iter().map(|&x| g.permute(x)).collect();
         assert_eq!(outputs.len(), inputs.len());
+    }
+
+    #[test]
+    fn refusals_say_why() {
+        let mut t = MrTable::new((3, 4));
+        let pd = PdHandle(1);
+        let a = t
+            .register(pd, RegionBuf::zeroed(64), 0x100, AccessFlags::REMOTE_READ)
+            .unwrap();
+        let lw = AccessFlags::LOCAL_WRITE;
+        assert_eq!(
+            t.local_access(pd, a.lkey, 0x100, 64, AccessFlags::NONE),
+            Ok(())
+        );
+        assert_eq!(
+            t.local_access(pd, a.lkey, 0x100, 64, lw),
+            Err(VerbsError::AccessDenied {
+                lkey: a.lkey,
+                need: lw,
+                has: AccessFlags::REMOTE_READ
+            })
+        );
+        assert_eq!(
+            t.local_access(PdHandle(2), a.lkey, 0x100, 1, AccessFlags::NONE),
+            Err(VerbsError::OtherPd(a.lkey))
+        );
+        assert_eq!(
+            t.local_access(pd, a.lkey, 0x101, 64, AccessFlags::NONE),
+            Err(VerbsError::OutsideRegion {
+                lkey: a.lkey,
+                addr: 0x101,
+                len: 64
+            })
+        );
+        assert_eq!(
+            t.local_access(pd, a.lkey ^ 1, 0x100, 1, AccessFlags::NONE),
+            Err(VerbsError::InvalidKey(a.lkey ^ 1))
+        );
+        assert_eq!(t.local_access(pd, 0, 0, 0, lw), Ok(()), "empty");
+
+        let (rr, rw) = (AccessFlags::REMOTE_READ, AccessFlags::REMOTE_WRITE);
+        let all = AccessFlags::ALL;
+        assert_eq!(t.remote_access(pd, all, a.rkey, 0x100, 64, rr), Ok(()));
+        assert_eq!(
+            t.remote_access(pd, rr, a.rkey, 0x100, 64, rw),
+            Err(RemoteRefusal::QpAccess { need: rw, has: rr })
+        );
+        assert_eq!(
+            t.remote_access(pd, all, a.rkey, 0x100, 64, rw),
+            Err(RemoteRefusal::RegionAccess { need: rw, has: rr })
+        );
+        assert_eq!(
+            t.remote_access(pd, all, a.rkey ^ 1, 0x100, 64, rr),
+            Err(RemoteRefusal::NoRegion)
+        );
+        assert_eq!(
+            t.remote_access(PdHandle(2), all, a.rkey, 0x100, 64, rr),
+            Err(RemoteRefusal::OtherPd)
+        );
+        let e = t.remote_access(pd, all, a.rkey, 0x100, 65, rr).unwrap_err();
+        assert_eq!(
+            e,
+            RemoteRefusal::Bounds {
+                start: 0x100,
+                size: 64
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            "the range reaches outside the region of 64 bytes at 0x100"
+        );
+    }
+
+    #[test]
+    fn a_lent_region_is_refused_until_it_is_back() {
+        let mut t = MrTable::new((3, 4));
+        let pd = PdHandle(1);
+        let a = t
+            .register(pd, RegionBuf::copy_of(&[9; 64]), 0x100, AccessFlags::ALL)
+            .unwrap();
+        t.add_ref(a.lkey, 1);
+        assert_eq!(t.lend(a.lkey).unwrap_err(), VerbsError::MrInUse(1));
+        t.add_ref(a.lkey, -1);
+        let mut buf = t.lend(a.lkey).unwrap();
+        assert_eq!(buf.len(), 64);
+        assert_eq!(t.lend(a.lkey).unwrap_err(), VerbsError::MrLent(a.lkey));
+        let lw = AccessFlags::LOCAL_WRITE;
+        assert_eq!(
+            t.local_access(pd, a.lkey, 0x100, 1, lw),
+            Err(VerbsError::MrLent(a.lkey))
+        );
+        let rw = AccessFlags::REMOTE_WRITE;
+        assert_eq!(
+            t.remote_access(pd, AccessFlags::ALL, a.rkey, 0x100, 1, rw),
+            Err(RemoteRefusal::Lent)
+        );
+        assert_eq!(
+            t.deregister(a.lkey).unwrap_err(),
+            VerbsError::MrLent(a.lkey)
+        );
+        assert_eq!(
+            t.give_back(a.lkey, RegionBuf::zeroed(63)),
+            Err(VerbsError::InvalidLength(63))
+        );
+        buf[0] = 1;
+        t.give_back(a.lkey, buf).unwrap();
+        assert_eq!(t.local_access(pd, a.lkey, 0x100, 64, lw), Ok(()));
+        assert_eq!(t.by_lkey(a.lkey).unwrap().buf[..2], [1, 9]);
+        assert_eq!(t.deregister(a.lkey).unwrap().len(), 64);
     }
 
     #[test]

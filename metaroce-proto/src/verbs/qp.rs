@@ -7,8 +7,8 @@
 //! executes messages in order (receive completions, READ responses).
 
 use super::{
-    AccessFlags, ConnectionHandle, CqHandle, PdHandle, Qpn, RecvWr, SendOp, SendWr, WcOpcode,
-    WcStatus, WorkCompletion,
+    AccessFlags, ConnectionHandle, CqHandle, PdHandle, Qpn, RecvWr, SendOp, SendWr, VerbsError,
+    WcOpcode, WcStatus, WorkCompletion,
 };
 use crate::consts::{
     DATA_HEADER_LEN, DEFAULT_MAX_RD_ATOMIC, DEFAULT_RNR_RETRY, DEFAULT_RNR_TIMER, MSG_WINDOW,
@@ -83,10 +83,15 @@ impl QpState {
 ///
 /// - RESET→INIT: `access` (remote rights the QP allows; default none beyond local).
 /// - INIT→RTR: `conn` and `remote_qpn` (required), `max_dest_rd_atomic`, `min_rnr_timer`.
-/// - RTR→RTS: `rnr_retry`, `max_rd_atomic`.
+/// - RTR→RTS: `retry_cnt`, `timeout`, `rnr_retry`, `max_rd_atomic`.
 ///
-/// Timeout and `retry_cnt` are properties of the connection (reliability is
-/// per connection, shared by its QPs): see [`EndpointConfig`](crate::EndpointConfig).
+/// Packets are retransmitted per connection (reliability is per connection,
+/// shared by its QPs: its RTO and `retry_cnt` are in
+/// [`EndpointConfig`](crate::EndpointConfig)). A QP's own `timeout` and
+/// `retry_cnt` govern what is left to it: a request whose packets were all
+/// acknowledged but which does not complete (the peer's QP is gone, or
+/// stuck) is probed for after `timeout`, doubling each time, and fails
+/// with `RetryExceeded` after `retry_cnt` unanswered probes. See [`RcAttrs`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct QpAttrs {
     /// Remote access rights the QP allows (`qp_access_flags`).
@@ -103,6 +108,99 @@ pub struct QpAttrs {
     pub rnr_retry: Option<u8>,
     /// Largest number of our READs outstanding at once.
     pub max_rd_atomic: Option<u8>,
+    /// Unanswered progress probes before a request fails with
+    /// `RetryExceeded` (`None` at creation: the connection's `retry_cnt`).
+    pub retry_cnt: Option<u8>,
+    /// Time without progress before the first probe (`None` at creation:
+    /// the connection's retransmission timeout, which follows the RTT).
+    pub timeout: Option<Duration>,
+}
+
+/// The RC attributes of [`Endpoint::connect_qp_with`](crate::Endpoint::connect_qp_with),
+/// mirroring `ibv_modify_qp`'s for INIT, RTR and RTS, with defaults.
+///
+/// | field | `ibv_qp_attr` | default |
+/// |---|---|---|
+/// | `access` | `qp_access_flags` | every remote access (the regions still decide) |
+/// | `retry_cnt` | `retry_cnt` | `None`: the connection's (7 by default) |
+/// | `timeout` | `timeout` (4.096 µs · 2^n there) | `None`: the connection's RTO |
+/// | `rnr_retry` | `rnr_retry` | 7 (retry forever) |
+/// | `min_rnr_timer` | `min_rnr_timer` (a code there) | 100 µs |
+/// | `max_rd_atomic` | `max_rd_atomic` | 16 |
+/// | `max_dest_rd_atomic` | `max_dest_rd_atomic` | 16 |
+///
+/// `retry_cnt` and `timeout` apply to the QP's requests (see [`QpAttrs`]):
+/// packet loss is recovered by the connection, under its own RTO and
+/// `retry_cnt` ([`EndpointConfig`](crate::EndpointConfig)).
+///
+/// ```
+/// use metaroce_proto::verbs::RcAttrs;
+/// use std::time::Duration;
+/// // Fail fast: no RNR retries, and a stuck request fails after one
+/// // unanswered probe 1 ms after its last progress.
+/// let attrs = RcAttrs {
+///     rnr_retry: 0,
+///     retry_cnt: Some(1),
+///     timeout: Some(Duration::from_millis(1)),
+///     ..RcAttrs::default()
+/// };
+/// assert_eq!(attrs.max_rd_atomic, 16);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RcAttrs {
+    /// Remote access rights the QP allows.
+    pub access: AccessFlags,
+    /// Unanswered progress probes before a request fails with
+    /// `RetryExceeded` (0 to 7; 0 fails at the first one); `None` takes
+    /// the connection's (`EndpointConfig::retry_cnt`).
+    pub retry_cnt: Option<u8>,
+    /// Time without progress before the QP probes the responder (then
+    /// doubling); `None` follows the connection's retransmission timeout.
+    pub timeout: Option<Duration>,
+    /// RNR NAKs taken before a request fails with `RnrRetryExceeded`
+    /// (0 to 7; 7 retries forever, as in verbs).
+    pub rnr_retry: u8,
+    /// How long we ask a peer to wait before retrying a message we had no
+    /// receive for.
+    pub min_rnr_timer: Duration,
+    /// Our READs outstanding at once (at least 1).
+    pub max_rd_atomic: u8,
+    /// The peer's READs we take at once (at least 1).
+    pub max_dest_rd_atomic: u8,
+}
+
+impl Default for RcAttrs {
+    fn default() -> Self {
+        RcAttrs {
+            access: AccessFlags::ALL,
+            retry_cnt: None,
+            timeout: None,
+            rnr_retry: DEFAULT_RNR_RETRY,
+            min_rnr_timer: DEFAULT_RNR_TIMER,
+            max_rd_atomic: DEFAULT_MAX_RD_ATOMIC,
+            max_dest_rd_atomic: DEFAULT_MAX_RD_ATOMIC,
+        }
+    }
+}
+
+impl RcAttrs {
+    /// Checks the values: `retry_cnt` and `rnr_retry` at most 7, READ
+    /// depths at least 1, a `timeout` above zero.
+    pub fn validate(&self) -> Result<(), VerbsError> {
+        if self.retry_cnt.is_some_and(|n| n > 7) {
+            return Err(VerbsError::InvalidAttribute("retry_cnt above 7"));
+        }
+        if self.rnr_retry > 7 {
+            return Err(VerbsError::InvalidAttribute("rnr_retry above 7"));
+        }
+        if self.max_rd_atomic == 0 || self.max_dest_rd_atomic == 0 {
+            return Err(VerbsError::InvalidAttribute("a READ depth of 0"));
+        }
+        if self.timeout.is_some_and(|t| t.is_zero()) {
+            return Err(VerbsError::InvalidAttribute("a timeout of 0"));
+        }
+        Ok(())
+    }
 }
 
 /// A send work request in the send queue.
@@ -318,6 +416,10 @@ pub(crate) struct Qp {
     pub(crate) min_rnr_timer: Duration,
     pub(crate) rnr_retry: u8,
     pub(crate) max_rd_atomic: u8,
+    /// Unanswered probes before a request fails (`None`: the connection's).
+    pub(crate) retry_cnt: Option<u8>,
+    /// Time without progress before a probe (`None`: the connection's RTO).
+    pub(crate) timeout: Option<Duration>,
 
     // Requester side.
     pub(crate) sq: VecDeque<SendWqe>,
@@ -387,6 +489,8 @@ impl Qp {
             min_rnr_timer: DEFAULT_RNR_TIMER,
             rnr_retry: DEFAULT_RNR_RETRY,
             max_rd_atomic: DEFAULT_MAX_RD_ATOMIC,
+            retry_cnt: None,
+            timeout: None,
             sq: VecDeque::new(),
             sq_base_msn: 0,
             next_msn: 0,
@@ -463,7 +567,9 @@ impl Qp {
 
     /// When to probe the responder for progress: the oldest request has been
     /// sent and every packet of it acknowledged, yet it has not completed.
+    /// `rto` is the connection's timeout, used unless the QP has its own.
     pub(crate) fn probe_deadline(&self, rto: Duration) -> Option<Instant> {
+        let rto = self.timeout.unwrap_or(rto);
         let waiting = self.state.takes_send()
             && self.send_idx > 0
             && !self.sq.is_empty()
@@ -472,6 +578,12 @@ impl Qp {
             && self.rnr_wait_until.is_none()
             && !self.probe_pending;
         waiting.then(|| self.last_progress + rto * (1u32 << self.probes.min(10)))
+    }
+
+    /// Unanswered probes before the oldest request fails, given the
+    /// connection's `retry_cnt`.
+    pub(crate) fn probe_limit(&self, conn_retry_cnt: u8) -> u8 {
+        self.retry_cnt.unwrap_or(conn_retry_cnt)
     }
 
     /// Progress seen: no probe needed for a while.
