@@ -5,6 +5,18 @@
 //! metaroce sim --transport metaroce --hosts 64 --spines 8 --loss 0.01
 //! metaroce sim --transport all --sweep loss=0,0.001,0.01,0.05,0.1 --json
 //! ```
+//!
+//! The kernel fabric of `metaroce fabric up --spines 4 --rate-mbit 200`
+//! (two hosts, four spines shaped by `tc tbf rate 200mbit burst 100000
+//! latency 20ms`, the core's own timers), with receiver-thread stalls, a
+//! gray spine or a silent blackhole:
+//!
+//! ```text
+//! metaroce sim --hosts 2 --hosts-per-leaf 1 --spines 4 --link-gbps 10 \
+//!   --spine-shaper 0.2:100000:20ms --ecn off --pattern incast:1 --paths 16 \
+//!   --min-rto-us 2000 --ack-delay-us 20 --initial-window 262144 --duration-ms 6000 \
+//!   [--loss 0.01] [--host-stall 0.3:1000] [--fail spine:0@0=0.02] [--fail spine:0@2000=blackhole]
+//! ```
 
 use std::io::IsTerminal;
 use std::time::Instant;
