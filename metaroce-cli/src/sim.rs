@@ -5,6 +5,18 @@
 //! metaroce sim --transport metaroce --hosts 64 --spines 8 --loss 0.01
 //! metaroce sim --transport all --sweep loss=0,0.001,0.01,0.05,0.1 --json
 //! ```
+//!
+//! The kernel fabric of `metaroce fabric up --spines 4 --rate-mbit 200`
+//! (two hosts, four spines shaped by `tc tbf rate 200mbit burst 100000
+//! latency 20ms`, the core's own timers), with receiver-thread stalls, a
+//! gray spine or a silent blackhole:
+//!
+//! ```text
+//! metaroce sim --hosts 2 --hosts-per-leaf 1 --spines 4 --link-gbps 10 \
+//!   --spine-shaper 0.2:100000:20ms --ecn off --pattern incast:1 --paths 16 \
+//!   --min-rto-us 2000 --ack-delay-us 20 --initial-window 262144 --duration-ms 6000 \
+//!   [--loss 0.01] [--host-stall 0.3:1000] [--fail spine:0@0=0.02] [--fail spine:0@2000=blackhole]
+//! ```
 
 use std::io::IsTerminal;
 use std::time::Instant;
@@ -54,10 +66,34 @@ pub struct SimArgs {
     /// Simulated time in milliseconds.
     #[arg(long, default_value_t = 10.0)]
     pub duration_ms: f64,
-    /// A fault, e.g. `spine:3@2` (spine 3 fails at 2 ms), `spine:3@2-5`,
-    /// `link:0-1@1`, `plane:1@0`, `host:5@1=25` (degrade to 25 Gbit/s). Repeatable.
+    /// A fault, `TARGET@START_MS[-END_MS][=GBPS|=blackhole]`, e.g. `spine:3@2`
+    /// (spine 3 fails at 2 ms; routing then avoids it), `spine:3@2-5`,
+    /// `link:0-1@1`, `plane:1@0`, `host:5@1=25` (degrade to 25 Gbit/s),
+    /// `spine:3@2=10` (a gray spine: up, at 10 Gbit/s), `spine:3@2=blackhole`
+    /// (a silent blackhole: drops everything, routing keeps hashing onto it).
+    /// Repeatable.
     #[arg(long)]
     pub fail: Vec<String>,
+    /// Shape every leaf↔spine port (both directions) with a token bucket, as
+    /// `tc tbf`: `RATE_GBPS:BURST_BYTES[:QUEUE]`, QUEUE in bytes or as a
+    /// latency (`20ms`, `500us`: the rate × latency + burst, as tc computes
+    /// it; default: --buffer-bytes). The port sends at line rate while
+    /// tokens last; tokens refill at RATE up to BURST. `0.2:100000:20ms` is
+    /// `tc tbf rate 200mbit burst 100000 latency 20ms`.
+    #[arg(long, value_name = "RATE_GBPS:BURST_BYTES[:QUEUE]")]
+    pub spine_shaper: Option<String>,
+    /// Stall every host's processing now and then: `RATE_PER_MS:MEAN_US[:exp|fixed]`.
+    /// Running periods are exponential of mean 1/RATE ms (stalls start as a
+    /// Poisson process of RATE per ms of running time), stalls last MEAN µs
+    /// on average (exponential) or exactly (fixed). A stalled host sends
+    /// nothing new, its timers wait, and packets reaching it are handed over
+    /// together when the stall ends. E.g. `0.5:500` (a 500 µs stall every 2 ms).
+    #[arg(long, value_name = "RATE_PER_MS:MEAN_US[:exp|fixed]")]
+    pub host_stall: Option<String>,
+    /// Largest transport payload per packet, bytes (metaroce rounds full
+    /// segments down to a multiple of 64).
+    #[arg(long, default_value_t = 4096)]
+    pub mtu: u32,
     /// Seed of every random choice.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -73,6 +109,10 @@ pub struct SimArgs {
     /// metaroce: minimum RTO in µs (default: 5 × base RTT, at least 20 µs).
     #[arg(long)]
     pub min_rto_us: Option<u64>,
+    /// metaroce: delayed-ACK timer in µs (default 2; the core's own default,
+    /// which real hosts run, is 20).
+    #[arg(long)]
+    pub ack_delay_us: Option<u64>,
     /// metaroce: initial congestion window in bytes (default: one BDP).
     #[arg(long)]
     pub initial_window: Option<u64>,
@@ -145,6 +185,9 @@ fn configs(a: &SimArgs) -> anyhow::Result<Vec<SimConfig>> {
             .map(|f| f.parse::<FaultSpec>())
             .collect::<Result<_, _>>()?,
         seed: a.seed,
+        mtu: a.mtu,
+        spine_shaper: a.spine_shaper.as_deref().map(str::parse).transpose()?,
+        host_stalls: a.host_stall.as_deref().map(str::parse).transpose()?,
         ..SimConfig::default()
     };
     if let Some(b) = a.buffer_bytes {
@@ -170,6 +213,9 @@ fn configs(a: &SimArgs) -> anyhow::Result<Vec<SimConfig>> {
         .unwrap_or(if many_flows { 2 } else { m.outstanding });
     m.min_rto_ns = a.min_rto_us.map(|us| us * NS_PER_US);
     m.initial_window = a.initial_window;
+    if let Some(us) = a.ack_delay_us {
+        m.ack_delay_ns = us * NS_PER_US;
+    }
     m.max_window = a.max_window;
     m.verify_every = a.verify_every;
     m.receiver_hints = a.receiver_hints;
@@ -222,6 +268,27 @@ fn render_metrics(r: &SimReport) -> String {
             us(r.recovery_us),
             r.bin_us,
             r.goodput_after_fault_gbps.unwrap_or(0.0)
+        );
+    }
+    if let Some(m) = &r.metaroce {
+        let per = |n: u64| {
+            if m.data_packets_sent == 0 {
+                0.0
+            } else {
+                n as f64 / m.data_packets_sent as f64
+            }
+        };
+        out += &format!(
+            "{} loss {}: {} data packets, {} retransmitted ({:.2}%), {} RTO fires ({:.2} per 10,000), {} declared lost, {} of them spurious\n",
+            r.transport,
+            r.loss,
+            m.data_packets_sent,
+            m.retransmits,
+            100.0 * per(m.retransmits),
+            m.rto_fires,
+            1e4 * per(m.rto_fires),
+            m.packets_lost,
+            m.spurious_losses
         );
     }
     if let Some(u) = r.receiver_utilization {

@@ -5,6 +5,8 @@ use std::str::FromStr;
 use crate::baselines::BaselineParams;
 use crate::faults::{FaultSpec, LossLinks};
 use crate::metaroce::MetaroceParams;
+use crate::queue::ShaperSpec;
+use crate::stalls::HostStalls;
 use crate::time::{Nanos, NS_PER_MS};
 use crate::traffic::Pattern;
 
@@ -26,6 +28,12 @@ pub enum ConfigError {
     /// The loss-link selector is unknown.
     #[error("bad loss links {0:?} (expected spine-to-leaf, leaf-to-host or all)")]
     BadLossLinks(String),
+    /// The shaper spec does not parse or is out of range.
+    #[error("bad shaper {0} (expected RATE_GBPS:BURST_BYTES[:QUEUE_BYTES|LATENCYms|LATENCYus])")]
+    BadShaper(String),
+    /// The host-stall spec does not parse or is out of range.
+    #[error("bad host stalls {0} (expected RATE_PER_MS:MEAN_US[:exp|fixed])")]
+    BadStall(String),
     /// A parameter is out of range.
     #[error("invalid configuration: {0}")]
     Invalid(String),
@@ -110,6 +118,13 @@ pub struct SimConfig {
     /// Maximum transport payload per packet (metaroce's full segments carry
     /// it rounded down to a multiple of 64 bytes).
     pub mtu: u32,
+    /// Token-bucket shaping of every leaf→spine and spine→leaf port
+    /// (`--spine-shaper`); `None`: ports serve at line rate. A stream that
+    /// left one shaper conforms to the next, identical one, so a packet
+    /// crossing a spine is held back once per direction in effect.
+    pub spine_shaper: Option<ShaperSpec>,
+    /// Stalls of the hosts' processing (`--host-stall`).
+    pub host_stalls: Option<HostStalls>,
     /// Random loss probability (`--loss`) on `loss_links`.
     pub loss: f64,
     /// Which links carry `loss`.
@@ -149,6 +164,8 @@ impl Default for SimConfig {
             buffer_bytes: 1_000_000,
             ecn_threshold_bytes: 100_000,
             ecn_marking: true,
+            spine_shaper: None,
+            host_stalls: None,
             mtu: 4096,
             loss: 0.0,
             loss_links: LossLinks::default(),
@@ -223,6 +240,13 @@ impl SimConfig {
         }
         if self.buffer_bytes < self.mtu as u64 + 128 {
             return bad("switch buffer smaller than one packet".into());
+        }
+        if let Some(s) = &self.spine_shaper {
+            let max_packet = self.mtu as u64 + 128;
+            s.validate(self.buffer_bytes, max_packet)?;
+        }
+        if let Some(s) = &self.host_stalls {
+            s.validate()?;
         }
         match &self.pattern {
             Pattern::Incast { senders } if *senders >= self.hosts => {

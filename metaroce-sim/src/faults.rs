@@ -1,8 +1,10 @@
 //! Faults: random loss on chosen links, link/spine/plane failures and
-//! recoveries, degraded links, and targeted single-packet drops.
+//! recoveries, degraded (gray) links, silent blackholes, and targeted
+//! single-packet drops.
 //!
-//! A failure spec in the CLI's syntax is `TARGET@START[-END][=GBPS]`, with
-//! times in (fractional) milliseconds:
+//! A failure spec in the CLI's syntax is
+//! `TARGET@START[-END][=GBPS|=blackhole]`, with times in (fractional)
+//! milliseconds:
 //!
 //! | spec | meaning |
 //! |---|---|
@@ -13,6 +15,15 @@
 //! | `link:1.0-2@1` | the same on plane 1 |
 //! | `host:5@1` | host 5's links on plane 0 fail (`host:P.H` for plane P) |
 //! | `link:0-2@1=25` | leaf 0 ↔ spine 2 runs at 25 Gbit/s from 1 ms |
+//! | `spine:3@2=10` | a gray spine: spine 3's links run at 10 Gbit/s from 2 ms, staying up |
+//! | `spine:3@2=blackhole` | a silent blackhole: spine 3 drops everything from 2 ms while routing keeps hashing onto it |
+//!
+//! A failed link (`Fail`) is down: once routing converges
+//! ([`crate::SimConfig::routing_convergence_ns`]) ECMP stops choosing it.
+//! A degraded link stays up and serialises at the lower rate (on a shaped
+//! port the lower of that rate and the shaping rate governs). A blackholed
+//! link stays up for routing and drops every packet that crosses it, those
+//! on the wire when it starts included (counted as `dropped_blackhole`).
 
 use std::str::FromStr;
 
@@ -106,6 +117,9 @@ pub enum FaultAction {
         /// New rate in Gbit/s.
         gbps: f64,
     },
+    /// The links stay up, and routing keeps choosing them, but every packet
+    /// crossing them is dropped (a silent blackhole), until `until_ns`.
+    Blackhole,
     /// Drop the packet with this 0-based ordinal among those offered to
     /// each target link (deterministic single-loss experiments).
     DropNth {
@@ -249,6 +263,7 @@ impl FromStr for FaultSpec {
             .split_once('@')
             .ok_or_else(|| bad("missing '@TIME_MS'"))?;
         let (when, action) = match when.split_once('=') {
+            Some((w, "blackhole")) => (w, FaultAction::Blackhole),
             Some((w, rate)) => (
                 w,
                 FaultAction::Degrade {
@@ -336,6 +351,15 @@ mod tests {
         );
         assert_eq!(f.at_ns, 250_000);
         assert_eq!(f.action, FaultAction::Degrade { gbps: 25.0 });
+
+        let f: FaultSpec = "spine:3@2=10".parse().unwrap();
+        assert_eq!(f.target, FaultTarget::Spine { plane: 0, spine: 3 });
+        assert_eq!(f.action, FaultAction::Degrade { gbps: 10.0 });
+        let f: FaultSpec = "spine:1.3@2-4=blackhole".parse().unwrap();
+        assert_eq!(f.target, FaultTarget::Spine { plane: 1, spine: 3 });
+        assert_eq!(f.action, FaultAction::Blackhole);
+        assert_eq!(f.until_ns, Some(4_000_000));
+        assert!("spine:3@2=black".parse::<FaultSpec>().is_err());
 
         assert_eq!(
             "plane:1@0".parse::<FaultSpec>().unwrap().target,

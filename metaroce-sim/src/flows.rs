@@ -21,6 +21,10 @@ pub(crate) struct FlowRecord {
     pub bytes: Option<u64>,
     pub start: Nanos,
     pub done: Option<Nanos>,
+    /// Launched by the traffic pattern's first round (at the start of the
+    /// run, or at its own start time for an explicit flow list), not as a
+    /// closed-loop successor of a completed flow.
+    pub first_round: bool,
     /// Every byte below this offset arrived intact.
     contiguous: u64,
     /// Sorted, disjoint `[start, end)` ranges above `contiguous`.
@@ -48,6 +52,7 @@ impl FlowTable {
         dst: HostId,
         bytes: Option<u64>,
         start: Nanos,
+        first_round: bool,
     ) -> FlowId {
         self.flows.push(FlowRecord {
             src,
@@ -55,6 +60,7 @@ impl FlowTable {
             bytes,
             start,
             done: None,
+            first_round,
             contiguous: 0,
             islands: Vec::new(),
         });
@@ -67,6 +73,40 @@ impl FlowTable {
 
     pub(crate) fn len(&self) -> usize {
         self.flows.len()
+    }
+
+    /// Rates of the completed finite flows, in Gbit/s (bytes × 8 over the
+    /// time from start to last byte delivered): `(min, mean, max)`, or
+    /// `None` when no finite flow completed.
+    pub(crate) fn rate_stats(&self) -> Option<(f64, f64, f64)> {
+        let rates = self.flows.iter().filter_map(|f| {
+            let (bytes, done) = (f.bytes?, f.done?);
+            Some(bytes as f64 * 8.0 / (done - f.start).max(1) as f64)
+        });
+        let (mut n, mut sum, mut min, mut max) = (0u64, 0.0, f64::INFINITY, 0.0f64);
+        for r in rates {
+            n += 1;
+            sum += r;
+            min = min.min(r);
+            max = max.max(r);
+        }
+        (n > 0).then(|| (min, sum / n as f64, max))
+    }
+
+    /// When the last finite flow of the first round completed (time from
+    /// the start of the run), or `None` if one has not (or there is none).
+    /// A collective finishes with its slowest flow.
+    pub(crate) fn makespan(&self) -> Option<Nanos> {
+        let mut last = None;
+        for f in self
+            .flows
+            .iter()
+            .filter(|f| f.first_round && f.bytes.is_some())
+        {
+            let done = f.done?;
+            last = Some(last.map_or(done, |l: Nanos| l.max(done)));
+        }
+        last
     }
 
     /// Record that `len` bytes at `offset` of `flow` reached the
@@ -140,7 +180,7 @@ mod tests {
     #[test]
     fn in_order_accounting() {
         let mut t = FlowTable::default();
-        let f = t.add(0, 1, Some(300), 10);
+        let f = t.add(0, 1, Some(300), 10, true);
         assert_eq!(t.delivered(f, 0, 100, true, 20), DeliveryOutcome::Progress);
         assert_eq!(
             t.delivered(f, 200, 100, true, 30),
@@ -162,7 +202,7 @@ mod tests {
     #[test]
     fn placement_accounting() {
         let mut t = FlowTable::default();
-        let f = t.add(0, 1, Some(400), 0);
+        let f = t.add(0, 1, Some(400), 0, true);
         t.delivered(f, 300, 100, false, 1);
         t.delivered(f, 100, 100, false, 2);
         t.delivered(f, 150, 100, false, 3);
@@ -180,7 +220,7 @@ mod tests {
     #[test]
     fn infinite_flows_never_complete() {
         let mut t = FlowTable::default();
-        let f = t.add(0, 1, None, 0);
+        let f = t.add(0, 1, None, 0, true);
         for i in 0..10 {
             assert_eq!(
                 t.delivered(f, i * 10, 10, true, i),
@@ -188,5 +228,26 @@ mod tests {
             );
         }
         assert_eq!(t.intact_bytes, 100);
+        assert_eq!(t.rate_stats(), None);
+        assert_eq!(t.makespan(), None, "no finite flow");
+    }
+
+    #[test]
+    fn rate_stats_and_makespan() {
+        let mut t = FlowTable::default();
+        // 1,000 B in 800 ns (10 Gbit/s) and in 400 ns (20 Gbit/s).
+        let a = t.add(0, 1, Some(1_000), 0, true);
+        let b = t.add(2, 3, Some(1_000), 100, true);
+        t.delivered(b, 0, 1_000, true, 500);
+        assert_eq!(t.makespan(), None, "flow a is not done");
+        t.delivered(a, 0, 1_000, true, 800);
+        assert_eq!(t.makespan(), Some(800));
+        // A later round's flow counts in the rates, not in the makespan.
+        let c = t.add(0, 1, Some(2_000), 800, false);
+        t.delivered(c, 0, 2_000, true, 2_400);
+        assert_eq!(t.rate_stats(), Some((10.0, 40.0 / 3.0, 20.0)));
+        assert_eq!(t.makespan(), Some(800));
+        t.add(2, 3, Some(1_000), 900, false);
+        assert_eq!(t.makespan(), Some(800));
     }
 }

@@ -46,6 +46,11 @@ pub(crate) struct Host<T> {
     pub timer_pending: Option<Nanos>,
     /// Queued for servicing after the current event.
     pub dirty: bool,
+    /// In a stall (see [`crate::stalls`]): the transport is not called.
+    pub stalled: bool,
+    /// Packets that reached the host during the stall (slab indices), in
+    /// arrival order.
+    pub held: VecDeque<u32>,
 }
 
 impl<T> Host<T> {
@@ -55,6 +60,8 @@ impl<T> Host<T> {
             ports: (0..planes).map(|_| NicPort::default()).collect(),
             timer_pending: None,
             dirty: false,
+            stalled: false,
+            held: VecDeque::new(),
         }
     }
 

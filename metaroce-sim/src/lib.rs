@@ -3,9 +3,10 @@
 //!
 //! It models two-tier leaf-spine fabrics (optionally several independent
 //! planes), output-queued switch ports with finite buffers, tail drop and
-//! DCTCP-style ECN marking, 5-tuple ECMP with per-switch seeds, random loss,
-//! link/spine/plane failures and degraded links, and several traffic
-//! patterns. Host transports plug in through the sans-IO [`SimTransport`]
+//! DCTCP-style ECN marking, token-bucket shaped ports, 5-tuple ECMP with
+//! per-switch seeds, random loss, link/spine/plane failures, degraded
+//! (gray) links and silent blackholes, stalls of the hosts' processing, and
+//! several traffic patterns. Host transports plug in through the sans-IO [`SimTransport`]
 //! trait; the crate runs the real metaroce core ([`metaroce`]) and ships
 //! the baselines it is compared against
 //! (RoCEv2 go-back-N and IRN, both with DCQCN) and a dumb blaster.
@@ -21,7 +22,7 @@
 //! Module map:
 //! - engine: [`time`], [`rng`], [`event`], `sim` (the loop and entry points)
 //! - fabric: [`packet`], [`addr`], [`topology`], [`queue`], [`ecmp`], `host`
-//! - scenario: [`config`], [`traffic`], [`faults`]
+//! - scenario: [`config`], [`traffic`], [`faults`], [`stalls`]
 //! - transports: [`transport`] (the trait), [`metaroce`] (the real core), [`baselines`]
 //! - results: `flows` (delivery accounting), [`series`] (time series and
 //!   the metrics derived from them), [`report`]
@@ -44,6 +45,7 @@ pub mod report;
 pub mod rng;
 pub mod series;
 mod sim;
+pub mod stalls;
 pub mod time;
 pub mod topology;
 pub mod traffic;
@@ -55,9 +57,11 @@ pub use config::{ConfigError, SimConfig, TransportKind};
 pub use faults::{FaultAction, FaultSpec, FaultTarget, LossLinks};
 pub use metaroce::{Datagram, Metaroce, MetaroceFactory, MetaroceParams, MetaroceSummary};
 pub use packet::{Ecn, FlowId, HostId, Packet};
+pub use queue::{QueueLimit, ShaperSpec};
 pub use report::{render_table, LinkStat, PacketCounters, SimReport};
 pub use rng::SimRng;
 pub use sim::{run, run_transport, run_with_progress, sweep, try_run, Progress};
+pub use stalls::{HostStalls, StallLengths};
 pub use time::Nanos;
 pub use traffic::{FlowRequest, Pattern};
 pub use transport::{

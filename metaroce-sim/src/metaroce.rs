@@ -389,6 +389,7 @@ impl MetaroceFactory {
                 s.path_failures += cs.path_failures;
                 s.path_moves += cs.path_moves;
                 s.packets_lost += cs.packets_lost;
+                s.spurious_losses += cs.paths.iter().map(|p| p.spurious_losses).sum::<u64>();
                 s.duplicates_received += cs.duplicates_received;
                 s.acks_sent += cs.acks_sent;
                 s.naks_sent += cs.naks_sent;
@@ -436,6 +437,10 @@ pub struct MetaroceSummary {
     pub path_moves: u64,
     /// Packets declared lost.
     pub packets_lost: u64,
+    /// Of those, packets acknowledged after being declared lost (the
+    /// declaration was premature), summed over the paths that exist at
+    /// the end of the run.
+    pub spurious_losses: u64,
     /// Duplicate DATA packets received.
     pub duplicates_received: u64,
     /// ACKs sent.

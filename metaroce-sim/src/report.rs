@@ -38,6 +38,8 @@ pub struct PacketCounters {
     pub dropped_no_route: u64,
     /// Dropped on purpose by a `DropNth` fault.
     pub dropped_targeted: u64,
+    /// Dropped by a silent blackhole (a `Blackhole` fault).
+    pub dropped_blackhole: u64,
     /// Still queued in NICs/switches or on a wire at the end.
     pub in_flight: u64,
 }
@@ -50,6 +52,7 @@ impl PacketCounters {
             + self.dropped_failed_link
             + self.dropped_no_route
             + self.dropped_targeted
+            + self.dropped_blackhole
     }
 
     /// `injected == delivered + dropped + in_flight`.
@@ -91,6 +94,17 @@ pub struct SimReport {
     pub fct_p50_us: Option<f64>,
     /// 99th-percentile flow completion time.
     pub fct_p99_us: Option<f64>,
+    /// Slowest completed finite flow: bytes × 8 over its completion time,
+    /// Gbit/s (`None`: no finite flow completed).
+    pub flow_rate_min_gbps: Option<f64>,
+    /// Mean rate of the completed finite flows, Gbit/s.
+    pub flow_rate_mean_gbps: Option<f64>,
+    /// Fastest completed finite flow, Gbit/s.
+    pub flow_rate_max_gbps: Option<f64>,
+    /// µs from the start of the run until every finite flow of the first
+    /// round (those the pattern starts, not their closed-loop successors;
+    /// every flow of an explicit list) completed; `None` if one did not.
+    pub makespan_us: Option<f64>,
     /// Flows started.
     pub flows_started: u64,
     /// Finite flows whose every byte was delivered.
@@ -214,6 +228,8 @@ pub fn render_table(reports: &[SimReport]) -> String {
         "retx",
         "fct p50 us",
         "fct p99 us",
+        "flow Gb/s min/mean/max",
+        "makespan us",
         "max queue KB",
         "ECN CE",
         "lost B",
@@ -235,6 +251,15 @@ pub fn render_table(reports: &[SimReport]) -> String {
                 format!("{:.2}%", 100.0 * r.retransmit_fraction),
                 opt(r.fct_p50_us),
                 opt(r.fct_p99_us),
+                match (
+                    r.flow_rate_min_gbps,
+                    r.flow_rate_mean_gbps,
+                    r.flow_rate_max_gbps,
+                ) {
+                    (Some(a), Some(b), Some(c)) => format!("{a:.2}/{b:.2}/{c:.2}"),
+                    _ => "-".to_owned(),
+                },
+                opt(r.makespan_us),
                 format!("{:.1}", r.max_queue_bytes as f64 / 1_000.0),
                 format!("{:.2}%", 100.0 * r.ecn_marked_fraction),
                 r.bytes_lost.to_string(),

@@ -13,6 +13,7 @@ use crate::flows::{DeliveryOutcome, FlowTable};
 use crate::host::Host;
 use crate::metaroce::MetaroceFactory;
 use crate::packet::{HostId, PacketSlab, IPPROTO_UDP};
+use crate::queue::PortQueue;
 use crate::report::{percentile_us, LinkStat, PacketCounters, SimReport};
 use crate::rng::SimRng;
 use crate::series::{recovery_ns, Timeline, RECOVERY_FRACTION};
@@ -54,6 +55,10 @@ enum Ev {
     FaultEnd { idx: u32 },
     /// Routing converges to the current link states.
     Reroute,
+    /// `host` stalls (see [`crate::stalls`]).
+    StallStart { host: HostId },
+    /// `host`'s stall ends.
+    StallEnd { host: HostId },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -63,6 +68,7 @@ enum Drop {
     FailedLink,
     NoRoute,
     Targeted,
+    Blackhole,
 }
 
 struct Simulator<'c, T: SimTransport> {
@@ -79,13 +85,17 @@ struct Simulator<'c, T: SimTransport> {
     ce_delivered: u64,
     flows: FlowTable,
     traffic: Traffic,
-    delayed: Vec<NewFlow>,
+    /// Flows waiting for their start time, and whether each belongs to
+    /// the first round.
+    delayed: Vec<(NewFlow, bool)>,
     delayed_started: usize,
     finite_active: u64,
     infinite_flows: u64,
     dirty: Vec<HostId>,
     events: u64,
     timeline: Timeline,
+    /// One stream per host for its stalls.
+    stall_rngs: Vec<SimRng>,
 }
 
 impl<T: SimTransport> std::fmt::Debug for Simulator<'_, T> {
@@ -120,6 +130,21 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
             for link in &mut fabric.links {
                 if cfg.loss_links.applies(link.kind) {
                     link.loss = cfg.loss;
+                }
+            }
+        }
+        if let Some(shaper) = &cfg.spine_shaper {
+            let capacity = shaper.queue_bytes(cfg.buffer_bytes);
+            for link in &mut fabric.links {
+                if matches!(
+                    link.kind,
+                    LinkKind::LeafUp { .. } | LinkKind::SpineDown { .. }
+                ) {
+                    link.queue = PortQueue::shaped(
+                        capacity,
+                        fabric.spec.ecn_threshold_bytes,
+                        shaper.shaper(),
+                    );
                 }
             }
         }
@@ -164,6 +189,9 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
             dirty: Vec::new(),
             events: 0,
             timeline: Timeline::new(cfg.hosts, cfg.bin_ns, cfg.duration_ns),
+            stall_rngs: (0..cfg.hosts)
+                .map(|h| SimRng::stream(cfg.seed, 0x57A1_0000 + h as u64))
+                .collect(),
         }
     }
 
@@ -177,7 +205,7 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
 
     // ---- flows -------------------------------------------------------
 
-    fn launch(&mut self, nf: NewFlow) {
+    fn launch(&mut self, nf: NewFlow, first_round: bool) {
         if nf.start_ns > self.now {
             self.queue.push(
                 nf.start_ns,
@@ -185,14 +213,16 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
                     idx: self.delayed.len() as u32,
                 },
             );
-            self.delayed.push(nf);
+            self.delayed.push((nf, first_round));
         } else {
-            self.start_flow(nf);
+            self.start_flow(nf, first_round);
         }
     }
 
-    fn start_flow(&mut self, nf: NewFlow) {
-        let flow = self.flows.add(nf.src, nf.dst, nf.bytes, self.now);
+    fn start_flow(&mut self, nf: NewFlow, first_round: bool) {
+        let flow = self
+            .flows
+            .add(nf.src, nf.dst, nf.bytes, self.now, first_round);
         self.timeline.flow_started(nf.src);
         match nf.bytes {
             Some(_) => self.finite_active += 1,
@@ -230,7 +260,7 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
                     let rec = self.flows.get(flow);
                     let (src, dst) = (rec.src, rec.dst);
                     for nf in self.traffic.on_complete(src, dst, self.now) {
-                        self.launch(nf);
+                        self.launch(nf, false);
                     }
                 }
             }
@@ -244,6 +274,10 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
 
     fn service(&mut self, host: HostId) {
         let h = host as usize;
+        if self.hosts[h].stalled {
+            // Serviced again when the stall ends.
+            return;
+        }
         while let Some(ev) = self.hosts[h].transport.poll_event() {
             self.app_event(host, ev);
         }
@@ -348,6 +382,7 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
             Drop::FailedLink => c.dropped_failed_link += 1,
             Drop::NoRoute => c.dropped_no_route += 1,
             Drop::Targeted => c.dropped_targeted += 1,
+            Drop::Blackhole => c.dropped_blackhole += 1,
         }
     }
 
@@ -407,6 +442,9 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
         if !link.up {
             return self.drop(idx, Drop::FailedLink);
         }
+        if link.blackhole {
+            return self.drop(idx, Drop::Blackhole);
+        }
         link.carried += 1;
         match link.kind {
             LinkKind::HostUp { plane, host } => {
@@ -420,8 +458,7 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
             }
             LinkKind::SpineDown { plane, leaf, .. } => self.forward_from_leaf(plane, leaf, idx),
             LinkKind::LeafDown { host, .. } => {
-                let pkt = self.slab.remove(idx);
-                self.counters.delivered += 1;
+                let pkt = self.slab.get(idx);
                 self.timeline.arrived(self.now, pkt.src, host, pkt.size);
                 if pkt.ecn.is_capable() {
                     self.ect_delivered += 1;
@@ -429,12 +466,63 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
                         self.ce_delivered += 1;
                     }
                 }
-                self.hosts[host as usize]
-                    .transport
-                    .handle_packet(self.now, pkt);
-                self.mark_dirty(host);
+                if self.hosts[host as usize].stalled {
+                    self.hosts[host as usize].held.push_back(idx);
+                } else {
+                    self.hand_over(host, idx);
+                }
             }
         }
+    }
+
+    /// Give packet `idx`, which reached `host`, to its transport.
+    fn hand_over(&mut self, host: HostId, idx: u32) {
+        let pkt = self.slab.remove(idx);
+        self.counters.delivered += 1;
+        self.hosts[host as usize]
+            .transport
+            .handle_packet(self.now, pkt);
+        self.mark_dirty(host);
+    }
+
+    // ---- host stalls ---------------------------------------------------
+
+    /// Schedule `host`'s next stall after a running period, if it starts
+    /// within the run.
+    fn schedule_stall(&mut self, host: HostId) {
+        let Some(stalls) = self.cfg.host_stalls else {
+            return;
+        };
+        let at = self.now + stalls.running_ns(&mut self.stall_rngs[host as usize]);
+        if at <= self.cfg.duration_ns {
+            self.queue.push(at, Ev::StallStart { host });
+        }
+    }
+
+    fn stall_start(&mut self, host: HostId) {
+        let Some(stalls) = self.cfg.host_stalls else {
+            return;
+        };
+        let len = stalls.stall_ns(&mut self.stall_rngs[host as usize]);
+        self.hosts[host as usize].stalled = true;
+        self.queue.push(self.now + len, Ev::StallEnd { host });
+    }
+
+    /// The stall ends: the packets that arrived meanwhile are handed over
+    /// in arrival order, then the timers that fell due fire.
+    fn stall_end(&mut self, host: HostId) {
+        let h = host as usize;
+        self.hosts[h].stalled = false;
+        while let Some(idx) = self.hosts[h].held.pop_front() {
+            self.hand_over(host, idx);
+        }
+        let t = self.now;
+        let hs = &mut self.hosts[h];
+        if hs.transport.poll_timeout().is_some_and(|d| d <= t) {
+            hs.transport.handle_timeout(t);
+        }
+        self.mark_dirty(host);
+        self.schedule_stall(host);
     }
 
     // ---- faults --------------------------------------------------------
@@ -466,6 +554,12 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
                     } else {
                         link.nominal_ps_per_byte
                     };
+                }
+            }
+            FaultAction::Blackhole => {
+                // Routing is not told: ECMP keeps hashing onto the links.
+                for l in links {
+                    self.fabric.links[l as usize].blackhole = begin;
                 }
             }
             FaultAction::DropNth { ordinal } => {
@@ -502,6 +596,11 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
                 self.queue.push(until, Ev::FaultEnd { idx: i as u32 });
             }
         }
+        if self.cfg.host_stalls.is_some() {
+            for host in 0..self.cfg.hosts {
+                self.schedule_stall(host);
+            }
+        }
         let mut rng = SimRng::stream(self.cfg.seed, 2);
         let initial = self.traffic.initial(&mut rng);
         if matches!(self.cfg.pattern, Pattern::Incast { .. }) {
@@ -509,7 +608,7 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
             self.timeline.track_incast(0, &senders);
         }
         for nf in initial {
-            self.launch(nf);
+            self.launch(nf, true);
         }
         self.drain_dirty();
         let mut all_infinite_or_done = self.finished();
@@ -538,19 +637,22 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
                     if h.timer_pending == Some(t) {
                         h.timer_pending = None;
                     }
-                    if h.transport.poll_timeout().is_some_and(|d| d <= t) {
+                    // A stalled host's timers fire when the stall ends.
+                    if !h.stalled && h.transport.poll_timeout().is_some_and(|d| d <= t) {
                         h.transport.handle_timeout(t);
                     }
                     self.mark_dirty(host);
                 }
                 Ev::FlowStart { idx } => {
                     self.delayed_started += 1;
-                    let nf = self.delayed[idx as usize];
-                    self.start_flow(nf);
+                    let (nf, first_round) = self.delayed[idx as usize];
+                    self.start_flow(nf, first_round);
                 }
                 Ev::FaultStart { idx } => self.fault(idx, true),
                 Ev::FaultEnd { idx } => self.fault(idx, false),
                 Ev::Reroute => self.fabric.recompute_routes(),
+                Ev::StallStart { host } => self.stall_start(host),
+                Ev::StallEnd { host } => self.stall_end(host),
             }
             self.drain_dirty();
             if self.events % PROGRESS_EVERY == 0 {
@@ -600,7 +702,7 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
         let fail_at = cfg
             .faults
             .iter()
-            .filter(|f| f.action == FaultAction::Fail)
+            .filter(|f| matches!(f.action, FaultAction::Fail | FaultAction::Blackhole))
             .map(|f| f.at_ns)
             .min();
         let recovery_us = fail_at.and_then(|at| {
@@ -621,6 +723,8 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
                 .queue
                 .max_bytes()
         });
+        let rates = self.flows.rate_stats();
+        let makespan_us = self.flows.makespan().map(|ns| ns as f64 / 1e3);
         let mut fcts = std::mem::take(&mut self.flows.fcts);
         let mut steps = std::mem::take(&mut self.traffic.step_times);
         let f = &self.flows;
@@ -639,6 +743,10 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
             retransmit_fraction: frac(stats.retransmitted_packets, stats.data_packets),
             fct_p50_us: percentile_us(&mut fcts, 50.0),
             fct_p99_us: percentile_us(&mut fcts, 99.0),
+            flow_rate_min_gbps: rates.map(|r| r.0),
+            flow_rate_mean_gbps: rates.map(|r| r.1),
+            flow_rate_max_gbps: rates.map(|r| r.2),
+            makespan_us,
             flows_started: f.len() as u64,
             flows_completed: f.completed,
             steps_completed: steps.len() as u64,

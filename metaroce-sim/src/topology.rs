@@ -101,6 +101,9 @@ pub struct Link {
     pub prop_ns: Nanos,
     /// `false` while the link is failed: packets sent onto it are dropped.
     pub up: bool,
+    /// `true` while the link is a silent blackhole: up for routing, but
+    /// every packet crossing it is dropped.
+    pub blackhole: bool,
     /// Probability that a packet is lost on this link.
     pub loss: f64,
     /// Output queue at the sending end (unused for host links, whose NIC
@@ -143,6 +146,7 @@ impl Fabric {
             nominal_ps_per_byte: ppb,
             prop_ns: spec.prop_ns,
             up: true,
+            blackhole: false,
             loss: 0.0,
             queue: PortQueue::new(spec.buffer_bytes, spec.ecn_threshold_bytes),
             offered: 0,

@@ -297,3 +297,241 @@ fn multiplane_uses_every_plane() {
     assert!(r.spine_load()[4..].iter().all(|&l| l == 0));
     assert!(r.goodput_gbps > 0.0);
 }
+
+/// One long-running flow from host 0 to host 4 (across the spines).
+fn one_flow(transport: TransportKind) -> SimConfig {
+    let flow = metaroce_sim::FlowRequest {
+        src: 0,
+        dst: 4,
+        bytes: None,
+        start_ns: 0,
+    };
+    SimConfig {
+        pattern: Pattern::Flows(vec![flow]),
+        ..small(transport)
+    }
+}
+
+#[test]
+fn shaped_spines_carry_the_shaping_rate_after_a_line_rate_burst() {
+    // Spine links of 100 Gbit/s shaped to 10 Gbit/s, bucket 200 KB, queue
+    // 1 MB. A blaster at 100 Gbit/s on one spine: the bucket lets 200 KB
+    // through at line rate, then the port releases 10 Gbit/s.
+    let base = one_flow(TransportKind::Blast);
+    let cfg = SimConfig {
+        spine_shaper: Some("10:200000:1000000".parse().unwrap()),
+        duration_ns: 2 * NS_PER_MS,
+        bin_ns: 10 * NS_PER_US,
+        ..base.clone()
+    };
+    let r = run(&cfg);
+    // Bits of the first 20 µs: at line rate, 200 KB of burst (16 µs).
+    let first: f64 = r.goodput_series_gbps[..2].iter().sum::<f64>() / 2.0;
+    assert!(first > 60.0, "burst at line rate: {first} Gb/s");
+    // After the queue filled, the shaped rate, less headers.
+    let tail = &r.goodput_series_gbps[100..];
+    let steady = tail.iter().sum::<f64>() / tail.len() as f64;
+    assert!((9.0..10.0).contains(&steady), "{steady} Gb/s");
+    // A deep queue, filled to its limit, then tail drops.
+    assert!(r.max_queue_bytes > 990_000 && r.max_queue_bytes <= 1_000_000);
+    assert!(r.packets.dropped_tail > 1000);
+    assert!(r.packets.is_conserved());
+
+    // A 1 ms latency limit at 10 Gbit/s: 1.25 MB + the 200 KB burst.
+    let r = run(&SimConfig {
+        spine_shaper: Some("10:200000:1ms".parse().unwrap()),
+        ..cfg.clone()
+    });
+    assert!(r.max_queue_bytes > 1_440_000 && r.max_queue_bytes <= 1_450_000);
+
+    // Unshaped, the same flow runs at line rate.
+    let r = run(&SimConfig {
+        spine_shaper: None,
+        ..cfg
+    });
+    assert!(r.goodput_gbps > 90.0, "{}", r.goodput_gbps);
+}
+
+#[test]
+fn a_gray_spine_stays_up_and_carries_a_fraction_of_its_rate() {
+    // `spine:2@0=10`: spine 2's links run at 10 of their 100 Gbit/s.
+    let base = SimConfig {
+        pattern: Pattern::AllToAll,
+        ..small(TransportKind::Blast)
+    };
+    let cfg = SimConfig {
+        faults: vec!["spine:2@0=10".parse().unwrap()],
+        ..base.clone()
+    };
+    let r = run(&cfg);
+    let load = r.spine_load();
+    let others = (load[0] + load[1] + load[3]) as f64 / 3.0;
+    // ECMP still hashes onto it (it is up): it gets offered its share...
+    let offered = |r: &metaroce_sim::SimReport, spine: u32| -> u64 {
+        r.links
+            .iter()
+            .filter(|l| matches!(l.kind, LinkKind::LeafUp { spine: s, .. } if s == spine))
+            .map(|l| l.offered)
+            .sum()
+    };
+    assert!(offered(&r, 2) as f64 > 0.5 * others, "{load:?}");
+    // ... but carries only what a tenth of the rate lets through.
+    let carried = load[2] as f64;
+    assert!(carried > 0.0 && carried < 0.25 * others, "{load:?}");
+    assert!(r.packets.dropped_tail > 1000);
+    assert_eq!(r.packets.dropped_failed_link, 0);
+    assert!(r.packets.is_conserved());
+    // Healthy, spine 2 carries as much as its peers.
+    let h = run(&base).spine_load();
+    assert!(
+        h[2] as f64 > 0.7 * (h[0] + h[1] + h[3]) as f64 / 3.0,
+        "{h:?}"
+    );
+}
+
+#[test]
+fn a_blackholed_spine_drops_everything_while_ecmp_keeps_hashing_onto_it() {
+    let base = SimConfig {
+        pattern: Pattern::AllToAll,
+        ..small(TransportKind::Blast)
+    };
+    let leaf_up_offered = |r: &metaroce_sim::SimReport, spine: u32| -> u64 {
+        r.links
+            .iter()
+            .filter(|l| matches!(l.kind, LinkKind::LeafUp { spine: s, .. } if s == spine))
+            .map(|l| l.offered)
+            .sum()
+    };
+    let bh = run(&SimConfig {
+        faults: vec!["spine:2@0=blackhole".parse().unwrap()],
+        ..base.clone()
+    });
+    // Routing still chooses spine 2: packets are offered to it as to its
+    // peers, and every one of them is dropped.
+    let load = bh.spine_load();
+    assert_eq!(load[2], 0, "{load:?}");
+    let offered = leaf_up_offered(&bh, 2);
+    assert!(
+        offered as f64 > 0.7 * load[0] as f64,
+        "{offered} vs {load:?}"
+    );
+    assert!(bh.packets.dropped_blackhole >= offered - 100);
+    assert_eq!(bh.packets.dropped_failed_link, 0);
+    assert!(bh.packets.is_conserved());
+
+    // A failed spine with routing converging at once: nothing is hashed
+    // onto it, nothing is lost.
+    let failed = run(&SimConfig {
+        faults: vec!["spine:2@0".parse().unwrap()],
+        ..base.clone()
+    });
+    assert_eq!(leaf_up_offered(&failed, 2), 0);
+    assert_eq!(failed.packets.dropped(), 0);
+
+    // A blackhole that starts mid-run and ends: traffic crosses the spine
+    // again afterwards; the loss is counted as after a failure.
+    let mid = run(&SimConfig {
+        faults: vec!["spine:2@0.2-0.6"
+            .parse::<FaultSpec>()
+            .map(|f| FaultSpec {
+                action: FaultAction::Blackhole,
+                ..f
+            })
+            .unwrap()],
+        ..base
+    });
+    assert!(mid.spine_load()[2] > 1000);
+    assert!(mid.packets.dropped_blackhole > 1000);
+    assert!(mid.goodput_after_fault_gbps.is_some());
+}
+
+#[test]
+fn host_stalls_pause_a_host_and_deliver_held_packets_together() {
+    let base = SimConfig {
+        duration_ns: 20 * NS_PER_MS,
+        bin_ns: 10 * NS_PER_US,
+        ..one_flow(TransportKind::Blast)
+    };
+    let clean = run(&base);
+    // One stall per ms of running time, each exactly 100 µs: the hosts are
+    // stalled 1/11 of the time.
+    let cfg = SimConfig {
+        host_stalls: Some("1:100:fixed".parse().unwrap()),
+        ..base
+    };
+    let r = run(&cfg);
+    assert_eq!(r.without_wall_clock(), run(&cfg).without_wall_clock());
+    assert!(r.packets.is_conserved());
+    assert_eq!(r.packets.dropped(), 0);
+    // The sender sends nothing while stalled; the receiver loses nothing.
+    let ratio = r.goodput_gbps / clean.goodput_gbps;
+    assert!((0.84..0.96).contains(&ratio), "{ratio}");
+    // Stalls show as runs of empty bins (either host stalled), followed by
+    // the receiver's backlog at once; the clean run has no empty bin.
+    let longest_gap = |s: &[f64]| {
+        let (mut best, mut cur) = (0, 0);
+        for &g in s {
+            cur = if g == 0.0 { cur + 1 } else { 0 };
+            best = best.max(cur);
+        }
+        best
+    };
+    assert_eq!(longest_gap(&clean.goodput_series_gbps[1..]), 0);
+    assert!(longest_gap(&r.goodput_series_gbps) >= 9);
+    let peak = r.goodput_series_gbps.iter().cloned().fold(0.0, f64::max);
+    assert!(
+        peak > 2.0 * clean.goodput_gbps,
+        "held packets arrive together: {peak}"
+    );
+}
+
+#[test]
+fn finite_flows_report_rates_and_makespan() {
+    let flows = vec![
+        metaroce_sim::FlowRequest {
+            src: 0,
+            dst: 4,
+            bytes: Some(2_000_000),
+            start_ns: 0,
+        },
+        metaroce_sim::FlowRequest {
+            src: 1,
+            dst: 5,
+            bytes: Some(1_000_000),
+            start_ns: 100 * NS_PER_US,
+        },
+    ];
+    let r = run(&SimConfig {
+        pattern: Pattern::Flows(flows),
+        ..small(TransportKind::Irn)
+    });
+    assert_eq!(r.flows_completed, 2);
+    let (min, mean, max) = (
+        r.flow_rate_min_gbps.unwrap(),
+        r.flow_rate_mean_gbps.unwrap(),
+        r.flow_rate_max_gbps.unwrap(),
+    );
+    assert!(min <= mean && mean <= max && min > 20.0 && max < 100.0);
+    assert!((mean - (min + max) / 2.0).abs() < 1e-9);
+    // Each rate is a flow's bytes over one of the two completion times.
+    let (p50, p99) = (r.fct_p50_us.unwrap() * 1e3, r.fct_p99_us.unwrap() * 1e3);
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-6;
+    let sorted = |a: f64, b: f64| (a.min(b), a.max(b));
+    let (a, b) = sorted(16e6 / p50, 8e6 / p99);
+    let (c, d) = sorted(16e6 / p99, 8e6 / p50);
+    assert!(
+        (close(min, a) && close(max, b)) || (close(min, c) && close(max, d)),
+        "{min} {max} vs fcts {p50} {p99}"
+    );
+    // The makespan ends with the last flow; the run ends there too.
+    let makespan = r.makespan_us.unwrap();
+    assert!(
+        (makespan - r.sim_ms * 1e3).abs() < 1.0,
+        "{makespan} vs {}",
+        r.sim_ms
+    );
+
+    // Long-running flows have neither.
+    let r = run(&one_flow(TransportKind::Irn));
+    assert_eq!((r.flow_rate_mean_gbps, r.makespan_us), (None, None));
+}
