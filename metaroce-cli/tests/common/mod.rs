@@ -31,25 +31,43 @@ impl Drop for Guard {
 }
 
 /// Runs `cmd` to completion with its output captured, killed after `limit`.
+/// Both pipes are read while it runs: a child that writes more than a pipe
+/// holds (a `--json -a` report) would otherwise block on the write.
 pub fn bounded(mut cmd: Command, limit: Duration) -> Output {
     let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn");
+    let drain = |mut r: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = r.read_to_end(&mut v);
+            v
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
     let t0 = Instant::now();
-    while child.try_wait().unwrap().is_none() {
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
         if t0.elapsed() > limit {
             let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
+            let _ = child.wait();
             panic!(
                 "{cmd:?} did not finish within {limit:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
+                String::from_utf8_lossy(&err.join().unwrap_or_default())
             );
         }
         std::thread::sleep(Duration::from_millis(20));
+    };
+    Output {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
     }
-    child.wait_with_output().unwrap()
 }
 
 /// Starts a `perf server` command and reads the address it prints on its
