@@ -104,10 +104,16 @@ fn sim_sweep_gives_an_array_and_a_table() {
     let out = metaroce().args(args).output().unwrap();
     assert!(out.status.success());
     let table = String::from_utf8(out.stdout).unwrap();
-    // The table, a blank line, then one metrics line per run with a fault.
+    // The table, a blank line, then one metrics line per run with a fault,
+    // and for each metaroce run one line of its loss recovery.
     let (rows, metrics) = table.split_once("\n\n").expect("metrics block");
     assert_eq!(rows.lines().count(), 2 + 4, "{table}");
-    assert_eq!(metrics.lines().count(), 4, "{table}");
+    assert_eq!(metrics.lines().count(), 4 + 2, "{table}");
+    assert_eq!(
+        metrics.lines().filter(|l| l.contains("RTO fires")).count(),
+        2,
+        "{table}"
+    );
     assert!(table.starts_with("transport"));
 }
 
