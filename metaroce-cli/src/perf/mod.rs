@@ -17,7 +17,10 @@ mod report;
 mod session;
 mod stream;
 
-use crate::oob::{Link, Msg, PerfError, Region, RunParams, VERSION};
+use crate::oob::{
+    dial, Acceptor, Budget, Connector, FreshPort, Link, Msg, PerfError, Region, Retry, RunParams,
+    VERSION,
+};
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand, ValueEnum};
 use metaroce_io::{Backend, Driver, DriverConfig, DriverError};
@@ -29,7 +32,7 @@ use report::*;
 use serde::{Deserialize, Serialize};
 use session::*;
 use std::io::Write;
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::time::{Duration, Instant};
 use stream::*;
 
@@ -134,8 +137,30 @@ struct ClientArgs {
     /// TCP port of the server's control listener (default: PORT).
     #[arg(long)]
     ctrl_port: Option<u16>,
+    /// Seconds to keep trying to reach the server's control listener and
+    /// exchange a run's setup with it. An attempt whose connect or
+    /// exchange times out (after 1 s, then a quarter longer each time, 4 s
+    /// at most) is tried again from a new TCP source port, so another
+    /// ECMP hash and likely another path past a silently broken one; on
+    /// failure the error lists every attempt.
+    #[arg(long, value_name = "SECONDS", default_value = "10", value_parser = parse_timeout)]
+    connect_timeout: Duration,
     #[command(flatten)]
     opts: RunOpts,
+}
+
+/// `--connect-timeout`'s parser: positive seconds, at most an hour.
+fn parse_timeout(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("invalid number of seconds `{s}`"))?;
+    if !(secs > 0.0 && secs <= 3600.0) {
+        return Err(format!(
+            "`{s}`: give a positive number of seconds, at most 3600"
+        ));
+    }
+    Ok(Duration::from_secs_f64(secs))
 }
 
 /// What a run measures: the loopback test's flags and the client's.
@@ -334,7 +359,13 @@ fn loopback_run(opts: &RunOpts) -> anyhow::Result<Report> {
             drop(srv_link);
             r
         });
-        let rep = client_run(opts, &mut client, &cli_link, server_ip);
+        let rep = client_run(
+            opts,
+            &mut client,
+            &cli_link,
+            server_ip,
+            Budget::fixed(SETUP),
+        );
         let sres = srv
             .join()
             .map_err(|_| anyhow::anyhow!("server thread panicked"))?;
@@ -433,10 +464,36 @@ fn run_server(a: ServerArgs) -> anyhow::Result<()> {
     }
     writeln!(out, "metaroce perf server: {} backend", drv.backend())?;
     out.flush()?;
+    serve(&mut drv, Acceptor::spawn(listener)?, a.once)
+}
+
+/// A control connection that has not said `Hello` within this long gives
+/// way to another one waiting (a live client says it at once).
+const HELLO_GRACE: Duration = Duration::from_secs(3);
+
+/// The server's loop: runs one at a time, from the connections `acceptor`
+/// takes. A client that left before its run started (it retried on a new
+/// connection, see [`Link::watch`]) is not a run, even with `once`.
+fn serve(drv: &mut Driver, acceptor: Acceptor, once: bool) -> anyhow::Result<()> {
     loop {
-        let (stream, peer) = listener.accept()?;
-        let link = Link::tcp(stream)?;
-        let r = serve_run(&mut drv, &link, Some(peer.ip()));
+        let (stream, peer) = acceptor.next()?;
+        let link = match Link::tcp(stream) {
+            Ok(l) => l,
+            Err(e) => {
+                // Reset before we got to it.
+                eprintln!("metaroce perf server: control connection from {peer}: {e}");
+                continue;
+            }
+        };
+        let acc = acceptor.clone();
+        link.watch(move |heard, age| {
+            acc.newer_from(peer.ip()).or_else(|| {
+                (!heard && age >= HELLO_GRACE)
+                    .then(|| acc.waiting())
+                    .flatten()
+            })
+        });
+        let r = serve_run(drv, &link, Some(peer.ip()));
         drop(link);
         match r {
             Ok(o) => {
@@ -453,7 +510,7 @@ fn run_server(a: ServerArgs) -> anyhow::Result<()> {
                     "metaroce perf server: run from {peer}: {} messages received, {} bytes verified, {} corrupt{back}",
                     r.messages, r.verified_bytes, r.corrupt_bytes
                 );
-                if a.once {
+                if once {
                     let corrupt = r.corrupt_bytes + o.sent.map_or(0, |d| d.corrupt_bytes);
                     if corrupt > 0 {
                         bail!("{corrupt} corrupt bytes");
@@ -461,7 +518,10 @@ fn run_server(a: ServerArgs) -> anyhow::Result<()> {
                     return Ok(());
                 }
             }
-            Err(e) if a.once => return Err(e),
+            Err(e) if matches!(e.downcast_ref(), Some(PerfError::Abandoned(_))) => {
+                tracing::warn!("control connection from {peer}: {e:#}");
+            }
+            Err(e) if once => return Err(e),
             Err(e) => eprintln!("metaroce perf server: run from {peer} failed: {e:#}"),
         }
         let _ = std::io::stdout().flush();
@@ -471,6 +531,11 @@ fn run_server(a: ServerArgs) -> anyhow::Result<()> {
 /// `metaroce perf client`: reaches the server over TCP, runs, reports; with
 /// `--all`, a run for each size.
 fn run_client(c: ClientArgs) -> anyhow::Result<()> {
+    run_client_with(c, &mut FreshPort)
+}
+
+/// [`run_client`], its control connections opened by `connector`.
+fn run_client_with(c: ClientArgs, connector: &mut dyn Connector) -> anyhow::Result<()> {
     let opts = c.opts;
     opts.check()?;
     let target = with_default_port(&c.addr);
@@ -488,25 +553,26 @@ fn run_client(c: ClientArgs) -> anyhow::Result<()> {
     }
     // Datagrams must fit the route: a 1500-byte network gets 1472-byte ones.
     let route_mtu = metaroce_io::max_udp_payload(addr).ok();
+    let retry = Retry::within(c.connect_timeout);
     let mut out = Output::new(&opts, format!("remote {}", c.addr));
     for size in opts.sizes() {
-        let stream =
-            TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(unreachable)?;
-        let local_ip = stream.local_addr()?.ip();
-        let link = Link::tcp(stream)?;
-        let mut drv = bind_mtu(
-            SocketAddr::new(local_ip, 0),
-            opts.side.tuning(),
-            2,
-            route_mtu,
-        )
-        .context("binding the client")?;
-        out.show(client_run(
-            &opts.with_size(size),
-            &mut drv,
-            &link,
-            addr.ip(),
-        )?)?;
+        let run = opts.with_size(size);
+        // Each attempt: a control connection, a fresh endpoint (so new UDP
+        // ports too), the setup exchange. A stalled one is dropped whole.
+        let (mut drv, link, ready) = dial(addr, &c.addr, &retry, connector, |stream, budget| {
+            let local_ip = stream.local_addr()?.ip();
+            let link = Link::tcp(stream)?;
+            let mut drv = bind_mtu(
+                SocketAddr::new(local_ip, 0),
+                run.side.tuning(),
+                2,
+                route_mtu,
+            )
+            .context("binding the client")?;
+            let ready = client_setup(&run, &mut drv, &link, addr.ip(), budget)?;
+            Ok((drv, link, ready))
+        })?;
+        out.show(client_measure(&run, &mut drv, &link, ready)?)?;
     }
     out.finish()
 }
@@ -543,6 +609,178 @@ mod tests {
 #[cfg(test)]
 mod remote_tests {
     use super::*;
+    use crate::oob::tests::net::{all_different, blackhole, silent, Detour};
+    use crate::oob::{read_msg, write_msg};
+    use std::net::TcpStream;
+
+    /// Short runs of 1 KiB WRITEs on one path, on the portable backend.
+    fn short_opts() -> RunOpts {
+        RunOpts {
+            op: Op::Write,
+            size: 1024,
+            duration: 0.1,
+            depth: 4,
+            qps: 1,
+            no_verify: false,
+            bidir: false,
+            json: true,
+            side: SideArgs {
+                paths: 1,
+                backend: Backend::Portable,
+                busy_poll_us: 0,
+                mtu: DEFAULT_MTU,
+            },
+            all: false,
+        }
+    }
+
+    /// A `perf server --once` on loopback, on a thread: its control address
+    /// and the thread (its result: the run's).
+    fn server_once() -> (SocketAddr, std::thread::JoinHandle<anyhow::Result<()>>) {
+        let lo: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let mut drv = bind(lo, short_opts().side.tuning(), 1).unwrap();
+        let l = TcpListener::bind(lo).unwrap();
+        let ctrl = l.local_addr().unwrap();
+        let acc = Acceptor::spawn(l).unwrap();
+        (ctrl, std::thread::spawn(move || serve(&mut drv, acc, true)))
+    }
+
+    fn client_of(ctrl: SocketAddr) -> ClientArgs {
+        ClientArgs {
+            addr: ctrl.to_string(),
+            ctrl_port: None,
+            connect_timeout: Duration::from_secs(10),
+            opts: short_opts(),
+        }
+    }
+
+    #[test]
+    fn a_client_retries_past_blackholed_connects_then_runs_against_the_server() {
+        let (_bh, _filler, hole) = blackhole();
+        let (ctrl, srv) = server_once();
+        let mut c = Detour {
+            first: vec![hole, hole],
+            ..Detour::default()
+        };
+        run_client_with(client_of(ctrl), &mut c).unwrap();
+        assert_eq!(c.to, [hole, hole, ctrl]);
+        assert!(all_different(&c.ports), "{:?}", c.ports);
+        srv.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_client_whose_exchange_stalls_reconnects_and_runs() {
+        let (quiet, seen) = silent();
+        let (ctrl, srv) = server_once();
+        let mut c = Detour {
+            first: vec![quiet],
+            ..Detour::default()
+        };
+        run_client_with(client_of(ctrl), &mut c).unwrap();
+        assert_eq!(c.to, [quiet, ctrl]);
+        assert!(all_different(&c.ports), "{:?}", c.ports);
+        assert_eq!(*seen.lock().unwrap(), [c.ports[0].unwrap()]);
+        srv.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn the_server_leaves_a_stalled_control_connection_for_the_clients_new_one() {
+        let (ctrl, srv) = server_once();
+        // A client that said Hello, got its Welcome, and went silent (its
+        // path died): the server waits for its QPs ...
+        let mut old = TcpStream::connect(ctrl).unwrap();
+        write_msg(
+            &mut old,
+            &Msg::Hello {
+                version: VERSION,
+                params: short_opts().params(),
+            },
+        )
+        .unwrap();
+        assert!(matches!(read_msg(&mut old), Ok(Some(Msg::Welcome { .. }))));
+        // ... until the same host comes back on a new connection: served
+        // at once, not after the server's 10 s, and it is the `--once` run.
+        let t0 = Instant::now();
+        run_client_with(client_of(ctrl), &mut Detour::default()).unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        srv.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_connection_silent_past_the_grace_gives_way_to_another_host() {
+        let (ctrl, srv) = server_once();
+        // Another host (127.0.0.2 is loopback too) connects and says nothing.
+        let other =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        other
+            .bind(&SocketAddr::from(([127, 0, 0, 2], 0)).into())
+            .unwrap();
+        other.connect(&ctrl.into()).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let t0 = Instant::now();
+        let mut c = Detour::default();
+        run_client_with(client_of(ctrl), &mut c).unwrap();
+        let took = t0.elapsed();
+        assert!(took < HELLO_GRACE + Duration::from_secs(3), "{took:?}");
+        srv.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_server_that_closes_right_after_its_result_ends_the_run_cleanly() {
+        // The server's `Result` and its close reach the client at once (a
+        // loaded host, a `--once` server exiting): the run is complete,
+        // not "the peer closed the control connection".
+        for op in [Op::Write, Op::Read] {
+            let opts = RunOpts { op, ..short_opts() };
+            let lo: SocketAddr = "127.0.0.1:0".parse().unwrap();
+            let mut server_drv = bind(lo, opts.side.tuning(), 1).unwrap();
+            let server_ip = server_drv.local_addr().ip();
+            let mut client = bind(lo, opts.side.tuning(), 2).unwrap();
+            let (srv_link, to_srv) = Link::pair();
+            let (to_cli, cli_link) = Link::pair();
+            let srv = std::thread::spawn(move || serve_run(&mut server_drv, &srv_link, None));
+            // Between them: passes every message on, and closes the
+            // client's side in the same breath as it passes the `Result`.
+            let proxy = std::thread::spawn(move || {
+                let mut to_cli = Some(to_cli);
+                loop {
+                    match to_srv.try_recv() {
+                        Ok(Some(m)) => {
+                            let last = matches!(m, Msg::Result { .. });
+                            if let Some(c) = &to_cli {
+                                c.send(m);
+                            }
+                            if last {
+                                to_cli = None;
+                            }
+                        }
+                        Ok(None) => {}
+                        Err(_) => return,
+                    }
+                    if let Some(c) = &to_cli {
+                        match c.try_recv() {
+                            Ok(Some(m)) => to_srv.send(m),
+                            Ok(None) => {}
+                            Err(_) => return,
+                        }
+                    }
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+            });
+            let rep = client_run(
+                &opts,
+                &mut client,
+                &cli_link,
+                server_ip,
+                Budget::fixed(SETUP),
+            )
+            .unwrap_or_else(|e| panic!("{op:?}: {e:#}"));
+            assert!(rep.iterations > 0 && rep.corrupt_bytes == 0, "{op:?}");
+            srv.join().unwrap().unwrap();
+            drop(cli_link);
+            proxy.join().unwrap();
+        }
+    }
 
     #[test]
     fn a_client_of_another_version_is_refused() {

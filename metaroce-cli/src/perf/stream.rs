@@ -162,6 +162,7 @@ pub(super) fn drive_until_msg(
     drv: &mut Driver,
     link: &Link,
     limit: Duration,
+    wanted: &'static str,
     mut on_event: impl FnMut(Event),
 ) -> anyhow::Result<Msg> {
     let mut msg = None;
@@ -180,7 +181,13 @@ pub(super) fn drive_until_msg(
     if let Some(e) = err {
         return Err(e.into());
     }
-    msg.ok_or_else(|| PerfError::Protocol(format!("no control message within {limit:?}")).into())
+    msg.ok_or_else(|| {
+        PerfError::Stalled {
+            wanted,
+            waited: limit,
+        }
+        .into()
+    })
 }
 
 /// Turns an unexpected control message into an error.
@@ -654,9 +661,29 @@ pub(super) fn data_phase(
     let mut done_sent = false;
     let mut result_sent = false;
     let mut err: Option<anyhow::Error> = None;
+    // A server's link stays open to a newer connection of its client until
+    // the client shows it has its `Ready`: a message, or its first packet.
+    let mut watched = link.watched();
     let finished = drive_turns(drv, Duration::from_secs_f64(duration + 30.0), |d| {
+        if watched
+            && d.endpoint()
+                .connection_stats(conn)
+                .is_some_and(|s| s.data_packets_received > 0)
+        {
+            link.settle();
+            watched = false;
+        }
+        // The peer may close right after its last message: both can be
+        // waiting at one turn, and the close is an error only if that
+        // message was not the last one needed.
+        let mut gone = None;
         loop {
-            match link.try_recv() {
+            let got = link.try_recv();
+            if watched && matches!(got, Ok(Some(_))) {
+                link.settle();
+                watched = false;
+            }
+            match got {
                 Ok(None) => break,
                 Ok(Some(Msg::Start)) if !started && req.is_some() => {
                     started = true;
@@ -698,7 +725,7 @@ pub(super) fn data_phase(
                     break;
                 }
                 Err(e) => {
-                    err = Some(e.into());
+                    gone = Some(e);
                     break;
                 }
             }
@@ -737,6 +764,9 @@ pub(super) fn data_phase(
             }
         }
         if (req.is_none() || ex.peer_result.is_some()) && (resp.is_none() || result_sent) {
+            Turn::Done
+        } else if let Some(e) = gone {
+            err = Some(e.into());
             Turn::Done
         } else if req.as_ref().is_some_and(|r| r.busy()) || resp.as_ref().is_some_and(|r| r.busy())
         {

@@ -1,0 +1,137 @@
+//! `metaroce perf`'s control channel across a fabric with a silently
+//! blackholed spine (root only): a 4-spine namespace fabric whose spine 0
+//! drops every packet without a word (nftables, `metaroce fabric loss`),
+//! and clients that must still reach the server and run. A control
+//! connection (and the metaroce handshake) hashed onto the dead spine
+//! times out and is tried again from new source ports.
+//!
+//! Without root (or without network namespaces or nftables) it prints why
+//! it skips and passes. The fabric has a namespace prefix of its own
+//! (`mrc<pid>`), and is torn down even on failure.
+
+mod common;
+
+use common::{bounded, start_server, BIN};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+/// This test's namespace prefix.
+fn prefix() -> String {
+    format!("mrc{}", std::process::id())
+}
+
+/// This test's namespace `role` (`h1`, `h2`, `r1`, `r2`).
+fn ns(role: &str) -> String {
+    format!("{}-{role}", prefix())
+}
+
+/// `metaroce ARGS`, with this test's fabric prefix in the environment.
+fn metaroce(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env("METAROCE_FABRIC_PREFIX", prefix())
+        .output()
+        .expect("run metaroce")
+}
+
+/// Tears the fabric down when dropped.
+struct FabricGuard;
+
+impl Drop for FabricGuard {
+    fn drop(&mut self) {
+        let out = metaroce(&["fabric", "down"]);
+        assert!(out.status.success() || std::thread::panicking());
+    }
+}
+
+/// Retries the clients log as they happen (`METAROCE_LOG=info`).
+const RETRY: &str = "trying again from a new source port";
+
+#[test]
+fn clients_reach_the_server_past_a_blackholed_spine() {
+    if !is_root() {
+        println!("skipped: needs root (network namespaces, nftables)");
+        return;
+    }
+    let _fabric = FabricGuard;
+    let up = metaroce(&["fabric", "up", "--spines", "4"]);
+    if !up.status.success() {
+        let err = String::from_utf8_lossy(&up.stderr);
+        if err.contains("netns") || err.contains("Operation not permitted") {
+            println!("skipped: cannot create network namespaces here: {err}");
+            return;
+        }
+        panic!("fabric up failed: {err}");
+    }
+    // Spine 0 drops everything, both ways, silently. (`loss 100` where
+    // the fabric takes it; nftables' `numgen random mod 10000 < 10000`
+    // is refused on some versions, and 99.99% is as silent in practice.)
+    let mut blackholed = false;
+    for pct in ["100", "99.99"] {
+        let out = metaroce(&["fabric", "loss", pct, "--link", "0"]);
+        if out.status.success() {
+            println!("spine 0: {pct}% loss");
+            blackholed = true;
+            break;
+        }
+        let err = String::from_utf8_lossy(&out.stderr);
+        if err.contains("no way to drop packets") {
+            println!("skipped: no nftables or netem here: {err}");
+            return;
+        }
+        println!("fabric loss {pct} --link 0 failed: {err}");
+    }
+    assert!(blackholed, "could not blackhole spine 0");
+
+    let mut server = Command::new("ip");
+    server
+        .args(["netns", "exec", &ns("h2"), BIN, "perf", "server"])
+        .args(["--bind", "10.77.2.1:0"]);
+    let (_srv, addr) = start_server(server);
+
+    // Run after run until one needed a retry (each attempt lands on the
+    // dead spine about one time in three, so that comes soon): every run
+    // must reach the server and verify every byte.
+    let mut retries = Vec::new();
+    for _ in 0..8 {
+        let mut cli = Command::new("ip");
+        cli.args(["netns", "exec", &ns("h1"), BIN, "perf", "client", &addr])
+            .args(["-D", "0.3", "--json", "--connect-timeout", "60"])
+            .env("METAROCE_LOG", "info");
+        let out = bounded(cli, Duration::from_secs(120));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "a client failed with spine 0 blackholed (retries: {retries:?}): {err}"
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        assert_eq!(v["corrupt_bytes"], 0, "{v}");
+        let iters = v["iterations"].as_u64().unwrap();
+        assert!(iters > 0, "{v}");
+        assert_eq!(
+            v["verified_bytes"].as_u64().unwrap(),
+            iters * v["msg_size"].as_u64().unwrap(),
+            "{v}"
+        );
+        let n = err.matches(RETRY).count();
+        for line in err.lines().filter(|l| l.contains(RETRY)) {
+            println!("{line}");
+        }
+        retries.push(n);
+        if n > 0 {
+            break;
+        }
+    }
+    println!("runs and their retries: {retries:?}");
+    assert!(
+        retries.iter().any(|&n| n > 0),
+        "no run needed a retry: is spine 0 really dropping? {retries:?}"
+    );
+}
