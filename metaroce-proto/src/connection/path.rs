@@ -726,8 +726,6 @@ pub(crate) struct PathRx {
     pub(crate) rx_packets: u32,
     pub(crate) ce_packets: u32,
     pub(crate) dirty: bool,
-    /// ACKs still to repeat the entry in since it was last sent dirty.
-    pub(crate) repeats: u8,
     /// Highest PSN received.
     highest: Option<u32>,
 }
@@ -739,7 +737,6 @@ impl PathRx {
             rx_packets: 0,
             ce_packets: 0,
             dirty: false,
-            repeats: 0,
             highest: None,
         }
     }

@@ -15,9 +15,6 @@ use crate::consts::{
 /// at 10% loss: 1 in 1,000).
 const STREAM_REPEATS: u8 = 2;
 
-/// ACKs after the first that carry a path's entry again (§12).
-const PATH_REPEATS: u8 = 1;
-
 /// The longest DATA header: WRITE_IMM's, with its 20-byte extension.
 const MAX_DATA_HEADER_LEN: usize = DATA_HEADER_LEN + 20;
 
@@ -1053,23 +1050,14 @@ impl Endpoint {
         // the window must not lose its place to path entries.
         let window_len = if window.is_some() { 2 + 4 } else { 0 };
         let mut more = false;
-        // A path's news goes again in the next `PATH_REPEATS` ACKs: an ACK
-        // lost leaves the sender nothing of the path until the path's next
-        // packet arrives, and with a few packets in flight per path that
-        // can be long after other paths showed later packets delivered.
         for (i, p) in c.paths_rx.iter_mut().enumerate() {
-            if !p.dirty && p.repeats == 0 {
+            if !p.dirty {
                 continue;
             }
             let entry = p.entry(i as u8);
             if b.fits(entry.encoded_len() + window_len) && b.push_path(&entry).is_ok() {
-                if p.dirty {
-                    p.dirty = false;
-                    p.repeats = PATH_REPEATS;
-                } else {
-                    p.repeats -= 1;
-                }
-            } else if p.dirty {
+                p.dirty = false;
+            } else {
                 more = true;
             }
         }
