@@ -371,10 +371,12 @@ impl PathTx {
             }
             return n;
         }
-        // A probe is for a path gone quiet: while its ACKs keep coming, the
-        // next one will show any gap (a probe for every packet of a
-        // standing queue would double the traffic into it).
-        if oldest <= before(probe_wait) && now.saturating_since(self.last_delivery) >= probe_wait {
+        // A probe is for a path gone quiet (for half the wait): while its
+        // ACKs keep coming, the next one will show any gap (a probe for
+        // every packet of a standing queue would double the traffic into it).
+        if oldest <= before(probe_wait)
+            && now.saturating_since(self.last_delivery) >= probe_wait / 2
+        {
             self.arm_probe(psn);
         }
         0
@@ -398,15 +400,17 @@ impl PathTx {
     /// When the tail-loss probe for the oldest packet is due, if it has
     /// not gone (the probe timer: with every ACK lost or late, nothing
     /// else would look at the path before its timeout): `probe_wait` after
-    /// that packet was sent and after the path last delivered.
+    /// that packet was sent, and half of it after the path last delivered.
     pub(crate) fn probe_deadline(&self, slack: Duration) -> Option<Instant> {
         if self.state != PathState::Active || self.probe_due {
             return None;
         }
         let srtt = self.rtt.srtt()?;
         let (psn, oldest) = self.oldest_outstanding_psn()?;
-        (self.probed_psn != Some(psn))
-            .then(|| oldest.max(self.last_delivery) + self.probe_wait(srtt, slack))
+        (self.probed_psn != Some(psn)).then(|| {
+            let wait = self.probe_wait(srtt, slack);
+            (oldest + wait).max(self.last_delivery + wait / 2)
+        })
     }
 
     /// Runs the probe timer (see [`probe_deadline`](Self::probe_deadline)).
