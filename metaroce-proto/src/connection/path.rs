@@ -157,8 +157,12 @@ pub(crate) struct PathTx {
     /// once, by the path's own order; if it was only late, nothing is sent
     /// twice.
     pub(crate) probe_due: bool,
-    /// The PSN the last probe was sent for (one probe per oldest packet).
+    /// The PSN the last probe was sent for (one probe per oldest packet),
+    /// and when it went: the next waits a whole RTO, backoff included, so
+    /// a path whose probes go unanswered (dead, or its ACKs refused) is
+    /// not probed ever faster.
     probed_psn: Option<u32>,
+    probed_at: Option<Instant>,
     /// Packets this path declared lost by time lately, and how many of
     /// them turned out to have arrived (halved together now and then).
     time_judged: u32,
@@ -207,6 +211,7 @@ impl PathTx {
             late_floor: Duration::ZERO,
             probe_due: false,
             probed_psn: None,
+            probed_at: None,
             time_judged: 0,
             time_spurious: 0,
             lost_slots: [0; SACK_BITS as usize / 64],
@@ -376,6 +381,7 @@ impl PathTx {
         // every packet of a standing queue would double the traffic into it).
         if oldest <= before(probe_wait)
             && now.saturating_since(self.last_delivery) >= probe_wait / 2
+            && self.probed_at.is_none_or(|t| now >= t + self.rto())
         {
             self.arm_probe(psn);
         }
@@ -409,7 +415,10 @@ impl PathTx {
         let (psn, oldest) = self.oldest_outstanding_psn()?;
         (self.probed_psn != Some(psn)).then(|| {
             let wait = self.probe_wait(srtt, slack);
-            (oldest + wait).max(self.last_delivery + wait / 2)
+            let after_last = self.probed_at.map_or(Instant::ZERO, |t| t + self.rto());
+            (oldest + wait)
+                .max(self.last_delivery + wait / 2)
+                .max(after_last)
         })
     }
 
@@ -422,9 +431,10 @@ impl PathTx {
         }
     }
 
-    /// The tail-loss probe went out.
-    pub(crate) fn probe_sent(&mut self) {
+    /// The tail-loss probe went out at `now`.
+    pub(crate) fn probe_sent(&mut self, now: Instant) {
         self.probe_due = false;
+        self.probed_at = Some(now);
         self.stats.tail_probes += 1;
     }
 
@@ -1079,7 +1089,7 @@ mod tests {
             0
         );
         assert!(t.probe_due);
-        t.probe_sent();
+        t.probe_sent(Instant::ZERO);
         assert_eq!(t.stats.tail_probes, 1);
         assert_eq!(
             t.detect_by_time(ms(105), ms(101), Duration::ZERO, |_| {}),
@@ -1116,7 +1126,7 @@ mod tests {
         t.on_probe_timer(due, Duration::ZERO);
         assert!(t.probe_due);
         assert_eq!(t.probe_deadline(Duration::ZERO), None, "armed once");
-        t.probe_sent();
+        t.probe_sent(Instant::ZERO);
         assert_eq!(
             t.probe_deadline(Duration::ZERO),
             None,

@@ -346,7 +346,7 @@ impl Endpoint {
         let c = self.conns[ci].as_mut()?;
         if let Some(path) = c.probe_path() {
             if c.paths_tx[path].probe_due {
-                c.paths_tx[path].probe_sent();
+                c.paths_tx[path].probe_sent(now);
             }
             return self.emit_nop(ci, path, now, &mut buf[..mtu], None, gather);
         }
