@@ -935,7 +935,9 @@ impl Endpoint {
         // The connection-level point covers whatever path a CSN went on:
         // what is still unacknowledged below it (the paths' own entries,
         // just applied, moved `csn_una` past what they delivered).
-        if seq_le(h.cum_csn, c.next_csn) {
+        // (At exactly half the sequence space both orders hold: such a
+        // point is refused, or the walk below would visit 2^31 CSNs.)
+        if seq_le(h.cum_csn, c.next_csn) && seq_dist(h.cum_csn, c.next_csn) < 1 << 31 {
             let mut csn = c.csn_una;
             while seq_lt(csn, h.cum_csn) {
                 progress |= note(c.ack_csn(csn));
@@ -1025,6 +1027,13 @@ impl Endpoint {
         };
         if q.conn != Some(ConnectionHandle(ci as u32)) {
             return self.stats.rejects.bump(RejectReason::BadQp);
+        }
+        // A NAK for no outstanding request (a responder in ERROR answers
+        // every probe with one for its msn_done) is no progress: counted
+        // as such, it reset the probes, and a request whose peer QP had
+        // failed was probed every RTO for ever instead of failing.
+        if q.wqe(n.msn).is_none() {
+            return;
         }
         q.progressed(now);
         let qpn = q.qpn;
