@@ -356,17 +356,14 @@ impl Endpoint {
                 // The region may have been deregistered (or its key never
                 // valid for this PD) since the request arrived: a READ is
                 // executed only from a region that still allows it.
-                let ok = a.len == 0
-                    || mrs.by_rkey(a.rkey).is_some_and(|m| {
-                        m.permits(q.pd, AccessFlags::REMOTE_READ, a.addr, u64::from(a.len))
-                            .is_some()
-                    });
-                if !ok {
+                let len = u64::from(a.len);
+                let need = AccessFlags::REMOTE_READ;
+                if let Err(why) = mrs.remote_access(q.pd, q.access, a.rkey, a.addr, len, need) {
                     tracing::debug!(
                         qpn = q.qpn.0,
                         msn = q.msn_done,
                         rkey = a.rkey,
-                        "READ refused: its region no longer allows it"
+                        "READ refused at execution: {why}"
                     );
                     return Err(NakCode::RemoteAccess);
                 }
