@@ -81,6 +81,22 @@ impl MemoryRegion {
         self.range(addr, len)
     }
 
+    /// Nothing uses the region: its bytes are not lent, no request or READ
+    /// response references it, and the driver sends nothing from it; else
+    /// the error that says which (what deregistering and lending need).
+    fn idle(&self) -> Result<(), VerbsError> {
+        if self.lent {
+            return Err(VerbsError::MrLent(self.info.lkey));
+        }
+        if self.refs > 0 {
+            return Err(VerbsError::MrInUse(self.refs));
+        }
+        if self.pins > 0 {
+            return Err(VerbsError::MrSending(self.pins));
+        }
+        Ok(())
+    }
+
     /// The byte range of `[addr, addr+len)` inside the buffer, if it is inside.
     pub(crate) fn range(&self, addr: u64, len: u64) -> Option<Range<usize>> {
         let start = addr.checked_sub(self.info.addr)?;
@@ -234,15 +250,7 @@ impl MrTable {
 
     pub(crate) fn deregister(&mut self, lkey: u32) -> Result<RegionBuf, VerbsError> {
         let mr = self.by_lkey(lkey).ok_or(VerbsError::InvalidKey(lkey))?;
-        if mr.lent {
-            return Err(VerbsError::MrLent(lkey));
-        }
-        if mr.refs > 0 {
-            return Err(VerbsError::MrInUse(mr.refs));
-        }
-        if mr.pins > 0 {
-            return Err(VerbsError::MrSending(mr.pins));
-        }
+        mr.idle()?;
         let rkey = mr.info.rkey;
         let idx = self.keys[&lkey];
         let mr = self.slots[idx as usize]
@@ -262,15 +270,7 @@ impl MrTable {
     /// region are refused and peers' accesses to it fail.
     pub(crate) fn lend(&mut self, lkey: u32) -> Result<RegionBuf, VerbsError> {
         let mr = self.by_lkey_mut(lkey).ok_or(VerbsError::InvalidKey(lkey))?;
-        if mr.lent {
-            return Err(VerbsError::MrLent(lkey));
-        }
-        if mr.refs > 0 {
-            return Err(VerbsError::MrInUse(mr.refs));
-        }
-        if mr.pins > 0 {
-            return Err(VerbsError::MrSending(mr.pins));
-        }
+        mr.idle()?;
         mr.lent = true;
         Ok(std::mem::take(&mut mr.buf))
     }
