@@ -341,8 +341,7 @@ impl PathTx {
         slack: Duration,
         out: impl FnMut(PathEvent),
     ) -> usize {
-        let (Some(srtt), Some((psn, oldest))) = (self.rtt.srtt(), self.oldest_outstanding_psn())
-        else {
+        let (Some(srtt), Some(oldest)) = (self.rtt.srtt(), self.oldest_outstanding()) else {
             return 0;
         };
         let probe_wait = self.probe_wait(srtt, slack);
@@ -360,12 +359,9 @@ impl PathTx {
         } else {
             probe_wait.max(peak * 2).max(self.late_floor())
         };
-        let before = |wait: Duration| {
-            let by_age =
-                Instant::from_nanos(now.as_nanos().saturating_sub(crate::time::nanos(wait)));
-            by_age.min(Instant::from_nanos(evidence.as_nanos().saturating_sub(1)))
-        };
-        let cutoff = before(loss_wait);
+        let by_age =
+            Instant::from_nanos(now.as_nanos().saturating_sub(crate::time::nanos(loss_wait)));
+        let cutoff = by_age.min(Instant::from_nanos(evidence.as_nanos().saturating_sub(1)));
         if oldest <= cutoff {
             let n = self.expire(cutoff, LossCause::Time, out);
             self.time_judged += n as u32;
@@ -376,15 +372,8 @@ impl PathTx {
             }
             return n;
         }
-        // A probe is for a path gone quiet (for half the wait): while its
-        // ACKs keep coming, the next one will show any gap (a probe for
-        // every packet of a standing queue would double the traffic into it).
-        if oldest <= before(probe_wait)
-            && now.saturating_since(self.last_delivery) >= probe_wait / 2
-            && self.probed_at.is_none_or(|t| now >= t + self.rto())
-        {
-            self.arm_probe(psn);
-        }
+        // Not lost yet: a tail-loss probe, if its time has come.
+        self.on_probe_timer(now, slack);
         0
     }
 
@@ -396,18 +385,22 @@ impl PathTx {
         (srtt + srtt / 4 + self.rtt.rttvar() * 2 + slack).max(self.rtt.min_rto() / 4)
     }
 
-    fn arm_probe(&mut self, psn: u32) {
-        if self.probed_psn != Some(psn) {
-            self.probe_due = true;
-            self.probed_psn = Some(psn);
-        }
-    }
-
     /// When the tail-loss probe for the oldest packet is due, if it has
     /// not gone (the probe timer: with every ACK lost or late, nothing
     /// else would look at the path before its timeout): `probe_wait` after
     /// that packet was sent, and half of it after the path last delivered.
+    ///
+    /// A probe is for a path gone quiet (for half the wait): while its ACKs
+    /// keep coming, the next one will show any gap (a probe for every
+    /// packet of a standing queue would double the traffic into it). And
+    /// the next probe waits a whole RTO after the last.
     pub(crate) fn probe_deadline(&self, slack: Duration) -> Option<Instant> {
+        self.next_probe(slack).map(|(_, at)| at)
+    }
+
+    /// The oldest packet's PSN and when its probe is due (see
+    /// [`probe_deadline`](Self::probe_deadline)).
+    fn next_probe(&self, slack: Duration) -> Option<(u32, Instant)> {
         if self.state != PathState::Active || self.probe_due {
             return None;
         }
@@ -416,17 +409,20 @@ impl PathTx {
         (self.probed_psn != Some(psn)).then(|| {
             let wait = self.probe_wait(srtt, slack);
             let after_last = self.probed_at.map_or(Instant::ZERO, |t| t + self.rto());
-            (oldest + wait)
+            let at = (oldest + wait)
                 .max(self.last_delivery + wait / 2)
-                .max(after_last)
+                .max(after_last);
+            (psn, at)
         })
     }
 
-    /// Runs the probe timer (see [`probe_deadline`](Self::probe_deadline)).
+    /// Runs the probe timer (see [`probe_deadline`](Self::probe_deadline)):
+    /// arms the probe once it is due.
     pub(crate) fn on_probe_timer(&mut self, now: Instant, slack: Duration) {
-        if self.probe_deadline(slack).is_some_and(|d| d <= now) {
-            if let Some((psn, _)) = self.oldest_outstanding_psn() {
-                self.arm_probe(psn);
+        if let Some((psn, at)) = self.next_probe(slack) {
+            if at <= now {
+                self.probe_due = true;
+                self.probed_psn = Some(psn);
             }
         }
     }
