@@ -192,6 +192,14 @@ pub const REPATH_COOLDOWN_RTTS: u32 = 8;
 /// connection there moved a path every 2 ms without it.
 pub const REPATH_MAX_BACKOFF: u32 = 6;
 
+/// A path that carries ACKs but no data of its own is checked with a NOP
+/// once this many smoothed RTTs (at least one RTO) have passed since it
+/// last carried an acknowledged packet (`ACK_PATH_CHECK_RTTS`, §9.1). ACKs
+/// are not acknowledged, so without the check a route that silently drops
+/// everything (a blackholed spine) would swallow the ACKs sent on it for
+/// as long as the connection lives.
+pub const ACK_PATH_CHECK_RTTS: u32 = 16;
+
 /// Length of an epoch of the RTT peak filter, in smoothed RTTs
 /// (`RTT_PEAK_EPOCH_RTTS`; at least the minimum RTO): the peak is the
 /// largest RTT sample of the current epoch and the one before (§13.3).

@@ -394,6 +394,7 @@ impl MetaroceFactory {
                 s.acks_sent += cs.acks_sent;
                 s.naks_sent += cs.naks_sent;
                 s.probes_sent += cs.probes_sent;
+                s.route_checks += cs.route_checks;
                 if cs.data_packets_sent > 0 {
                     n += 1;
                     cwnd += cs.cwnd;
@@ -447,8 +448,10 @@ pub struct MetaroceSummary {
     pub acks_sent: u64,
     /// NAKs sent.
     pub naks_sent: u64,
-    /// Completion probes sent.
+    /// NOP probes sent (progress, tail-loss and failed-path probes).
     pub probes_sent: u64,
+    /// Route checks sent: NOPs on paths that carry only ACKs.
+    pub route_checks: u64,
     /// Datagrams the endpoints rejected (any reason).
     pub rejects: u64,
     /// Of those, duplicates.

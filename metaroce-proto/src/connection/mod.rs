@@ -141,8 +141,11 @@ pub struct ConnectionStats {
     pub payload_bytes_sent: u64,
     /// Payload bytes placed at this end.
     pub payload_bytes_received: u64,
-    /// Progress probes sent.
+    /// NOP probes sent: progress probes, tail-loss probes and failed paths'
+    /// probes of their new routes (not route checks).
     pub probes_sent: u64,
+    /// Route checks sent: NOPs on paths that carry only ACKs (PROTOCOL §12).
+    pub route_checks: u64,
     /// Paths declared failed and moved to a new source port.
     pub path_failures: u64,
     /// Paths moved to a new source port because their route stayed congested.
@@ -270,8 +273,10 @@ pub(crate) struct Connection {
     pub(crate) last_rx_ts: u32,
     pub(crate) last_rx_path: u8,
     pub(crate) last_rx_at: Instant,
-    /// Whether any DATA packet has arrived (the connection counts as a sender).
-    pub(crate) rx_seen: bool,
+    /// When the latest DATA packet other than a NOP arrived: the
+    /// connection counts as a sender to this side's grant and receive
+    /// window (NOPs, the peer's probes and route checks, carry nothing).
+    pub(crate) sender_rx_at: Option<Instant>,
     /// The period this connection last delivered data in, as the
     /// endpoint's [`ActiveSenders`](crate::cc::ActiveSenders) counts them.
     pub(crate) rx_period: u64,
@@ -393,7 +398,7 @@ impl Connection {
             last_rx_ts: 0,
             last_rx_path: 0,
             last_rx_at: now,
-            rx_seen: false,
+            sender_rx_at: None,
             rx_period: 0,
             is_client,
             established_at: now,
@@ -442,6 +447,32 @@ impl Connection {
             .unwrap_or(1)
     }
 
+    /// The path the next ACK goes on (an index into `paths_tx`), in turn
+    /// over the paths of the plane ACKs use (`ack_plane`) that carry ACKs
+    /// (`PathTx::carries_acks`); a route that dropped its last packet is
+    /// skipped until it delivers again. With none such, any path of the
+    /// plane. Marks the paths whose route check is due (§9.1).
+    pub(crate) fn next_ack_path(&mut self, now: Instant) -> usize {
+        let n = self.paths_tx.len();
+        let plane = self.ack_plane();
+        let turn = |k: usize| (self.path_rr + k) % n;
+        let pi = (0..n)
+            .map(turn)
+            .find(|&i| self.paths_tx[i].plane == plane && self.paths_tx[i].carries_acks())
+            .or_else(|| (0..n).map(turn).find(|&i| self.paths_tx[i].plane == plane))
+            .unwrap_or(self.path_rr % n);
+        self.path_rr = (pi + 1) % n;
+        self.paths_tx[pi].carried_ack(now);
+        let interval = self
+            .rtt
+            .srtt()
+            .map_or(self.rtt.rto(), |s| s * crate::consts::ACK_PATH_CHECK_RTTS);
+        for p in &mut self.paths_tx {
+            p.schedule_check(now, interval);
+        }
+        pi
+    }
+
     /// The plane ACKs go on: the one the latest DATA arrived on, if some
     /// path of this side uses it (else plane 0).
     pub(crate) fn ack_plane(&self) -> u8 {
@@ -477,7 +508,8 @@ impl Connection {
         self.paths_tx.iter().position(|p| {
             let failed = p.state == PathState::Probing && p.in_flight == 0;
             let tail = p.state == PathState::Active && p.probe_due && p.move_to.is_none();
-            (failed || tail) && p.has_room() && self.path_open(p)
+            let check = p.check_due && p.in_flight == 0 && p.move_to.is_none();
+            (failed || tail || check) && p.has_room() && self.path_open(p)
         })
     }
 
@@ -728,7 +760,6 @@ impl Connection {
         asked: bool,
         ack: AckTiming,
     ) {
-        self.rx_seen = true;
         self.last_rx_ts = tx_ts;
         self.last_rx_path = path;
         // The ACK delay the peer is told runs from here: the wait for this

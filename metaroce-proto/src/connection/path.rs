@@ -170,6 +170,14 @@ pub(crate) struct PathTx {
     /// Ring slots whose packet was declared lost and has not been
     /// acknowledged since (bit `slot`): an ACK may still show it arrived.
     lost_slots: [u64; SACK_BITS as usize / 64],
+    /// When the path last sent a DATA packet (NOPs included): ACKs are not
+    /// acknowledged, so a path that carries only ACKs learns whether its
+    /// route still works from a NOP now and then (`check_due`).
+    pub(crate) last_data_at: Option<Instant>,
+    /// ACKs sent on the path since its last DATA packet.
+    pub(crate) acks_carried: u32,
+    /// A route check is due: one NOP on the path (§9.1, ACK paths).
+    pub(crate) check_due: bool,
     /// Time of the previous ACK that carried this path (for the CC's clock).
     pub(crate) last_ack_at: Instant,
     last_rx_echo: u32,
@@ -215,6 +223,9 @@ impl PathTx {
             time_judged: 0,
             time_spurious: 0,
             lost_slots: [0; SACK_BITS as usize / 64],
+            last_data_at: None,
+            acks_carried: 0,
+            check_due: false,
             last_ack_at: Instant::ZERO,
             last_rx_echo: 0,
             last_ce_echo: 0,
@@ -238,6 +249,50 @@ impl PathTx {
                     self.in_flight == 0 || self.in_flight + bytes <= self.cc.window()
                 }
             }
+    }
+
+    /// Whether ACKs should go on this path: it is active, not moving, and
+    /// lost nothing since it last delivered (a route that dropped its last
+    /// packet may drop ACKs too; it carries them again once it delivers).
+    pub(crate) fn carries_acks(&self) -> bool {
+        self.state == PathState::Active && self.move_to.is_none() && self.consecutive_lost == 0
+    }
+
+    /// An ACK went out on this path at `now`. A path that carries ACKs but
+    /// has sent no DATA for `interval` (or has lost its last packet and sent
+    /// nothing for `suspect_interval`) gets a route check: one NOP.
+    pub(crate) fn carried_ack(&mut self, now: Instant) {
+        self.acks_carried = self.acks_carried.saturating_add(1);
+        if self.last_data_at.is_none() {
+            // The interval starts with the first ACK the path carries.
+            self.last_data_at = Some(now);
+        }
+    }
+
+    /// Marks the path for a route check when it is due (see `carried_ack`).
+    pub(crate) fn schedule_check(&mut self, now: Instant, interval: Duration) {
+        if self.state != PathState::Active
+            || self.move_to.is_some()
+            || self.in_flight != 0
+            || self.check_due
+        {
+            return;
+        }
+        let suspect = self.consecutive_lost > 0;
+        if self.acks_carried == 0 && !suspect {
+            return;
+        }
+        let interval = if suspect {
+            self.rto()
+        } else {
+            interval.max(self.rto())
+        };
+        if self
+            .last_data_at
+            .is_some_and(|t| now.saturating_since(t) >= interval)
+        {
+            self.check_due = true;
+        }
     }
 
     /// The path's retransmission timeout, backoff included: RFC 6298's,
@@ -552,6 +607,9 @@ impl PathTx {
         };
         self.next_psn = psn.wrapping_add(1);
         self.in_flight += u64::from(bytes);
+        self.last_data_at = Some(now);
+        self.acks_carried = 0;
+        self.check_due = false;
         self.stats.packets_sent += 1;
         self.stats.bytes_sent += u64::from(bytes);
         if retransmit {
@@ -1161,5 +1219,43 @@ mod tests {
             quick <= 8,
             "the RTT rule once the record is good: {quick} ms"
         );
+    }
+
+    /// A path that carries ACKs but sends nothing checks its route with a
+    /// NOP once the interval (at least its RTO) has passed; one that sends
+    /// DATA never does; a path whose last packet was lost stops carrying
+    /// ACKs and is checked again after one RTO.
+    #[test]
+    fn an_ack_only_path_checks_its_route() {
+        let ms = |n: u64| Instant::from_nanos(n * 1_000_000);
+        let interval = Duration::from_millis(16);
+        let mut t = tx();
+        assert!(t.carries_acks());
+        // Nothing carried yet: no check, however long it has been.
+        t.schedule_check(ms(100), interval);
+        assert!(!t.check_due);
+        t.carried_ack(ms(100));
+        t.schedule_check(ms(110), interval);
+        assert!(!t.check_due, "the interval starts with the first ACK");
+        t.carried_ack(ms(116));
+        t.schedule_check(ms(116), interval);
+        assert!(t.check_due);
+        // The check goes out as a DATA packet (a NOP): the interval restarts.
+        t.record_send(1, ms(116), 64, false);
+        assert!(!t.check_due && t.acks_carried == 0);
+        // Lost: the path stops carrying ACKs, and is checked again one RTO
+        // (1 ms here) after its last packet, not a whole interval.
+        assert_eq!(t.expire(ms(116), LossCause::Timeout, |_| {}), 1);
+        assert!(!t.carries_acks());
+        t.schedule_check(ms(121), interval);
+        assert!(t.check_due, "a suspect path is checked after one RTO");
+        // A path that carries data is busy: no check while it has packets
+        // in flight.
+        let mut d = tx();
+        d.carried_ack(ms(0));
+        d.record_send(2, ms(1), 1000, false);
+        d.carried_ack(ms(2));
+        d.schedule_check(ms(50), interval);
+        assert!(!d.check_due);
     }
 }

@@ -381,7 +381,12 @@ impl Endpoint {
             wants_ack,
             timing,
         );
-        self.rx_active.delivered(&mut c.rx_period, now);
+        if hdr.opcode != Opcode::Nop {
+            // NOPs (probes, route checks) carry nothing: they do not make
+            // their connection a sender for the grant or the receive window.
+            c.sender_rx_at = Some(arrived);
+            self.rx_active.delivered(&mut c.rx_period, now);
+        }
         if !fresh {
             c.stats.duplicates_received += 1;
             self.reject(RejectReason::Duplicate, from);

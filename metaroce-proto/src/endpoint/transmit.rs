@@ -345,8 +345,15 @@ impl Endpoint {
         // on it); a delivered probe makes the path active again.
         let c = self.conns[ci].as_mut()?;
         if let Some(path) = c.probe_path() {
-            if c.paths_tx[path].probe_due {
-                c.paths_tx[path].probe_sent(now);
+            let p = &mut c.paths_tx[path];
+            let tail = p.probe_due;
+            if tail {
+                p.probe_sent(now);
+            }
+            if !tail && p.check_due && p.state == crate::connection::PathState::Active {
+                c.stats.route_checks += 1;
+            } else {
+                c.stats.probes_sent += 1;
             }
             return self.emit_nop(ci, path, now, &mut buf[..mtu], None, gather);
         }
@@ -368,6 +375,7 @@ impl Endpoint {
                 };
                 let c = self.conns[ci].as_mut()?;
                 let path = c.pick_path(None, mtu as u64)?;
+                c.stats.probes_sent += 1;
                 return self.emit_nop(ci, path, now, &mut buf[..mtu], Some((remote, msn)), gather);
             }
         }
@@ -715,7 +723,6 @@ impl Endpoint {
         gather: Option<&mut Gather>,
     ) -> Option<Transmit> {
         let c = self.conns[ci].as_mut()?;
-        c.stats.probes_sent += 1;
         let csn = c.new_csn(CsnKind::Nop);
         let (size, _) =
             self.encode_data(ci, path, csn, CsnKind::Nop, now, buf, false, probe, gather)?;
@@ -928,10 +935,11 @@ impl Endpoint {
                     // first ACKs of an incast then already share the
                     // capacity among every sender of it.
                     c.is_established()
-                        && if c.rx_seen {
-                            now.saturating_since(c.last_rx_at) <= window
-                        } else {
-                            !c.is_client && now.saturating_since(c.established_at) <= window
+                        && match c.sender_rx_at {
+                            Some(at) => now.saturating_since(at) <= window,
+                            None => {
+                                !c.is_client && now.saturating_since(c.established_at) <= window
+                            }
                         }
                 })
                 .count();
@@ -944,15 +952,9 @@ impl Endpoint {
     fn emit_ack(&mut self, ci: usize, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
         let size = self.encode_ack(ci, now, buf, false)?;
         let c = self.conns[ci].as_mut()?;
-        // ACKs rotate over the paths (source ports) of the plane the
+        // ACKs rotate over the working paths (source ports) of the plane the
         // latest DATA arrived on.
-        let n = c.paths_tx.len();
-        let plane = c.ack_plane();
-        let pi = (0..n)
-            .map(|k| (c.path_rr + k) % n)
-            .find(|&i| c.paths_tx[i].plane == plane)
-            .unwrap_or(c.path_rr % n);
-        c.path_rr = (pi + 1) % n;
+        let pi = c.next_ack_path(now);
         let plane = c.paths_tx[pi].plane;
         Some(Transmit {
             dst: c.plane_dst(plane),
