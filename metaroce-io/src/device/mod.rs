@@ -139,7 +139,8 @@ pub enum ApiError {
         /// The region's size.
         size: u64,
     },
-    /// A request of a batch ([`QueuePair::post_send_batch`]) was refused:
+    /// A request of a batch ([`QueuePair::post_send_batch`],
+    /// [`QueuePair::post_recv_batch`]) was refused:
     /// the `posted` requests before it were posted (and complete as
     /// usual), it and those after it were not (`ibv_post_send`'s `bad_wr`).
     #[error("request {posted} of a batch refused ({error}); the {posted} before it were posted, none after")]
@@ -1371,6 +1372,41 @@ impl QueuePair {
     pub fn post_recv(&self, wr: RecvWr) -> impl Future<Output = Result<(), ApiError>> {
         let (tx, rx) = oneshot::channel();
         self.dev.send(Command::PostRecv(self.qpn, wr, Dest::Cq(tx)));
+        answer(rx)
+    }
+
+    /// Posts receives in order, as one chain (`ibv_post_recv` with a
+    /// linked list of work requests): one command and one wake of the
+    /// endpoint thread for all of them. Incoming SENDs (and WRITEs with
+    /// immediate) consume them in this order, and they complete in the
+    /// receive CQ with their `wr_id`s, as with [`post_recv`](Self::post_recv).
+    ///
+    /// If one is refused, those before it stay posted and the rest are
+    /// dropped: [`ApiError::BatchRefused`] says how many were posted and
+    /// why the next was refused — [`VerbsError::QueueFull`] beyond the
+    /// QP's `max_recv_wr` ([`QpCaps`]), [`VerbsError::InvalidKey`],
+    /// [`VerbsError::AccessDenied`] (a region without `LOCAL_WRITE`),
+    /// [`VerbsError::OtherPd`], [`VerbsError::OutsideRegion`] or
+    /// [`VerbsError::MrLent`] for its buffer, [`VerbsError::InvalidState`]
+    /// for a QP that takes no receives yet (RESET). A QP in ERROR takes
+    /// them, and each completes at once with [`WcStatus::WrFlushError`],
+    /// as in verbs.
+    ///
+    /// ```no_run
+    /// # async fn demo(qp: metaroce_io::QueuePair, mr: metaroce_io::MemoryRegion) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::RecvWr;
+    /// // 64 receives of 4 KiB, side by side in one region.
+    /// let wrs = (0..64u64).map(|i| RecvWr { wr_id: i, sge: mr.sge(i * 4096, 4096).unwrap() });
+    /// qp.post_recv_batch(wrs).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn post_recv_batch(
+        &self,
+        wrs: impl IntoIterator<Item = RecvWr>,
+    ) -> impl Future<Output = Result<(), ApiError>> {
+        let wrs = wrs.into_iter().collect();
+        let (tx, rx) = oneshot::channel();
+        self.dev.send(Command::PostRecvBatch(self.qpn, wrs, tx));
         answer(rx)
     }
 }

@@ -90,6 +90,9 @@ pub(super) enum Command {
     /// far it got.
     PostSendBatch(Qpn, Vec<SendWr>, Reply<()>),
     PostRecv(Qpn, RecvWr, Notify),
+    /// Receives posted in order, to the receive CQ; the reply says how
+    /// far it got.
+    PostRecvBatch(Qpn, Vec<RecvWr>, Reply<()>),
     Connect(SocketAddr, Reply<ConnectionHandle>),
     Close(ConnectionHandle, Reply<()>),
     ConnState(ConnectionHandle, Reply<Option<ConnectionState>>),
@@ -358,6 +361,21 @@ impl Worker {
                 track(&mut self.pending, &mut self.next_wr, user, notify, |id| {
                     ep.post_recv(qpn, RecvWr { wr_id: id, ..wr })
                 });
+            }
+            Command::PostRecvBatch(qpn, wrs, reply) => {
+                let mut res = Ok(());
+                for (i, wr) in wrs.into_iter().enumerate() {
+                    let id = self.next_wr;
+                    self.next_wr += 1;
+                    if let Err(error) = ep.post_recv(qpn, RecvWr { wr_id: id, ..wr }) {
+                        res = Err(ApiError::BatchRefused { posted: i, error });
+                        break;
+                    }
+                    let waiter = Waiter::Cq;
+                    let user_wr_id = wr.wr_id;
+                    self.pending.insert(id, Pending { user_wr_id, waiter });
+                }
+                let _ = reply.send(res);
             }
             Command::Connect(peer, r) => match ep.connect(now, peer) {
                 Ok(c) => {
