@@ -549,6 +549,12 @@ impl ProtectionDomain {
     /// [`VerbsError::AccessDenied`]; a READ into one is accepted and
     /// completes with [`WcStatus::LocalProtectionError`] (moving the QP to
     /// ERROR), as every send request whose local buffer is invalid does.
+    ///
+    /// Fails with [`VerbsError::InvalidLength`] for an empty buffer,
+    /// [`VerbsError::TooManyRegions`] once the endpoint holds 16,777,216
+    /// regions, [`ApiError::Driver`] if the thread that maps a large
+    /// buffer cannot be started, and [`ApiError::Closed`] if the endpoint
+    /// thread has stopped; the buffer is dropped with the error.
     pub async fn reg_mr(
         &self,
         buf: impl Into<RegionBuf>,
@@ -827,6 +833,15 @@ impl MemoryRegion {
     /// [`ProtectionDomain::reg_mr_owned`], the `ptr` of
     /// [`ProtectionDomain::reg_mr_raw`]). See [`as_mut_ptr`](Self::as_mut_ptr)
     /// for when using it is sound.
+    ///
+    /// ```no_run
+    /// # async fn demo(pd: metaroce_io::ProtectionDomain) -> Result<(), metaroce_io::ApiError> {
+    /// let data = vec![5u8; 4096];
+    /// let at = data.as_ptr();
+    /// let mr = pd.reg_mr_owned(data, metaroce_io::AccessFlags::NONE).await?;
+    /// assert_eq!(mr.as_ptr(), at); // the application's own memory, in place
+    /// # Ok(()) }
+    /// ```
     pub fn as_ptr(&self) -> *const u8 {
         self.base.0
     }

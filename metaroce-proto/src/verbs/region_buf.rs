@@ -361,12 +361,30 @@ impl RegionBuf {
 
     /// Whether the buffer names memory it does not own
     /// ([`from_raw_parts`](Self::from_raw_parts)).
+    ///
+    /// ```
+    /// use metaroce_proto::verbs::RegionBuf;
+    /// assert!(!RegionBuf::zeroed(10).is_raw());
+    /// let mut memory = [0u8; 10];
+    /// let ptr = std::ptr::NonNull::new(memory.as_mut_ptr()).unwrap();
+    /// // SAFETY: `memory` outlives the buffer and is not used meanwhile.
+    /// assert!(unsafe { RegionBuf::from_raw_parts(ptr, 10) }.is_raw());
+    /// ```
     pub fn is_raw(&self) -> bool {
         self.owner.is_none() && self.len > 0
     }
 
     /// Byte 0 of the bytes (the same wherever the buffer is moved), without
     /// making a reference to them.
+    ///
+    /// ```
+    /// use metaroce_proto::verbs::RegionBuf;
+    /// let mut buf = RegionBuf::zeroed(8192);
+    /// let p = buf.as_mut_ptr();
+    /// let moved = Box::new(buf);
+    /// assert_eq!(moved.as_ptr(), p.cast_const());
+    /// assert_eq!((moved.len(), moved.is_empty()), (8192, false));
+    /// ```
     pub fn as_ptr(&self) -> *const u8 {
         self.ptr.as_ptr()
     }
@@ -602,10 +620,10 @@ mod tests {
         let mut buf = RegionBuf::from_owner([5u8; 64]);
         let p = buf.as_ptr();
         buf[3] = 1;
-        let moved = std::thread::spawn(move || buf).join().unwrap();
+        let moved = Box::new(buf);
         assert_eq!(moved.as_ptr(), p, "the bytes did not move");
         assert!(!moved.is_raw());
-        let moved = moved.into_owner::<Vec<u8>>().unwrap_err();
+        let moved = (*moved).into_owner::<Vec<u8>>().unwrap_err();
         let arr: [u8; 64] = moved.into_owner().unwrap();
         assert_eq!(arr[..4], [5, 5, 5, 1]);
         // An owner is dropped with the buffer.
