@@ -862,7 +862,15 @@ impl MemoryRegion {
     ///   packet, retransmissions included;
     /// - do not read or write bytes that a posted receive or READ, or a
     ///   peer's WRITE, may be writing, until the completion (for a peer's
-    ///   WRITE: the peer's WRITE_IMM or SEND after it) says they are final.
+    ///   WRITE: the peer's WRITE_IMM or SEND after it) says they are final;
+    /// - the same for the copies [`read`](Self::read) (reads its bytes)
+    ///   and [`write`](Self::write) (writes them) until their futures are
+    ///   done.
+    ///
+    /// What the application wrote before it posts a request (or issues
+    /// any call of this API) is what the request sees, and what a
+    /// completion reports is visible once the application has it: the
+    /// calls and completions pass through channels that order memory.
     ///
     /// The endpoint keeps to its side: it reaches a region's bytes only
     /// through the ranges transfers name, never the whole region at once,
