@@ -912,6 +912,116 @@ fn batched_and_unsignaled_posts_io_uring() {
     run(Backend::Uring, batched_and_unsignaled_posts);
 }
 
+/// `post_recv_batch`: receives posted as one chain are consumed in order
+/// and complete with their `wr_id`s; a chain that meets a refusal keeps
+/// the receives before it (they are consumed as usual) and says how many
+/// were posted and why the next was refused.
+async fn receive_chains(backend: Backend) {
+    let (a, b) = pair(backend, FaultConfig::default()).await;
+    let (n, size) = (16u64, 1024u32);
+    let data = pattern(41, (n * u64::from(size)) as usize);
+    let src = a.pd.reg_mr(data.clone(), AccessFlags::NONE).await.unwrap();
+    let dst =
+        b.pd.reg_mr(vec![0u8; data.len()], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    // Posted in reverse address order: message i lands in slot n-1-i.
+    let slot = |i: u64| (n - 1 - i) * u64::from(size);
+    let wrs = (0..n).map(|i| RecvWr {
+        wr_id: 500 + i,
+        sge: dst.sge(slot(i), size).unwrap(),
+    });
+    b.qp.post_recv_batch(wrs).await.unwrap();
+    for i in 0..n {
+        a.qp.send(src.sge(i * u64::from(size), size).unwrap())
+            .await
+            .unwrap();
+    }
+    for i in 0..n {
+        let wc = b.cq.next().await.unwrap();
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.byte_len),
+            (500 + i, WcStatus::Success, size)
+        );
+        let got = dst.read(slot(i), size as usize).await.unwrap();
+        let at = (i * u64::from(size)) as usize;
+        assert!(got == data[at..at + size as usize], "message {i}");
+    }
+
+    // A refusal in the middle: a region without LOCAL_WRITE.
+    let readonly = b.pd.reg_mr(vec![0u8; 64], AccessFlags::NONE).await.unwrap();
+    let wrs = [
+        RecvWr {
+            wr_id: 1,
+            sge: dst.sge(0, 64).unwrap(),
+        },
+        RecvWr {
+            wr_id: 2,
+            sge: dst.sge(64, 64).unwrap(),
+        },
+        RecvWr {
+            wr_id: 3,
+            sge: readonly.sge(0, 64).unwrap(),
+        },
+        RecvWr {
+            wr_id: 4,
+            sge: dst.sge(128, 64).unwrap(),
+        },
+    ];
+    let r = b.qp.post_recv_batch(wrs).await;
+    assert!(
+        matches!(
+            r,
+            Err(ApiError::BatchRefused {
+                posted: 2,
+                error: VerbsError::AccessDenied { .. }
+            })
+        ),
+        "{r:?}"
+    );
+    // The two posted are there, in order; the fourth was not posted.
+    for id in [1, 2] {
+        a.qp.send(src.sge(0, 64).unwrap()).await.unwrap();
+        let wc = b.cq.next().await.unwrap();
+        assert_eq!((wc.wr_id, wc.status), (id, WcStatus::Success));
+    }
+
+    // Beyond the receive queue's room.
+    let caps = metaroce_io::QpCaps {
+        max_recv_wr: 3,
+        ..Default::default()
+    };
+    let qb = b.pd.create_qp_with(&b.cq, &b.cq, caps).await.unwrap();
+    let qa = a.pd.create_qp(&a.cq, &a.cq).await.unwrap();
+    qa.connect(&a.conn, qb.qpn()).await.unwrap();
+    qb.connect(&b.conn, qa.qpn()).await.unwrap();
+    let wrs = (0..5).map(|i| RecvWr {
+        wr_id: i,
+        sge: dst.sge(i * 64, 64).unwrap(),
+    });
+    let r = qb.post_recv_batch(wrs).await;
+    assert!(
+        matches!(
+            r,
+            Err(ApiError::BatchRefused {
+                posted: 3,
+                error: VerbsError::QueueFull(3)
+            })
+        ),
+        "{r:?}"
+    );
+}
+
+#[test]
+fn receive_chains_portable() {
+    run(Backend::Portable, receive_chains);
+}
+
+#[test]
+fn receive_chains_io_uring() {
+    run(Backend::Uring, receive_chains);
+}
+
 /// Registering a large buffer maps its pages without holding up the
 /// executor: a 1 ms ticker on the same single-threaded runtime keeps
 /// ticking while 256 MiB (about 100 ms of mapping) is registered.

@@ -52,6 +52,15 @@
 //! for as long as its guard lives (nothing else uses the region
 //! meanwhile). The verbs rule still applies to the *contents*:
 //!
+//! Memory the application allocated itself (a `memmap2` map, huge pages,
+//! an aligned allocation) is registered in place with
+//! [`ProtectionDomain::reg_mr_owned`], which keeps it until `dereg` gives
+//! it back, or, kept alive by the application, with the `unsafe`
+//! [`ProtectionDomain::reg_mr_raw`]. Every region has a raw view,
+//! [`MemoryRegion::as_mut_ptr`], `unsafe` to use, for filling and reading
+//! one part in place while transfers use others: the endpoint only ever
+//! touches the byte ranges transfers name.
+//!
 //! - bytes a posted SEND or WRITE reads must not be changed until its
 //!   completion: packets are built from the region when they are sent and
 //!   again when they are retransmitted, so the peer could get a mix;
@@ -130,7 +139,8 @@ pub enum ApiError {
         /// The region's size.
         size: u64,
     },
-    /// A request of a batch ([`QueuePair::post_send_batch`]) was refused:
+    /// A request of a batch ([`QueuePair::post_send_batch`],
+    /// [`QueuePair::post_recv_batch`]) was refused:
     /// the `posted` requests before it were posted (and complete as
     /// usual), it and those after it were not (`ibv_post_send`'s `bad_wr`).
     #[error("request {posted} of a batch refused ({error}); the {posted} before it were posted, none after")]
@@ -539,6 +549,12 @@ impl ProtectionDomain {
     /// [`VerbsError::AccessDenied`]; a READ into one is accepted and
     /// completes with [`WcStatus::LocalProtectionError`] (moving the QP to
     /// ERROR), as every send request whose local buffer is invalid does.
+    ///
+    /// Fails with [`VerbsError::InvalidLength`] for an empty buffer,
+    /// [`VerbsError::TooManyRegions`] once the endpoint holds 16,777,216
+    /// regions, [`ApiError::Driver`] if the thread that maps a large
+    /// buffer cannot be started, and [`ApiError::Closed`] if the endpoint
+    /// thread has stopped; the buffer is dropped with the error.
     pub async fn reg_mr(
         &self,
         buf: impl Into<RegionBuf>,
@@ -559,6 +575,7 @@ impl ProtectionDomain {
         access: AccessFlags,
     ) -> Result<MemoryRegion, ApiError> {
         let mut buf = buf.into();
+        let base = RegionPtr(buf.as_mut_ptr());
         if !access.contains(AccessFlags::ON_DEMAND) {
             // Not on the driver's thread, which would stall every
             // connection's traffic while it took the faults, nor, for a
@@ -583,8 +600,95 @@ impl ProtectionDomain {
         Ok(MemoryRegion {
             dev: self.dev.clone(),
             info,
+            base,
             live: true,
         })
+    }
+
+    /// Registers memory the application allocated itself, in place, with
+    /// no copy (`ibv_reg_mr` on its own buffer): any `T` that derefs to
+    /// bytes and may cross threads, such as a `memmap2::MmapMut` (a file,
+    /// or anonymous memory with huge pages), an aligned allocation of its
+    /// own, or a `Vec<u8>`. The region keeps `owner` alive and unmoved;
+    /// [`MemoryRegion::dereg`] gives it back
+    /// ([`RegionBuf::into_owner`]). Reach the bytes meanwhile with
+    /// [`MemoryRegion::lend`] (safe, in place), [`MemoryRegion::read`] and
+    /// [`MemoryRegion::write`] (copies), or the raw view
+    /// [`MemoryRegion::as_mut_ptr`] (`unsafe` to use). Otherwise as
+    /// [`reg_mr`](Self::reg_mr): the pages are mapped first, off the
+    /// executor for a large region, and the errors are the same.
+    ///
+    /// ```no_run
+    /// # async fn demo(pd: metaroce_io::ProtectionDomain) -> Result<(), Box<dyn std::error::Error>> {
+    /// use metaroce_io::AccessFlags;
+    /// // 1 GiB of anonymous memory (add `.huge(None)` for huge pages).
+    /// let map = memmap2::MmapOptions::new().len(1 << 30).map_anon()?;
+    /// let mr = pd.reg_mr_owned(map, AccessFlags::REMOTE_WRITE | AccessFlags::LOCAL_WRITE).await?;
+    /// // … peers WRITE into it …
+    /// let map: memmap2::MmapMut = mr.dereg().await?.into_owner().unwrap();
+    /// println!("{:?}", &map[..16]);
+    /// # Ok(()) }
+    /// ```
+    pub async fn reg_mr_owned<T: AsMut<[u8]> + Send + 'static>(
+        &self,
+        owner: T,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion, ApiError> {
+        self.reg_mr(RegionBuf::from_owner(owner), access).await
+    }
+
+    /// Registers `len` bytes at `ptr` that the application keeps alive and
+    /// uses itself, in place: what `ibv_reg_mr(pd, addr, length, access)`
+    /// does with memory from anywhere (a pool, a C library, memory another
+    /// runtime manages). [`MemoryRegion::as_mut_ptr`] is `ptr`.
+    /// [`MemoryRegion::dereg`] returns a [`RegionBuf`] that frees nothing
+    /// when dropped. Otherwise as [`reg_mr`](Self::reg_mr); a `len` of 0
+    /// is refused with [`VerbsError::InvalidLength`].
+    ///
+    /// # Safety
+    ///
+    /// The rules of `ibv_reg_mr`, as [`RegionBuf::from_raw_parts`] states
+    /// them; in short, from this call on:
+    ///
+    /// - the memory stays valid and in place (not freed, unmapped or
+    ///   remapped) until [`MemoryRegion::dereg`] has returned `Ok`; if the
+    ///   region is dropped instead, or the device stops, until every
+    ///   handle of the [`Device`] is dropped and its endpoint thread has
+    ///   ended (in practice: keep it for the life of the process);
+    /// - nothing accesses it while this call runs (its pages are mapped,
+    ///   one byte a page rewritten where the kernel cannot map them in one
+    ///   call), nor while a [`LentRegion`] of the region lives;
+    /// - the application's accesses keep off the bytes a transfer uses:
+    ///   it does not write bytes a posted SEND or WRITE, or a peer's READ,
+    ///   may be reading, and does not read or write bytes a posted receive
+    ///   or READ, or a peer's WRITE, may be writing, until the completion
+    ///   (or the application's protocol with the peer) says it is over.
+    ///
+    /// ```no_run
+    /// # async fn demo(pd: metaroce_io::ProtectionDomain) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::AccessFlags;
+    /// use std::ptr::NonNull;
+    /// let memory: &'static mut [u8] = Box::leak(vec![0u8; 1 << 20].into_boxed_slice());
+    /// let ptr = NonNull::new(memory.as_mut_ptr()).unwrap();
+    /// // SAFETY: leaked, so valid for ever; the application reads it only
+    /// // after the receive below completed.
+    /// let mr = unsafe { pd.reg_mr_raw(ptr, 1 << 20, AccessFlags::LOCAL_WRITE) }.await?;
+    /// assert_eq!(mr.as_ptr(), ptr.as_ptr().cast_const());
+    /// # Ok(()) }
+    /// ```
+    pub async unsafe fn reg_mr_raw(
+        &self,
+        ptr: std::ptr::NonNull<u8>,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion, ApiError> {
+        if len == 0 {
+            return Err(VerbsError::InvalidLength(0).into());
+        }
+        // SAFETY: the caller's promise, as this function's contract states
+        // it, is the one `from_raw_parts` asks for.
+        let buf = unsafe { RegionBuf::from_raw_parts(ptr, len) };
+        self.reg_mr(buf, access).await
     }
 
     /// Creates an RC queue pair (`ibv_create_qp`) with the default
@@ -682,8 +786,21 @@ impl Default for QpCaps {
 pub struct MemoryRegion {
     dev: Device,
     info: MrInfo,
+    /// Byte 0 of the region's memory, for the raw view.
+    base: RegionPtr,
     live: bool,
 }
+
+/// The address of a region's byte 0: only handed to the application
+/// ([`MemoryRegion::as_mut_ptr`]), never dereferenced here.
+#[derive(Debug, Clone, Copy)]
+struct RegionPtr(*mut u8);
+
+// SAFETY: an address only; what the application does with it is under the
+// contract of `MemoryRegion::as_mut_ptr`, which is `unsafe` to use.
+unsafe impl Send for RegionPtr {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for RegionPtr {}
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
@@ -707,6 +824,80 @@ impl MemoryRegion {
     /// Whether the region is empty (never: empty regions are refused).
     pub fn is_empty(&self) -> bool {
         self.info.len == 0
+    }
+
+    /// Byte 0 of the region's memory, for reading it in place: the raw
+    /// view of `ibv_mr.addr`. The address is the same for the region's
+    /// life, wherever the handle moves; it is the memory registered (the
+    /// buffer given to [`ProtectionDomain::reg_mr`], the owner's bytes of
+    /// [`ProtectionDomain::reg_mr_owned`], the `ptr` of
+    /// [`ProtectionDomain::reg_mr_raw`]). See [`as_mut_ptr`](Self::as_mut_ptr)
+    /// for when using it is sound.
+    ///
+    /// ```no_run
+    /// # async fn demo(pd: metaroce_io::ProtectionDomain) -> Result<(), metaroce_io::ApiError> {
+    /// let data = vec![5u8; 4096];
+    /// let at = data.as_ptr();
+    /// let mr = pd.reg_mr_owned(data, metaroce_io::AccessFlags::NONE).await?;
+    /// assert_eq!(mr.as_ptr(), at); // the application's own memory, in place
+    /// # Ok(()) }
+    /// ```
+    pub fn as_ptr(&self) -> *const u8 {
+        self.base.0
+    }
+
+    /// Byte 0 of the region's memory, for filling and reading it in place
+    /// without a copy or a round trip to the endpoint thread: the raw view
+    /// of `ibv_mr.addr`, for what [`lend`](Self::lend) cannot do (touch one
+    /// part while transfers use others, from many threads). Getting the
+    /// pointer is safe; using it is `unsafe`, and sound only within the
+    /// verbs rules, which Rust cannot check here:
+    ///
+    /// - stay within [`len`](Self::len) bytes, and only while the region
+    ///   is registered (this handle alive, [`dereg`](Self::dereg) not yet
+    ///   called) and not lent (no [`LentRegion`] of it alive);
+    /// - do not write bytes that a posted SEND or WRITE, or a peer's READ,
+    ///   may be reading, until its completion (or your protocol with the
+    ///   peer) says it is over: the endpoint reads them when it builds each
+    ///   packet, retransmissions included;
+    /// - do not read or write bytes that a posted receive or READ, or a
+    ///   peer's WRITE, may be writing, until the completion (for a peer's
+    ///   WRITE: the peer's WRITE_IMM or SEND after it) says they are final;
+    /// - the same for the copies [`read`](Self::read) (reads its bytes)
+    ///   and [`write`](Self::write) (writes them) until their futures are
+    ///   done.
+    ///
+    /// What the application wrote before it posts a request (or issues
+    /// any call of this API) is what the request sees, and what a
+    /// completion reports is visible once the application has it: the
+    /// calls and completions pass through channels that order memory.
+    ///
+    /// The endpoint keeps to its side: it reaches a region's bytes only
+    /// through the ranges transfers name, never the whole region at once,
+    /// so the parts no transfer uses are the application's. Breaking a
+    /// rule is a data race (undefined behaviour), not merely the torn
+    /// contents a NIC would give; where a peer is not trusted to keep to
+    /// the protocol, read what it may write with [`lend`](Self::lend)
+    /// (which fails its accesses meanwhile) or [`read`](Self::read).
+    ///
+    /// ```no_run
+    /// # async fn demo(pd: metaroce_io::ProtectionDomain, qp: metaroce_io::QueuePair) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::{AccessFlags, RegionBuf};
+    /// let mr = pd.reg_mr(RegionBuf::zeroed(2 << 20), AccessFlags::LOCAL_WRITE).await?;
+    /// let base = mr.as_mut_ptr();
+    /// // Receive into the second MiB while filling the first in place.
+    /// let incoming = qp.recv(mr.sge(1 << 20, 1 << 20)?);
+    /// // SAFETY: the first MiB is in the region, and no transfer uses it.
+    /// unsafe { std::ptr::write_bytes(base, 7, 1 << 20) };
+    /// let n = incoming.await?.byte_len as usize;
+    /// // SAFETY: the receive completed: its bytes are final and no longer used.
+    /// let got = unsafe { std::slice::from_raw_parts(base.add(1 << 20), n) };
+    /// println!("received {:?}", &got[..n.min(16)]);
+    /// qp.send(mr.sge(0, 1 << 20)?).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.base.0
     }
 
     /// What a peer needs to WRITE to or READ from this region.
@@ -811,8 +1002,21 @@ impl MemoryRegion {
         })
     }
 
-    /// Deregisters the region and gives its buffer back; fails (and keeps
-    /// the region) while requests still use it.
+    /// Deregisters the region and gives its buffer back (an owner given to
+    /// [`ProtectionDomain::reg_mr_owned`] comes back through
+    /// [`RegionBuf::into_owner`]; raw memory, through a buffer that frees
+    /// nothing). Fails with [`VerbsError::MrInUse`] (and keeps the region)
+    /// while posted requests or a peer's READ response still use it; waits
+    /// while the driver still sends from it (microseconds).
+    ///
+    /// ```no_run
+    /// # async fn demo(pd: metaroce_io::ProtectionDomain) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::AccessFlags;
+    /// let mr = pd.reg_mr_owned(vec![1u8; 4096], AccessFlags::NONE).await?;
+    /// let v: Vec<u8> = mr.dereg().await?.into_owner().unwrap();
+    /// assert_eq!(v.len(), 4096);
+    /// # Ok(()) }
+    /// ```
     pub async fn dereg(mut self) -> Result<RegionBuf, ApiError> {
         let lkey = self.info.lkey;
         let buf = self.dev.call(|r| Command::DeregMr(lkey, r)).await;
@@ -1191,6 +1395,41 @@ impl QueuePair {
     pub fn post_recv(&self, wr: RecvWr) -> impl Future<Output = Result<(), ApiError>> {
         let (tx, rx) = oneshot::channel();
         self.dev.send(Command::PostRecv(self.qpn, wr, Dest::Cq(tx)));
+        answer(rx)
+    }
+
+    /// Posts receives in order, as one chain (`ibv_post_recv` with a
+    /// linked list of work requests): one command and one wake of the
+    /// endpoint thread for all of them. Incoming SENDs (and WRITEs with
+    /// immediate) consume them in this order, and they complete in the
+    /// receive CQ with their `wr_id`s, as with [`post_recv`](Self::post_recv).
+    ///
+    /// If one is refused, those before it stay posted and the rest are
+    /// dropped: [`ApiError::BatchRefused`] says how many were posted and
+    /// why the next was refused — [`VerbsError::QueueFull`] beyond the
+    /// QP's `max_recv_wr` ([`QpCaps`]), [`VerbsError::InvalidKey`],
+    /// [`VerbsError::AccessDenied`] (a region without `LOCAL_WRITE`),
+    /// [`VerbsError::OtherPd`], [`VerbsError::OutsideRegion`] or
+    /// [`VerbsError::MrLent`] for its buffer, [`VerbsError::InvalidState`]
+    /// for a QP that takes no receives yet (RESET). A QP in ERROR takes
+    /// them, and each completes at once with [`WcStatus::WrFlushError`],
+    /// as in verbs.
+    ///
+    /// ```no_run
+    /// # async fn demo(qp: metaroce_io::QueuePair, mr: metaroce_io::MemoryRegion) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::RecvWr;
+    /// // 64 receives of 4 KiB, side by side in one region.
+    /// let wrs = (0..64u64).map(|i| RecvWr { wr_id: i, sge: mr.sge(i * 4096, 4096).unwrap() });
+    /// qp.post_recv_batch(wrs).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn post_recv_batch(
+        &self,
+        wrs: impl IntoIterator<Item = RecvWr>,
+    ) -> impl Future<Output = Result<(), ApiError>> {
+        let wrs = wrs.into_iter().collect();
+        let (tx, rx) = oneshot::channel();
+        self.dev.send(Command::PostRecvBatch(self.qpn, wrs, tx));
         answer(rx)
     }
 }

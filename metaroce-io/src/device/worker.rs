@@ -90,6 +90,9 @@ pub(super) enum Command {
     /// far it got.
     PostSendBatch(Qpn, Vec<SendWr>, Reply<()>),
     PostRecv(Qpn, RecvWr, Notify),
+    /// Receives posted in order, to the receive CQ; the reply says how
+    /// far it got.
+    PostRecvBatch(Qpn, Vec<RecvWr>, Reply<()>),
     Connect(SocketAddr, Reply<ConnectionHandle>),
     Close(ConnectionHandle, Reply<()>),
     ConnState(ConnectionHandle, Reply<Option<ConnectionState>>),
@@ -279,10 +282,10 @@ impl Worker {
                 len,
                 reply,
             } => {
-                let res = match ep.mr(lkey) {
-                    None => Err(ApiError::Verbs(VerbsError::InvalidKey(lkey))),
-                    Some(b) => slice_range(b.len(), offset, len).map(|r| b[r].to_vec()),
-                };
+                let res = region_range(ep, lkey, offset, len).and_then(|r| {
+                    let bytes = ep.mr_range(lkey, r).ok_or(VerbsError::MrLent(lkey))?;
+                    Ok(bytes.to_vec())
+                });
                 let _ = reply.send(res);
             }
             Command::WriteMr {
@@ -291,12 +294,11 @@ impl Worker {
                 data,
                 reply,
             } => {
-                let res = match ep.mr_mut(lkey) {
-                    None => Err(ApiError::Verbs(VerbsError::InvalidKey(lkey))),
-                    Some(b) => slice_range(b.len(), offset, data.len()).map(|r| {
-                        b[r].copy_from_slice(&data);
-                    }),
-                };
+                let res = region_range(ep, lkey, offset, data.len()).and_then(|r| {
+                    let bytes = ep.mr_range_mut(lkey, r).ok_or(VerbsError::MrLent(lkey))?;
+                    bytes.copy_from_slice(&data);
+                    Ok(())
+                });
                 let _ = reply.send(res);
             }
             Command::CreateCq(cap, sink, r) => {
@@ -359,6 +361,21 @@ impl Worker {
                 track(&mut self.pending, &mut self.next_wr, user, notify, |id| {
                     ep.post_recv(qpn, RecvWr { wr_id: id, ..wr })
                 });
+            }
+            Command::PostRecvBatch(qpn, wrs, reply) => {
+                let mut res = Ok(());
+                for (i, wr) in wrs.into_iter().enumerate() {
+                    let id = self.next_wr;
+                    self.next_wr += 1;
+                    if let Err(error) = ep.post_recv(qpn, RecvWr { wr_id: id, ..wr }) {
+                        res = Err(ApiError::BatchRefused { posted: i, error });
+                        break;
+                    }
+                    let waiter = Waiter::Cq;
+                    let user_wr_id = wr.wr_id;
+                    self.pending.insert(id, Pending { user_wr_id, waiter });
+                }
+                let _ = reply.send(res);
             }
             Command::Connect(peer, r) => match ep.connect(now, peer) {
                 Ok(c) => {
@@ -571,6 +588,18 @@ fn refuse(notify: Notify, e: VerbsError) {
 
 fn log_lost(conn: ConnectionHandle, error: ConnectionError) {
     tracing::info!(conn = conn.index(), %error, "connection lost");
+}
+
+/// The bytes `offset..offset + len` of region `lkey`, if it has them
+/// (only those are touched: the application may use others in place).
+fn region_range(
+    ep: &Endpoint,
+    lkey: u32,
+    offset: u64,
+    len: usize,
+) -> Result<std::ops::Range<usize>, ApiError> {
+    let info = ep.mr_info(lkey).ok_or(VerbsError::InvalidKey(lkey))?;
+    slice_range(info.len as usize, offset, len)
 }
 
 /// `offset..offset + len` if it lies within `size` bytes.

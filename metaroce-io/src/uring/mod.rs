@@ -811,10 +811,11 @@ impl UringDriver {
             pieces.push(match c {
                 Chunk::Buf(r) => sys::Piece::Buf(r.clone()),
                 Chunk::Region { lkey, range } => {
+                    // Only the payload's bytes: the application may use
+                    // others of the region meanwhile.
                     let b = self
                         .ep
-                        .mr(*lkey)
-                        .and_then(|m| m.get(range.clone()))
+                        .mr_range(*lkey, range.clone())
                         .ok_or_else(|| std::io::Error::other("gathered region vanished"))?;
                     sys::Piece::Extern(b.as_ptr(), b.len())
                 }
@@ -833,8 +834,9 @@ impl UringDriver {
         // region's memory is leaked, never freed, if the endpoint is dropped
         // or replaced. The pin is released only once the slot's last
         // completion has come (`on_send`), its send was never queued, or
-        // `Drop` has drained the ring. Regions are boxed and never move or
-        // shrink while registered. The application may still write the
+        // `Drop` has drained the ring. A region's memory never moves or
+        // shrinks while registered (`RegionBuf`: owned memory is boxed, raw
+        // memory is the application's promise). The application may still write the
         // bytes through the endpoint meanwhile (RDMA semantics: the
         // request's buffer is not to be touched until it completes); the
         // kernel only reads them.

@@ -554,7 +554,10 @@ impl Endpoint {
     /// `addr` (`ibv_reg_mr` with an iova). The endpoint owns the buffer
     /// until [`dereg_mr`](Self::dereg_mr) returns it. A
     /// [`RegionBuf::zeroed`] buffer starts on a page, as regions should; a
-    /// `Box<[u8]>` or `Vec<u8>` is taken as it is.
+    /// `Box<[u8]>` or `Vec<u8>` is taken as it is, and so is memory the
+    /// application allocated itself ([`RegionBuf::from_owner`], or, raw,
+    /// [`RegionBuf::from_raw_parts`]): the region's bytes are that memory,
+    /// in place.
     ///
     /// As `ibv_reg_mr` pins a region's pages, registration maps every page
     /// of the buffer ([`RegionBuf::make_resident`]), keeping its bytes, so
@@ -600,9 +603,41 @@ impl Endpoint {
         self.mrs.deregister(lkey)
     }
 
-    /// The bytes of a region, for the application to read.
+    /// The bytes of a region, for the application to read: a slice over
+    /// the whole region. For memory registered raw
+    /// ([`RegionBuf::from_raw_parts`]) nothing else may write any of its
+    /// bytes while the slice lives; [`mr_range`](Self::mr_range) takes
+    /// only the bytes it names.
     pub fn mr(&self, lkey: u32) -> Option<&[u8]> {
-        self.mrs.by_lkey(lkey).map(|m| &m.buf[..])
+        self.mrs.by_lkey(lkey).map(|m| m.buf.whole())
+    }
+
+    /// The bytes `range` of region `lkey` (offsets from its byte 0), for
+    /// the application to read, or for a driver that hands a gathered
+    /// payload ([`Chunk::Region`]) to the kernel: a slice over those bytes
+    /// only, so that the application may use others of a region registered
+    /// raw meanwhile. `None` if there is no such region or the range
+    /// reaches outside it.
+    ///
+    /// ```
+    /// use metaroce_proto::verbs::{AccessFlags, RegionBuf};
+    /// use metaroce_proto::{Endpoint, EndpointConfig};
+    /// let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+    /// let pd = ep.alloc_pd();
+    /// let mr = ep.reg_mr(pd, RegionBuf::copy_of(b"hello, world"), 0, AccessFlags::NONE).unwrap();
+    /// assert_eq!(ep.mr_range(mr.lkey, 7..12), Some(&b"world"[..]));
+    /// assert_eq!(ep.mr_range(mr.lkey, 7..13), None);
+    /// ep.mr_range_mut(mr.lkey, 0..5).unwrap().copy_from_slice(b"HELLO");
+    /// assert_eq!(ep.mr(mr.lkey).unwrap(), b"HELLO, world");
+    /// ```
+    pub fn mr_range(&self, lkey: u32, range: core::ops::Range<usize>) -> Option<&[u8]> {
+        self.mrs.by_lkey(lkey)?.buf.get(range)
+    }
+
+    /// The bytes `range` of region `lkey`, for the application to write
+    /// (see [`mr_range`](Self::mr_range) and [`mr_mut`](Self::mr_mut)).
+    pub fn mr_range_mut(&mut self, lkey: u32, range: core::ops::Range<usize>) -> Option<&mut [u8]> {
+        self.mrs.by_lkey_mut(lkey)?.buf.get_mut(range)
     }
 
     /// The bytes of a region, for the application to write (a region moves
@@ -614,8 +649,13 @@ impl Endpoint {
     /// request completed (a retransmission already on its way); such a copy
     /// is a duplicate the peer drops unread, so writing after the completion
     /// is safe.
+    ///
+    /// A slice over the whole region: for memory registered raw
+    /// ([`RegionBuf::from_raw_parts`]) nothing else may access any of its
+    /// bytes while it lives; [`mr_range_mut`](Self::mr_range_mut) takes
+    /// only the bytes it names.
     pub fn mr_mut(&mut self, lkey: u32) -> Option<&mut [u8]> {
-        self.mrs.by_lkey_mut(lkey).map(|m| &mut m.buf[..])
+        self.mrs.by_lkey_mut(lkey).map(|m| m.buf.whole_mut())
     }
 
     /// Lends the bytes of region `lkey` to the application: they leave

@@ -3,14 +3,17 @@
 //! with the RC state machine, work requests and work completions.
 //!
 //! The objects live inside an [`Endpoint`](crate::Endpoint); the handles here
-//! name them. Memory regions are owned by the endpoint (so that the core can
-//! place incoming bytes and read outgoing ones without unsafe code) and the
-//! application reads and writes them with [`Endpoint::mr`](crate::Endpoint::mr)
-//! and [`Endpoint::mr_mut`](crate::Endpoint::mr_mut).
+//! name them. A memory region's bytes are held by the endpoint as a
+//! [`RegionBuf`] (memory it owns, or the application's own, in place), and
+//! the application reads and writes them with [`Endpoint::mr`](crate::Endpoint::mr)
+//! and [`Endpoint::mr_mut`](crate::Endpoint::mr_mut), or, for memory
+//! registered raw, through its own pointer within the rules of
+//! [`RegionBuf::from_raw_parts`].
 
 mod cq;
 mod mr;
 pub(crate) mod qp;
+#[allow(unsafe_code)]
 mod region_buf;
 
 pub(crate) use cq::CompletionQueue;
@@ -18,6 +21,7 @@ pub use mr::MrInfo;
 pub(crate) use mr::MrTable;
 pub use qp::{QpAttrs, QpState, RcAttrs};
 pub use region_buf::RegionBuf;
+pub(crate) use region_buf::Registered;
 
 use core::time::Duration;
 

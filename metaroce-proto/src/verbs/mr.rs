@@ -1,6 +1,6 @@
 //! Memory regions and their keys.
 
-use super::{AccessFlags, PdHandle, RegionBuf, VerbsError};
+use super::{AccessFlags, PdHandle, RegionBuf, Registered, VerbsError};
 use crate::endpoint::RegionPin;
 use core::ops::Range;
 use core::sync::atomic::{AtomicU64, Ordering};
@@ -53,7 +53,9 @@ pub(crate) enum RemoteRefusal {
 pub(crate) struct MemoryRegion {
     pub(crate) pd: PdHandle,
     pub(crate) info: MrInfo,
-    pub(crate) buf: RegionBuf,
+    /// The bytes, indexed by the range a transfer copies (never as a
+    /// whole inside the core).
+    pub(crate) buf: Registered,
     /// Outstanding work requests and READ responses that reference the region.
     pub(crate) refs: u32,
     /// Gathered transmits the driver still sends from the region
@@ -240,7 +242,7 @@ impl MrTable {
         self.slots[idx as usize] = Some(MemoryRegion {
             pd,
             info,
-            buf,
+            buf: Registered::new(buf),
             refs: 0,
             pins: 0,
             lent: false,
@@ -259,7 +261,7 @@ impl MrTable {
         self.keys.remove(&lkey);
         self.keys.remove(&rkey);
         self.free.push(idx);
-        Ok(mr.buf)
+        Ok(mr.buf.into_inner())
     }
 
     /// Takes a region's bytes out for the application, keeping its keys:
@@ -272,7 +274,7 @@ impl MrTable {
         let mr = self.by_lkey_mut(lkey).ok_or(VerbsError::InvalidKey(lkey))?;
         mr.idle()?;
         mr.lent = true;
-        Ok(std::mem::take(&mut mr.buf))
+        Ok(std::mem::take(&mut mr.buf).into_inner())
     }
 
     /// Puts lent bytes back ([`lend`](Self::lend)): `buf` must be as long as
@@ -285,7 +287,7 @@ impl MrTable {
         if buf.len() as u64 != mr.info.len {
             return Err(VerbsError::InvalidLength(buf.len()));
         }
-        mr.buf = buf;
+        mr.buf = Registered::new(buf);
         mr.lent = false;
         Ok(())
     }
@@ -636,7 +638,7 @@ mod tests {
         buf[0] = 1;
         t.give_back(a.lkey, buf).unwrap();
         assert_eq!(t.local_access(pd, a.lkey, 0x100, 64, lw), Ok(()));
-        assert_eq!(t.by_lkey(a.lkey).unwrap().buf[..2], [1, 9]);
+        assert_eq!(t.by_lkey(a.lkey).unwrap().buf[0..2], [1, 9]);
         assert_eq!(t.deregister(a.lkey).unwrap().len(), 64);
     }
 
