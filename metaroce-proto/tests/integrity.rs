@@ -454,3 +454,34 @@ fn tampered_and_replayed_datagrams_are_refused() {
         "no replayed byte was placed"
     );
 }
+
+#[test]
+fn an_accept_with_a_wrong_proof_is_ignored_and_the_handshake_goes_on() {
+    let mut p = Pair::new(psk_config(7), psk_config(7), 51, LinkConfig::perfect());
+    let forged = std::rc::Rc::new(std::cell::Cell::new(0));
+    let seen = forged.clone();
+    p.on_wire = Some(Box::new(move |to_b, bytes: &mut Vec<u8>| {
+        // The server's first ACCEPT, its proof's last byte flipped.
+        if !to_b && bytes.get(1) == Some(&0x12) && seen.get() == 0 {
+            let last = bytes.len() - 1;
+            bytes[last] ^= 1;
+            seen.set(1);
+        }
+    }));
+    p.connect();
+    assert_eq!(forged.get(), 1);
+    assert_eq!(p.a.stats().rejects.get(RejectReason::BadKey), 1);
+    assert_eq!(
+        p.a.connection_protection(p.conn_a.unwrap()),
+        Some(metaroce_proto::Protection::Aes128Gcm)
+    );
+    // And the connection works.
+    let v = Verbs::setup(&mut p);
+    let data = pattern(4, 10_000);
+    let (src, dst) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &data);
+    let now = p.now;
+    p.a.post_send(now, v.qa, write_wr(1, &src, &dst, 0, 10_000))
+        .unwrap();
+    let deadline = p.now + Duration::from_secs(1);
+    assert!(p.run_until(deadline, |p| p.b.mr(dst.lkey).unwrap() == &data[..]));
+}

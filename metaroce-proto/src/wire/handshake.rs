@@ -796,6 +796,64 @@ mod tests {
     }
 
     #[test]
+    fn security_extension_alone_after_planes_and_malformed() {
+        let e = SecurityExt {
+            suite: SUITE_AES_128_GCM,
+            nonce: [0xa5; HANDSHAKE_NONCE_LEN],
+            proof: [0x5a; AEAD_PROOF_LEN],
+        };
+        let mut buf = [0u8; 128];
+        let n = e.emit(&mut buf).unwrap();
+        assert_eq!(n, SecurityExt::LEN);
+        assert_eq!((buf[0], buf[1]), (EXT_SECURITY, SUITE_AES_128_GCM));
+        assert_eq!(SecurityExt::find(&buf[..n]), Ok(Some(e)));
+        // Every cut of it is refused; trailing bytes are ignored.
+        for cut in 1..n {
+            assert!(matches!(
+                SecurityExt::find(&buf[..cut]),
+                Err(WireError::Truncated { .. })
+            ));
+        }
+        assert_eq!(SecurityExt::find(&buf[..n + 5]), Ok(Some(e)));
+        // After a plane list; absent; another extension type.
+        let planes = PlaneAddrs::new(&[IpAddr::V6(Ipv6Addr::LOCALHOST)]).unwrap();
+        let p = planes.emit(&mut buf).unwrap();
+        let m = e.emit(&mut buf[p..]).unwrap();
+        assert_eq!(SecurityExt::find(&buf[..p + m]), Ok(Some(e)));
+        assert_eq!(PlaneAddrs::parse(&buf[..p + m]), Ok(planes));
+        assert_eq!(SecurityExt::find(&buf[..p]), Ok(None));
+        assert_eq!(SecurityExt::find(&[]), Ok(None));
+        assert_eq!(SecurityExt::find(&[0x7f; 40]), Ok(None));
+        // A malformed plane list before it is an error.
+        buf[1] = 0;
+        assert!(SecurityExt::find(&buf[..p + m]).is_err());
+        assert!(e.emit(&mut buf[..n - 1]).is_err());
+        // Any bytes: an answer, never a panic.
+        let mut x = 0x1234_5678u32;
+        for len in 0..80 {
+            let junk: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 17;
+                    x ^= x << 5;
+                    if x % 5 == 0 {
+                        EXT_SECURITY
+                    } else {
+                        x as u8
+                    }
+                })
+                .collect();
+            let _ = SecurityExt::find(&junk);
+        }
+    }
+
+    #[test]
+    fn key_refused_close_code() {
+        assert_eq!(CloseCode::from_u32(5), Ok(CloseCode::KeyRefused));
+        assert!(CloseCode::from_u32(6).is_err());
+    }
+
+    #[test]
     fn version_negotiation() {
         let mut buf = [0u8; 16];
         let n = VersionNegotiation::emit(44, &mut buf).unwrap();
