@@ -92,6 +92,13 @@ pub enum PerfError {
     /// run: a client that retries comes back on a new connection).
     #[error("the client left before its run started: {0}")]
     Abandoned(Box<PerfError>),
+    /// The server refused this side's pre-shared key (`--psk-file`): the
+    /// keys differ, or only one side has one. Not tried again.
+    #[error("cannot connect to {addr}: the peer refused the key (the pre-shared keys differ, or only one side has one)")]
+    KeyRefused {
+        /// The server's metaroce endpoint.
+        addr: SocketAddr,
+    },
     /// The metaroce connection (UDP) to the server did not come up.
     #[error("cannot connect to {addr}: {why}")]
     NoConnection {

@@ -141,7 +141,11 @@ pub struct DriverConfig {
     /// twice the paths, so that a failed path can move to a port no other
     /// path uses.
     pub send_sockets: usize,
-    /// Seed of the endpoint.
+    /// Seed of the endpoint. With a pre-shared key
+    /// ([`EndpointConfig::psk`](metaroce_proto::EndpointConfig::psk)) the
+    /// driver mixes 64 bits of the operating system's randomness into it:
+    /// the connections' handshake nonces, and so their keys, must never
+    /// repeat (PROTOCOL §3.2), whatever seed the application gives.
     pub seed: u64,
     /// Kernel socket buffer size to ask for, bytes (the kernel may give
     /// less: `net.core.rmem_max` caps it). Unless
@@ -262,4 +266,27 @@ pub struct DriverStats {
     pub faults_duplicated: u64,
     /// Received datagrams the fault injector held back (reordered).
     pub faults_delayed: u64,
+}
+
+impl DriverConfig {
+    /// The seed the endpoint gets: [`seed`](Self::seed), with the operating
+    /// system's randomness mixed in when the endpoint has a pre-shared key.
+    pub(crate) fn endpoint_seed(&self) -> u64 {
+        if self.endpoint.psk.is_none() {
+            return self.seed;
+        }
+        let mut b = [0u8; 8];
+        let random = std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+            .map(|()| u64::from_ne_bytes(b));
+        let extra = random.unwrap_or_else(|_| {
+            // No /dev/urandom: the clock and the process id, which at
+            // least differ between runs.
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            t ^ u64::from(std::process::id()).rotate_left(32)
+        });
+        self.seed ^ extra
+    }
 }

@@ -332,3 +332,49 @@ impl IoDriver for Driver {
         Driver::waker(self)
     }
 }
+
+/// Why [`read_psk_file`] found no key.
+#[derive(Debug, thiserror::Error)]
+pub enum PskFileError {
+    /// The file could not be read.
+    #[error("cannot read the key file {path}: {source}")]
+    Read {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file does not hold exactly 32 bytes.
+    #[error("the key file {path} holds {len} bytes; a pre-shared key is exactly 32")]
+    Length {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Its length.
+        len: usize,
+    },
+}
+
+/// Reads a pre-shared key (PROTOCOL §3.2) from a file of exactly 32 bytes,
+/// for [`EndpointConfig::psk`](metaroce_proto::EndpointConfig::psk) (in
+/// [`DriverConfig::endpoint`]). Make one with
+/// `head -c 32 /dev/urandom > key`.
+///
+/// ```
+/// let path = std::env::temp_dir().join(format!("metaroce-psk-doc-{}", std::process::id()));
+/// std::fs::write(&path, [7u8; 32]).unwrap();
+/// let mut cfg = metaroce_io::DriverConfig::new("127.0.0.1:0".parse().unwrap());
+/// cfg.endpoint.psk = Some(metaroce_io::read_psk_file(&path).unwrap());
+/// std::fs::write(&path, [7u8; 31]).unwrap();
+/// assert!(metaroce_io::read_psk_file(&path).is_err());
+/// std::fs::remove_file(&path).unwrap();
+/// ```
+pub fn read_psk_file(path: &std::path::Path) -> Result<metaroce_proto::Psk, PskFileError> {
+    let bytes = std::fs::read(path).map_err(|source| PskFileError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    metaroce_proto::Psk::from_slice(&bytes).ok_or(PskFileError::Length {
+        path: path.to_owned(),
+        len: bytes.len(),
+    })
+}

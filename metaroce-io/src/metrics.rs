@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-const REASONS: [(RejectReason, &str); 17] = [
+const REASONS: [(RejectReason, &str); 19] = [
     (RejectReason::Truncated, "truncated"),
     (RejectReason::BadVersion, "bad_version"),
     (RejectReason::UnknownType, "unknown_type"),
@@ -38,6 +38,8 @@ const REASONS: [(RejectReason, &str); 17] = [
     (RejectReason::BadCookie, "bad_cookie"),
     (RejectReason::Refused, "refused"),
     (RejectReason::StaleGeneration, "stale_generation"),
+    (RejectReason::BadIntegrity, "bad_integrity"),
+    (RejectReason::BadKey, "bad_key"),
 ];
 
 type Counter<S> = (IntCounterVec, fn(&S) -> u64);

@@ -83,6 +83,7 @@ impl PortableDriver {
             .into_iter()
             .map(Sock::new)
             .collect::<Result<Vec<_>, _>>()?;
+        let seed = cfg.endpoint_seed();
         let mut ecfg = sockets.endpoint_config(cfg.endpoint);
         // UDP GSO: let the core batch datagrams of one path into one send.
         let gso = send
@@ -91,7 +92,7 @@ impl PortableDriver {
             .min()
             .unwrap_or(1);
         ecfg.max_gso_segments = gso.clamp(1, cfg.max_gso_segments.max(1));
-        let ep = Endpoint::new(ecfg, cfg.seed)?;
+        let ep = Endpoint::new(ecfg, seed)?;
         let faults = Faults::new(&cfg.faults);
         let gro = recv
             .iter()

@@ -48,6 +48,21 @@ pub struct EndpointConfig {
     /// §6.7). Advertised in the handshake; off, this endpoint neither sends
     /// nor accepts them, like a peer that predates them.
     pub coalesce_acks: bool,
+    /// Ask for CRC32C trailers (PROTOCOL §3.1): every datagram of a
+    /// connection whose both sides ask ends with a CRC32C of its bytes, and
+    /// one that fails it is dropped (counted as
+    /// [`RejectReason::BadIntegrity`](crate::RejectReason::BadIntegrity))
+    /// and recovered like a loss. Advertised in the handshake. Off by
+    /// default: computing it costs about as much CPU as copying the bytes
+    /// once more at each end (10–20% of loopback throughput,
+    /// `docs/BENCHMARKS.md`).
+    pub crc32c: bool,
+    /// Pre-shared key of the authenticated, encrypted mode (PROTOCOL
+    /// §3.2), off by default. With a key, every connection proves it in
+    /// its handshake (a peer without the same key creates no connection)
+    /// and seals every datagram after it with AES-128-GCM under keys of
+    /// its own, derived from this key and both sides' handshake nonces.
+    pub psk: Option<crate::Psk>,
     /// Longest wait of an ACK the peer asked for (the last packet of a
     /// message) for a DATA packet of this side's to ride on, while this
     /// side is sending to the peer (a request/response exchange); zero:
@@ -127,6 +142,8 @@ impl Default for EndpointConfig {
             ack_delay: DEFAULT_ACK_DELAY,
             ack_every: DEFAULT_ACK_EVERY,
             coalesce_acks: true,
+            crc32c: false,
+            psk: None,
             ack_hold: DEFAULT_ACK_HOLD,
             handshake_rto: DEFAULT_HANDSHAKE_RTO,
             handshake_retries: DEFAULT_HANDSHAKE_RETRIES,

@@ -91,6 +91,29 @@ pub const HELLO_LEN: usize = 64;
 /// Size of the cookie a server hands out (`COOKIE_LEN`).
 pub const COOKIE_LEN: usize = 16;
 
+/// Size of the CRC32C trailer that ends every datagram of a connection
+/// that negotiated it (`CRC32C_TRAILER_LEN`, PROTOCOL §3.1).
+pub const CRC32C_TRAILER_LEN: usize = 4;
+
+/// Size of a pre-shared key (`PSK_LEN`, PROTOCOL §3.2).
+pub const PSK_LEN: usize = 32;
+
+/// Size of each side's handshake nonce (`HANDSHAKE_NONCE_LEN`, PROTOCOL §3.2).
+pub const HANDSHAKE_NONCE_LEN: usize = 16;
+
+/// Size of each side's key proof in the handshake (`AEAD_PROOF_LEN`, PROTOCOL §3.2).
+pub const AEAD_PROOF_LEN: usize = 16;
+
+/// Size of the AES-128-GCM tag of a sealed datagram (`AEAD_TAG_LEN`, PROTOCOL §3.2).
+pub const AEAD_TAG_LEN: usize = 16;
+
+/// Size of a sealed datagram's sequence number (`AEAD_SEQ_LEN`, PROTOCOL §3.2).
+pub const AEAD_SEQ_LEN: usize = 8;
+
+/// Bytes a sealed datagram ends with: its tag and its sequence number
+/// (`AEAD_TRAILER_LEN`, PROTOCOL §3.2).
+pub const AEAD_TRAILER_LEN: usize = AEAD_TAG_LEN + AEAD_SEQ_LEN;
+
 /// How long a cookie stays valid (`COOKIE_LIFETIME`).
 pub const COOKIE_LIFETIME: Duration = Duration::from_secs(10);
 

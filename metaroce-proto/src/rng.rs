@@ -20,6 +20,14 @@ impl Rng {
         z ^ (z >> 31)
     }
 
+    /// 16 random bytes: a handshake nonce.
+    pub(crate) fn nonce(&mut self) -> [u8; 16] {
+        let mut n = [0u8; 16];
+        n[..8].copy_from_slice(&self.next_u64().to_be_bytes());
+        n[8..].copy_from_slice(&self.next_u64().to_be_bytes());
+        n
+    }
+
     pub(crate) fn next_u32(&mut self) -> u32 {
         (self.next_u64() >> 32) as u32
     }

@@ -40,6 +40,11 @@ pub enum RejectReason {
     Refused,
     /// A packet of a stale request generation (after an RNR retry).
     StaleGeneration,
+    /// A datagram whose integrity trailer (CRC32C) does not match its
+    /// bytes: corrupted in transit (PROTOCOL §3.1).
+    BadIntegrity,
+    /// A HELLO or ACCEPT whose key proof is missing or wrong (PROTOCOL §3.2).
+    BadKey,
 }
 
 /// Rejection counters, one per [`RejectReason`].
@@ -63,6 +68,8 @@ pub struct RejectCounters {
     pub bad_cookie: u64,
     pub refused: u64,
     pub stale_generation: u64,
+    pub bad_integrity: u64,
+    pub bad_key: u64,
 }
 
 impl RejectCounters {
@@ -87,6 +94,8 @@ impl RejectCounters {
             BadCookie => self.bad_cookie,
             Refused => self.refused,
             StaleGeneration => self.stale_generation,
+            BadIntegrity => self.bad_integrity,
+            BadKey => self.bad_key,
         }
     }
 
@@ -110,6 +119,8 @@ impl RejectCounters {
             BadCookie => &mut self.bad_cookie,
             Refused => &mut self.refused,
             StaleGeneration => &mut self.stale_generation,
+            BadIntegrity => &mut self.bad_integrity,
+            BadKey => &mut self.bad_key,
         };
         *c += 1;
     }
@@ -133,6 +144,8 @@ impl RejectCounters {
             + self.bad_cookie
             + self.refused
             + self.stale_generation
+            + self.bad_integrity
+            + self.bad_key
     }
 }
 

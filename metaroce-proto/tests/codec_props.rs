@@ -283,12 +283,20 @@ fn hello_strategy() -> impl Strategy<Value = Hello> {
         any::<u16>(),
         MIN_MTU..=MAX_MTU,
         1..=MAX_PATHS as u8,
-        any::<(bool, bool)>(),
+        any::<(bool, bool, bool)>(),
         any::<u16>(),
         prop::option::of(any::<[u8; COOKIE_LEN]>()),
     )
         .prop_map(
-            |(src_cid, listen_port, mtu, max_paths, (grants, coalesce), window_kib, cookie)| {
+            |(
+                src_cid,
+                listen_port,
+                mtu,
+                max_paths,
+                (grants, coalesce, crc32c),
+                window_kib,
+                cookie,
+            )| {
                 Hello {
                     src_cid,
                     listen_port,
@@ -296,6 +304,7 @@ fn hello_strategy() -> impl Strategy<Value = Hello> {
                     max_paths,
                     grants,
                     coalesce,
+                    crc32c,
                     window_kib,
                     cookie,
                 }
@@ -317,11 +326,19 @@ fn accept_strategy() -> impl Strategy<Value = Accept> {
         any::<u16>(),
         MIN_MTU..=MAX_MTU,
         1..=MAX_PATHS as u8,
-        any::<(bool, bool)>(),
+        any::<(bool, bool, bool)>(),
         any::<u16>(),
     )
         .prop_map(
-            |(dst_cid, src_cid, listen_port, mtu, max_paths, (grants, coalesce), window_kib)| {
+            |(
+                dst_cid,
+                src_cid,
+                listen_port,
+                mtu,
+                max_paths,
+                (grants, coalesce, crc32c),
+                window_kib,
+            )| {
                 Accept {
                     dst_cid,
                     src_cid,
@@ -330,6 +347,7 @@ fn accept_strategy() -> impl Strategy<Value = Accept> {
                     max_paths,
                     grants,
                     coalesce,
+                    crc32c,
                     window_kib,
                 }
             },
@@ -776,8 +794,8 @@ proptest! {
         prop_assert_eq!(Accept::parse(&buf[..n]).unwrap(), a);
         prop_assert_eq!(
             buf[17],
-            u8::from(a.grants) | u8::from(a.coalesce) << 1,
-            "caps byte: the grants and coalescing bits"
+            u8::from(a.grants) | u8::from(a.coalesce) << 1 | u8::from(a.crc32c) << 2,
+            "caps byte: the grants, coalescing and CRC32C bits"
         );
         prop_assert_eq!(&buf[18..20], &a.window_kib.to_be_bytes()[..], "the window, big-endian");
         for cut in 0..n {
@@ -975,6 +993,7 @@ fn hello_with_listen_port_zero_is_rejected() {
         max_paths: 1,
         grants: false,
         coalesce: false,
+        crc32c: false,
         window_kib: 0,
         cookie: None,
     };

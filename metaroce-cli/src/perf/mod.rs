@@ -110,9 +110,36 @@ struct SideArgs {
     /// 4160 (the default) carries 4 KiB payloads, RoCE's largest MTU; 8256
     /// carries 8 KiB in a 9000-byte frame. A connection uses the smaller
     /// of the two sides' (the server has `--mtu` too), and a client keeps
-    /// within its route's MTU.
-    #[arg(short = 'm', long, value_name = "BYTES", default_value_t = DEFAULT_MTU, value_parser = mtu_range())]
-    mtu: u16,
+    /// within its route's MTU. With `--psk-file` the default is 4184: the
+    /// 24 bytes each sealed datagram ends with on top, so that it still
+    /// carries 4 KiB.
+    #[arg(short = 'm', long, value_name = "BYTES", value_parser = mtu_range())]
+    mtu: Option<u16>,
+    /// CRC32C trailer on every datagram (end-to-end integrity, in force
+    /// when both sides say on): a datagram that fails it is dropped and
+    /// recovered like a loss.
+    #[arg(long, value_name = "on|off", default_value = "off", value_parser = parse_on_off, action = clap::ArgAction::Set)]
+    crc: bool,
+    /// Authenticated, encrypted mode: the 32-byte pre-shared key in this
+    /// file (both sides need the same). Every datagram is sealed with
+    /// AES-128-GCM under keys each connection derives from it; a peer
+    /// without it is refused.
+    #[arg(long = "psk-file", value_name = "PATH", value_parser = psk_file)]
+    psk: Option<metaroce_proto::Psk>,
+}
+
+/// `--psk-file`'s parser: the key in the file.
+fn psk_file(path: &str) -> Result<metaroce_proto::Psk, String> {
+    metaroce_io::read_psk_file(std::path::Path::new(path)).map_err(|e| e.to_string())
+}
+
+/// `on` or `off`.
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("`{s}`: say on or off")),
+    }
 }
 
 impl SideArgs {
@@ -124,8 +151,22 @@ impl SideArgs {
         Ok(())
     }
 
+    /// `--mtu`, or its default: [`DEFAULT_MTU`], plus the AEAD trailer with
+    /// a key.
+    fn mtu(&self) -> u16 {
+        self.mtu.unwrap_or(if self.psk.is_some() {
+            DEFAULT_MTU + metaroce_proto::consts::AEAD_TRAILER_LEN as u16
+        } else {
+            DEFAULT_MTU
+        })
+    }
+
     fn tuning(&self) -> Tuning {
-        Tuning::new(self.paths, self.backend, self.busy_poll_us, self.mtu)
+        Tuning {
+            crc32c: self.crc,
+            psk: self.psk,
+            ..Tuning::new(self.paths, self.backend, self.busy_poll_us, self.mtu())
+        }
     }
 }
 
@@ -628,7 +669,9 @@ mod remote_tests {
                 paths: 1,
                 backend: Backend::Portable,
                 busy_poll_us: 0,
-                mtu: DEFAULT_MTU,
+                mtu: None,
+                crc: false,
+                psk: None,
             },
             all: false,
         }
@@ -800,7 +843,9 @@ mod remote_tests {
                 paths: 1,
                 backend: Backend::Portable,
                 busy_poll_us: 0,
-                mtu: DEFAULT_MTU,
+                mtu: None,
+                crc: false,
+                psk: None,
             },
             all: false,
         };

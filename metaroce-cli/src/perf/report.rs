@@ -111,6 +111,13 @@ pub(super) struct Report {
     pub(super) bidir: bool,
     /// Whether payloads were checked (off with `--no-verify`).
     pub(super) verify: bool,
+    /// What checks each datagram's integrity: `none` or `crc32c`
+    /// (negotiated: both sides' `--crc`).
+    pub(super) integrity: &'static str,
+    /// The AEAD sealing every datagram (`--psk-file`): `aes-128-gcm`, or `none`.
+    pub(super) security: &'static str,
+    /// Datagrams this side dropped because they failed that check.
+    pub(super) integrity_failures: u64,
     pub(super) iterations: u64,
     pub(super) bytes: u64,
     pub(super) duration_s: f64,
@@ -177,6 +184,10 @@ pub(super) fn print_header(r: &Report, paths: u8, depth: u32, where_: &str) {
         "off (--no-verify)"
     };
     println!(" Tx depth        : {depth}\t\tVerification         : {verification}");
+    println!(
+        " Integrity       : {}\t\tSecurity             : {}",
+        r.integrity, r.security
+    );
     let asked = if r.mtu_asked == r.mtu {
         String::new()
     } else {

@@ -289,6 +289,9 @@ pub(super) fn client_setup(
         }
         up || failed.is_some()
     })?;
+    if failed == Some(metaroce_proto::ConnectionError::KeyRefused) {
+        return Err(PerfError::KeyRefused { addr: server_addr }.into());
+    }
     if let Some(e) = failed {
         return Err(PerfError::NoConnection {
             addr: server_addr,
@@ -392,10 +395,23 @@ pub(super) fn client_measure(
         busy_poll_us: opts.side.busy_poll_us,
         msg_size: size,
         mtu: drv.endpoint().connection_mtu(conn).unwrap_or(0),
-        mtu_asked: opts.side.mtu,
+        mtu_asked: opts.side.mtu(),
         qps: p.qps,
         bidir: p.bidir,
         verify: p.verify,
+        integrity: drv
+            .endpoint()
+            .connection_protection(conn)
+            .map_or("none", |p| p.name()),
+        security: match drv.endpoint().connection_protection(conn) {
+            Some(p @ metaroce_proto::Protection::Aes128Gcm) => p.name(),
+            _ => "none",
+        },
+        integrity_failures: drv
+            .endpoint()
+            .stats()
+            .rejects
+            .get(metaroce_proto::RejectReason::BadIntegrity),
         iterations: both(|d| d.iterations),
         bytes: both(|d| d.bytes),
         duration_s: elapsed,

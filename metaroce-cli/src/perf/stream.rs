@@ -54,6 +54,10 @@ pub(super) struct Tuning {
     pub(super) busy_poll: Duration,
     /// The endpoint's MTU (`--mtu`).
     pub(super) mtu: u16,
+    /// Ask for CRC32C trailers (`--crc`).
+    pub(super) crc32c: bool,
+    /// The pre-shared key (`--psk-file`).
+    pub(super) psk: Option<metaroce_proto::Psk>,
 }
 
 impl Tuning {
@@ -63,6 +67,8 @@ impl Tuning {
             backend,
             busy_poll: Duration::from_micros(busy_poll_us),
             mtu,
+            crc32c: false,
+            psk: None,
         }
     }
 }
@@ -85,12 +91,16 @@ pub(super) fn bind_mtu(
         backend,
         busy_poll,
         mtu: own_mtu,
+        crc32c,
+        psk,
     } = t;
     let mut cfg = DriverConfig::new(listen);
     cfg.backend = backend;
     cfg.busy_poll = busy_poll;
     cfg.endpoint = endpoint_config(paths);
     cfg.endpoint.mtu = own_mtu;
+    cfg.endpoint.crc32c = crc32c;
+    cfg.endpoint.psk = psk;
     if let Some(m) = route_mtu {
         let m = m.clamp(
             usize::from(metaroce_proto::consts::MIN_MTU),

@@ -231,6 +231,7 @@ impl UringDriver {
             && send.iter().all(|s| {
                 sys::setsockopt_int(s.as_raw_fd(), libc::SOL_UDP, cmsg::UDP_SEGMENT, 0).is_ok()
             });
+        let seed = cfg.endpoint_seed();
         let mut ecfg = sockets.endpoint_config(cfg.endpoint);
         ecfg.max_gso_segments = if gso {
             KERNEL_GSO_SEGMENTS.clamp(1, cfg.max_gso_segments.max(1))
@@ -253,7 +254,7 @@ impl UringDriver {
             segments,
         )
         .map_err(|e| DriverError::UringUnavailable(format!("ring set-up failed: {e}")))?;
-        let ep = Endpoint::new(ecfg, cfg.seed)?;
+        let ep = Endpoint::new(ecfg, seed)?;
         let faults = Faults::new(&cfg.faults);
         let zc = u.zero_copy && caps.sendmsg_zc;
         tracing::debug!(%local, send_sockets = send.len(), gro, gso_segments = segments, zero_copy = zc, "io_uring UDP driver bound");

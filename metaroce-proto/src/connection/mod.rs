@@ -58,6 +58,10 @@ pub enum ConnectionError {
     /// Closed locally.
     #[error("closed locally")]
     LocallyClosed,
+    /// The peer refused this side's pre-shared key (PROTOCOL §3.2): the
+    /// keys differ, or the peer has none and this side has one.
+    #[error("the peer refused the key: the pre-shared keys differ, or only one side has one")]
+    KeyRefused,
 }
 
 /// What a CSN carried, so that it can be rebuilt for retransmission.
@@ -260,6 +264,12 @@ pub(crate) struct Connection {
     /// ACKs may ride on DATA to the peer: it takes coalesced datagrams
     /// (said so in the handshake) and this endpoint sends them.
     pub(crate) peer_coalesce: bool,
+    /// How this connection's datagrams are protected (negotiated in the
+    /// handshake; plain until it ends).
+    pub(crate) protect: crate::integrity::Protect,
+    /// The security extension this side puts in its HELLO or ACCEPT
+    /// (with a pre-shared key).
+    pub(crate) hs_security: Option<crate::wire::SecurityExt>,
     /// When this side last sent a DATA packet: an ACK the peer asked for
     /// waits a moment for a packet to ride on only while this side sends.
     pub(crate) last_data_tx: Option<Instant>,
@@ -388,6 +398,8 @@ impl Connection {
             datagram_overhead: u64::from(config.datagram_overhead),
             peer_grants: false,
             peer_coalesce: false,
+            protect: crate::integrity::Protect::Plain,
+            hs_security: None,
             last_data_tx: None,
             first_flight: config.first_flight_bytes,
             rx_csn: RingBitmap::new(0),

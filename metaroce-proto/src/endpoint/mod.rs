@@ -205,6 +205,15 @@ impl Gather {
         self.at += len;
     }
 
+    /// Appends the `tl` bytes of a datagram's trailer (PROTOCOL §3.1),
+    /// filled in once the transmit is complete.
+    #[inline]
+    pub(crate) fn push_trailer(&mut self, tl: usize) {
+        if tl > 0 {
+            self.push_buf(tl);
+        }
+    }
+
     /// A new transmit. Pins not taken yet stay: dropping them would leave
     /// their regions pinned for good.
     fn start(&mut self) {
@@ -383,6 +392,9 @@ pub struct Endpoint {
     loss_checks: Vec<usize>,
     stateless: VecDeque<StatelessReply>,
     stats: EndpointStats,
+    /// Where sealed datagrams are opened (PROTOCOL §3.2): grown to the
+    /// largest datagram once, reused for every one.
+    rx_scratch: Vec<u8>,
     local_ip: Option<IpAddr>,
     /// The latest `now` the driver has given.
     last_now: Instant,
@@ -447,6 +459,7 @@ impl Endpoint {
             loss_checks: Vec::new(),
             stateless: VecDeque::new(),
             stats: EndpointStats::default(),
+            rx_scratch: Vec::new(),
             local_ip: None,
             last_now: Instant::ZERO,
             ack_scratch: Default::default(),
@@ -498,6 +511,19 @@ impl Endpoint {
     pub fn connection_mtu(&self, conn: ConnectionHandle) -> Option<u16> {
         self.conn(conn)
             .map(|c| u16::try_from(c.mtu).unwrap_or(u16::MAX))
+    }
+
+    /// What protects a connection's datagrams: negotiated in its
+    /// handshake, [`Protection::None`](crate::Protection::None) until it ends.
+    ///
+    /// ```
+    /// use metaroce_proto::{Endpoint, EndpointConfig, Instant, Protection};
+    /// let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+    /// let conn = ep.connect(Instant::ZERO, "10.0.0.2:4792".parse().unwrap()).unwrap();
+    /// assert_eq!(ep.connection_protection(conn), Some(Protection::None));
+    /// ```
+    pub fn connection_protection(&self, conn: ConnectionHandle) -> Option<crate::Protection> {
+        self.conn(conn).map(|c| c.protect.kind())
     }
 
     /// A connection's state.
@@ -1075,6 +1101,16 @@ impl Endpoint {
         peer: SocketAddr,
     ) -> Result<ConnectionHandle, VerbsError> {
         let ci = self.new_connection(now, peer, true)?;
+        if let Some(psk) = &self.config.psk {
+            let nonce = self.rng.nonce();
+            if let Some(c) = self.conns[ci].as_mut() {
+                c.hs_security = Some(crate::wire::SecurityExt {
+                    suite: crate::wire::SUITE_AES_128_GCM,
+                    nonce,
+                    proof: psk.hello_proof(&nonce, c.local_cid),
+                });
+            }
+        }
         self.touch(ci, Some(now));
         Ok(ConnectionHandle(ci as u32))
     }

@@ -4,6 +4,7 @@
 use super::{cookie, qp_ops::rnr_us, Endpoint, Event, StatelessReply, MAX_STATELESS_QUEUE};
 use crate::connection::{AckTiming, ConnectionError, ConnectionState, CsnKind, Ctrl, PathEvent};
 use crate::consts::{ACK_OPT_RECV_WINDOW, HELLO_LEN};
+use crate::integrity::{proofs_equal, Aead, Protect};
 use crate::reliability::SeqAccept;
 use crate::stats::RejectReason;
 use crate::time::Instant;
@@ -12,7 +13,8 @@ use crate::verbs::{AccessFlags, ConnectionHandle, QpState, Qpn, WcStatus};
 use crate::wire::seq::{seq_dist, seq_le, seq_lt};
 use crate::wire::{
     self, data_flags, Accept, AckPacket, Close, CloseCode, CookieReply, DataHeader, Hello, NakCode,
-    NakEntry, Opcode, OpcodeExt, PacketType, PlaneAddrs, VersionNegotiation, WireError,
+    NakEntry, Opcode, OpcodeExt, PacketType, PlaneAddrs, SecurityExt, VersionNegotiation,
+    WireError, SUITE_AES_128_GCM,
 };
 use std::net::SocketAddr;
 
@@ -88,6 +90,23 @@ impl Endpoint {
             }
             Err(e) => return self.reject(e.into(), from),
         };
+        // A connection's packets after the handshake: their trailer checked
+        // and stripped, or the datagram opened, before anything else is
+        // read (PROTOCOL §3.1, §3.2).
+        let mut opened = std::mem::take(&mut self.rx_scratch);
+        let data = match common.ptype {
+            PacketType::Data | PacketType::Ack | PacketType::Close => {
+                match self.unprotect(common.dst_cid, from, data, &mut opened) {
+                    Some(Unprotected::Checked(n)) => &data[..n],
+                    Some(Unprotected::Opened(n)) => &opened[..n],
+                    None => {
+                        self.rx_scratch = opened;
+                        return;
+                    }
+                }
+            }
+            _ => data,
+        };
         match common.ptype {
             PacketType::Data => self.on_data(now, arrived, from, ecn, data),
             PacketType::Ack => self.on_ack_datagram(now, arrived, from, ecn, data),
@@ -97,6 +116,39 @@ impl Endpoint {
             PacketType::Close => self.on_close(now, from, data),
             PacketType::VersionNegotiation => self.reject(RejectReason::InvalidField, from),
         }
+        self.rx_scratch = opened;
+    }
+
+    /// The packets of a datagram for connection `dst_cid` without its
+    /// trailer, if that connection negotiated one and the datagram passes
+    /// its check; `None` (counted) if it fails. A datagram for no known
+    /// connection is left as it is, for the handlers to refuse.
+    fn unprotect(
+        &mut self,
+        dst_cid: u32,
+        from: SocketAddr,
+        data: &[u8],
+        scratch: &mut Vec<u8>,
+    ) -> Option<Unprotected> {
+        let Some(c) = self
+            .by_cid
+            .get(&dst_cid)
+            .and_then(|&ci| self.conns[ci].as_ref())
+        else {
+            return Some(Unprotected::Checked(data.len()));
+        };
+        let r = if c.protect.is_aead() {
+            if scratch.len() < data.len() {
+                scratch.resize(data.len().max(usize::from(crate::consts::MAX_MTU)), 0);
+            }
+            c.protect.open_into(data, scratch).map(Unprotected::Opened)
+        } else {
+            c.protect.check(data).map(Unprotected::Checked)
+        };
+        if r.is_none() {
+            self.reject(RejectReason::BadIntegrity, from);
+        }
+        r
     }
 
     fn queue_stateless(&mut self, dst: SocketAddr, buf: [u8; HELLO_LEN], len: usize) {
@@ -135,6 +187,10 @@ impl Endpoint {
             Ok(p) => p,
             Err(e) => return self.reject(e.into(), from),
         };
+        let security = match SecurityExt::find(&data[HELLO_LEN..]) {
+            Ok(s) => s,
+            Err(e) => return self.reject(e.into(), from),
+        };
         if !self.config.accept_incoming {
             return self.reject(RejectReason::Refused, from);
         }
@@ -170,6 +226,36 @@ impl Endpoint {
             }
             return;
         }
+        // With a pre-shared key, a client that does not prove it creates
+        // nothing and hears why (PROTOCOL §3.2); checked once the cookie
+        // has shown the client receives at its address.
+        let nonce_c = match &self.config.psk {
+            None => None,
+            Some(psk) => match security {
+                Some(s)
+                    if s.suite == SUITE_AES_128_GCM
+                        && proofs_equal(&psk.hello_proof(&s.nonce, hello.src_cid), &s.proof) =>
+                {
+                    Some(s.nonce)
+                }
+                _ => {
+                    self.reject(RejectReason::BadKey, from);
+                    let mut buf = [0u8; HELLO_LEN];
+                    let close = Close {
+                        dst_cid: hello.src_cid,
+                        code: CloseCode::KeyRefused,
+                    };
+                    if let Ok(len) = close.emit(&mut buf) {
+                        self.queue_stateless(
+                            SocketAddr::new(from.ip(), hello.listen_port),
+                            buf,
+                            len,
+                        );
+                    }
+                    return;
+                }
+            },
+        };
         if let Some(&ci) = self.by_peer.get(&key) {
             // The client missed our ACCEPT: send it again, create nothing.
             if let Some(c) = self.conns[ci].as_mut() {
@@ -181,6 +267,7 @@ impl Endpoint {
         }
         let peer = SocketAddr::new(from.ip(), hello.listen_port);
         let coalesce = self.config.coalesce_acks;
+        let crc32c = self.config.crc32c;
         let ci = match self.new_connection(now, peer, false) {
             Ok(ci) => ci,
             Err(_) => return self.reject(RejectReason::Refused, from),
@@ -192,6 +279,19 @@ impl Endpoint {
             c.set_peer_planes(planes.as_slice());
             c.peer_grants = hello.grants;
             c.peer_coalesce = hello.coalesce && coalesce;
+            if hello.crc32c && crc32c {
+                c.protect = Protect::Crc32c;
+            }
+            if let (Some(psk), Some(nonce_c)) = (&self.config.psk, nonce_c) {
+                let nonce_s = self.rng.nonce();
+                let d = psk.derive(&nonce_c, &nonce_s, hello.src_cid, c.local_cid);
+                c.hs_security = Some(SecurityExt {
+                    suite: SUITE_AES_128_GCM,
+                    nonce: nonce_s,
+                    proof: d.proof,
+                });
+                c.protect = Protect::Aead(Box::new(Aead::new(d, false)));
+            }
             c.peer_window = handshake_window(hello.window_kib);
             c.established_at = now;
         }
@@ -249,16 +349,38 @@ impl Endpoint {
             Ok(p) => p,
             Err(e) => return self.reject(e.into(), from),
         };
+        let security = match SecurityExt::find(&data[Accept::LEN..]) {
+            Ok(s) => s,
+            Err(e) => return self.reject(e.into(), from),
+        };
         let Some(ci) = self.conn_for(a.dst_cid, from) else {
             return;
         };
         let coalesce = self.config.coalesce_acks;
+        let crc32c = self.config.crc32c;
         let Some(conn) = self.conns[ci].as_mut() else {
             return;
         };
         if conn.state != ConnectionState::Connecting {
             // A repeated ACCEPT after we got the first one.
             return self.reject(RejectReason::Duplicate, from);
+        }
+        if let Some(psk) = &self.config.psk {
+            let mine = conn.hs_security;
+            let Some(s) = security.filter(|s| s.suite == SUITE_AES_128_GCM) else {
+                // The server has no key (or none we share): no connection.
+                self.stats.rejects.bump(RejectReason::BadKey);
+                self.end_connection(ci, ConnectionState::Failed, ConnectionError::KeyRefused);
+                return self.touch(ci, Some(now));
+            };
+            let d = mine.map(|m| psk.derive(&m.nonce, &s.nonce, conn.local_cid, a.src_cid));
+            match d {
+                Some(d) if proofs_equal(&d.proof, &s.proof) => {
+                    conn.protect = Protect::Aead(Box::new(Aead::new(d, true)));
+                }
+                // Not from a holder of the key: ignored, the handshake goes on.
+                _ => return self.reject(RejectReason::BadKey, from),
+            }
         }
         conn.remote_cid = a.src_cid;
         conn.peer = SocketAddr::new(conn.peer.ip(), a.listen_port);
@@ -267,6 +389,9 @@ impl Endpoint {
         conn.set_peer_planes(planes.as_slice());
         conn.peer_grants = a.grants;
         conn.peer_coalesce = a.coalesce && coalesce;
+        if a.crc32c && crc32c && !conn.protect.is_aead() {
+            conn.protect = Protect::Crc32c;
+        }
         conn.peer_window = handshake_window(a.window_kib);
         conn.established_at = now;
         conn.state = ConnectionState::Established;
@@ -296,7 +421,12 @@ impl Endpoint {
         } else {
             ConnectionState::Failed
         };
-        self.end_connection(ci, state, ConnectionError::ClosedByPeer(c.code));
+        let error = if c.code == CloseCode::KeyRefused {
+            ConnectionError::KeyRefused
+        } else {
+            ConnectionError::ClosedByPeer(c.code)
+        };
+        self.end_connection(ci, state, error);
         self.touch(ci, Some(now));
     }
 
@@ -1127,4 +1257,13 @@ fn same_message(a: &Accepted, h: &DataHeader) -> bool {
 /// none), until the peer's first ACK gives one.
 fn handshake_window(kib: u16) -> Option<u64> {
     (kib > 0).then(|| u64::from(kib) * 1024)
+}
+
+/// Where a protected datagram's packets are once its protection is off.
+#[derive(Debug, Clone, Copy)]
+enum Unprotected {
+    /// In the datagram, its first `n` bytes (the trailer checked).
+    Checked(usize),
+    /// Opened into the scratch buffer, its first `n` bytes.
+    Opened(usize),
 }

@@ -40,12 +40,13 @@ struct Template {
     /// Address of the message's first byte in that region.
     base: u64,
 }
+use crate::integrity::Protect;
 use crate::time::Instant;
 use crate::verbs::qp::{SegLimit, Segment};
 use crate::verbs::{AccessFlags, PdHandle, Qpn};
 use crate::wire::{
     data_flags, Accept, AckBuilder, AckHeader, AckStreamEntry, Close, DataHeader, Hello, Opcode,
-    OpcodeExt,
+    OpcodeExt, PacketType,
 };
 
 impl Endpoint {
@@ -161,12 +162,17 @@ impl Endpoint {
                 c.in_ready = false;
                 c.tx_mask = planes;
             }
-            let t = self.transmit_conn(ci, now, buf, gather.as_deref_mut());
+            // A sealed datagram is encrypted in the buffer: nothing of it
+            // can stay in a region.
+            let sealed = self.conns[ci].as_ref().is_some_and(|c| c.protect.is_aead());
+            let g = if sealed { None } else { gather.as_deref_mut() };
+            let t = self.transmit_conn(ci, now, buf, g);
             if let Some(c) = self.conns[ci].as_mut() {
                 c.tx_mask = u64::MAX;
             }
             match t {
                 Some(t) => {
+                    self.protect_transmit(ci, buf, gather.as_deref(), &t);
                     self.touch(ci, Some(now));
                     out = Some(self.sent(t));
                     break;
@@ -193,6 +199,47 @@ impl Endpoint {
             }
         }
         out
+    }
+
+    /// Fills the trailer of every datagram of `t`, a transmit of
+    /// connection `ci` (PROTOCOL §3.1): each GSO segment is a datagram of
+    /// its own. HELLO and ACCEPT go before the protection is in force.
+    fn protect_transmit(
+        &mut self,
+        ci: usize,
+        buf: &mut [u8],
+        gather: Option<&Gather>,
+        t: &Transmit,
+    ) {
+        let Some(c) = self.conns[ci].as_mut() else {
+            return;
+        };
+        if c.protect.trailer_len() == 0
+            || matches!(
+                buf.get(1).map(|&b| PacketType::from_u8(b)),
+                Some(Ok(PacketType::Hello | PacketType::Accept))
+            )
+        {
+            return;
+        }
+        let seg = t.segment_size.unwrap_or(t.size);
+        match gather {
+            Some(g) if !g.chunks.is_empty() => {
+                let mrs = &self.mrs;
+                crate::integrity::crc_gathered(
+                    buf,
+                    &g.chunks,
+                    |lkey, r| mrs.by_lkey(lkey).and_then(|m| m.buf.get(r)),
+                    t.size,
+                    seg,
+                );
+            }
+            _ => {
+                for dg in buf[..t.size].chunks_mut(seg) {
+                    c.protect.seal(dg);
+                }
+            }
+        }
     }
 
     /// The address stateless replies and handshakes go from: plane 0.
@@ -240,6 +287,9 @@ impl Endpoint {
         };
         let c = self.conns[ci].as_mut()?;
         let mtu = c.mtu.min(buf.len());
+        // Every packet built below leaves room for the datagram's trailer
+        // (PROTOCOL §3.1), filled once the transmit is complete.
+        let tl = c.protect.trailer_len();
         // Handshake and close go on plane 0.
         let (src_ip, src_port) = (c.plane_src(0), c.paths_tx[0].src_port);
         let dst = c.peer;
@@ -247,9 +297,14 @@ impl Endpoint {
             return None;
         }
         if let Some(ctrl) = c.ctrl.take() {
+            let security = c.hs_security;
             let with_planes = |len: Result<usize, crate::wire::WireError>, buf: &mut [u8]| {
                 let n = len?;
-                Ok(n + extra.emit(&mut buf[n..])?)
+                let n = n + extra.emit(&mut buf[n..])?;
+                match security {
+                    Some(s) => Ok(n + s.emit(&mut buf[n..])?),
+                    None => Ok(n),
+                }
             };
             let len = match ctrl {
                 Ctrl::Hello => {
@@ -264,6 +319,7 @@ impl Endpoint {
                         max_paths,
                         grants,
                         coalesce,
+                        crc32c: self.config.crc32c,
                         window_kib: handshake_window_kib(&self.rcc, &mut self.rx_active, now),
                         cookie: c.cookie,
                     }
@@ -279,6 +335,7 @@ impl Endpoint {
                         max_paths,
                         grants,
                         coalesce,
+                        crc32c: matches!(c.protect, Protect::Crc32c),
                         window_kib: handshake_window_kib(&self.rcc, &mut self.rx_active, now),
                     }
                     .emit(buf);
@@ -288,7 +345,8 @@ impl Endpoint {
                     dst_cid: c.remote_cid,
                     code,
                 }
-                .emit(buf),
+                .emit(buf)
+                .and_then(|n| with_trailer(n, tl, buf.len())),
             };
             return len.ok().map(|size| Transmit {
                 dst,
@@ -305,7 +363,7 @@ impl Endpoint {
         // An ACK whose plane's port is busy waits for it; data on other
         // planes may go meanwhile.
         if c.ack_due(now) && c.plane_open(c.ack_plane()) {
-            return self.emit_ack(ci, now, &mut buf[..mtu]);
+            return self.emit_ack(ci, now, &mut buf[..mtu], tl);
         }
         // Retransmissions: same CSN, new PSN, preferably another path.
         while c.cwnd_room(mtu as u64) && c.pacer.ready(now) {
@@ -403,7 +461,7 @@ impl Endpoint {
                     }
                 }
             }
-            let limit = SegLimit::new(mtu);
+            let limit = SegLimit::new(mtu - tl);
             let Some((kind, full)) = self.take_segment(qpn, now, limit) else {
                 continue;
             };
@@ -419,7 +477,7 @@ impl Endpoint {
                 self.coalesce_ack(
                     ci,
                     now,
-                    &mut buf[..mtu],
+                    &mut buf[..mtu - tl],
                     kind.payload_len(),
                     gather.as_deref_mut(),
                 )
@@ -515,7 +573,10 @@ impl Endpoint {
     ) -> Transmit {
         let max = self.config.max_gso_segments;
         let seg = first.size;
-        let limit = limit.within(seg);
+        let tl = self.conns[ci]
+            .as_ref()
+            .map_or(0, |c| c.protect.trailer_len());
+        let limit = limit.within(seg - tl);
         let mut t = first;
         let mut n = 1;
         // Where the template's header is in `buf`.
@@ -649,6 +710,7 @@ impl Endpoint {
         let lkey = mr.map_or(0, |m| m.info.lkey);
         let max_payload = limit.payload(opcode);
         let hlen = tp.hlen;
+        let tl = c.protect.trailer_len();
         let qp = tp.qp;
         let mut offset = start;
         let mut k = 0;
@@ -664,12 +726,12 @@ impl Endpoint {
                 break;
             }
             let len = (total - offset).min(max_payload);
-            let size = hlen + len as usize;
+            let size = hlen + len as usize + tl;
             let gathered = gather
                 .as_ref()
                 .is_some_and(|g| len as usize >= g.min_payload);
             let at = gather.as_ref().map_or(t.size, |g| g.at);
-            let end = if gathered { at + hlen } else { at + size };
+            let end = if gathered { at + hlen + tl } else { at + size };
             // Nothing is recorded for a segment that cannot go out whole.
             if size > seg || end > buf.len() || !gathered && mrs.by_lkey(lkey).is_none() {
                 break;
@@ -689,10 +751,13 @@ impl Endpoint {
             let from = rest_range.start + (offset - start) as usize;
             let range = from..from + len as usize;
             match gather.as_deref_mut() {
-                Some(g) if gathered => g.push_region(hlen, mrs, lkey, range),
+                Some(g) if gathered => {
+                    g.push_region(hlen, mrs, lkey, range);
+                    g.push_trailer(tl);
+                }
                 g => {
                     if let Some(m) = mrs.by_lkey(lkey) {
-                        buf[at + hlen..end].copy_from_slice(&m.buf[range]);
+                        buf[at + hlen..end - tl].copy_from_slice(&m.buf[range]);
                     }
                     if let Some(g) = g {
                         g.push_buf(size);
@@ -871,8 +936,12 @@ impl Endpoint {
         }
         // Zero-length segments, and CSNs whose request is gone (already a NOP).
         let plen = found.as_ref().map_or(0, |(_, r)| r.len());
+        let tl = c.protect.trailer_len();
         let hlen = hdr.emit_header(buf, plen).ok()?;
-        let size = hlen + plen;
+        let size = hlen + plen + tl;
+        if size > buf.len() {
+            return None;
+        }
         let template = match (kind, source) {
             (CsnKind::Request { qp, msn, gen, .. }, Some((local, key, addr, _)))
                 if found.is_some() && !retransmit && probe.is_none() =>
@@ -893,10 +962,11 @@ impl Endpoint {
             (Some((mr, range)), Some(g)) if plen >= g.min_payload => {
                 let lkey = mr.info.lkey;
                 g.push_region(hlen, mrs, lkey, range);
+                g.push_trailer(tl);
             }
             (found, g) => {
                 if let Some((mr, range)) = found {
-                    buf[hlen..size].copy_from_slice(&mr.buf[range]);
+                    buf[hlen..hlen + plen].copy_from_slice(&mr.buf[range]);
                 }
                 if let Some(g) = g {
                     g.push_buf(size);
@@ -949,8 +1019,10 @@ impl Endpoint {
     }
 
     /// Sends an ACK on its own: everything the peer is owed that fits.
-    fn emit_ack(&mut self, ci: usize, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
-        let size = self.encode_ack(ci, now, buf, false)?;
+    /// `tl`: the connection's trailer length, left free at the end.
+    fn emit_ack(&mut self, ci: usize, now: Instant, buf: &mut [u8], tl: usize) -> Option<Transmit> {
+        let room = buf.len().checked_sub(tl)?;
+        let size = self.encode_ack(ci, now, &mut buf[..room], false)? + tl;
         let c = self.conns[ci].as_mut()?;
         // ACKs rotate over the working paths (source ports) of the plane the
         // latest DATA arrived on.
@@ -1127,6 +1199,17 @@ fn handshake_window_kib(
 ) -> u16 {
     rcc.window_share(active.count(now) + 1)
         .map_or(0, |w| (w / 1024).clamp(1, u32::from(u16::MAX)) as u16)
+}
+
+/// A packet of `n` bytes followed by a trailer of `tl`, in a buffer of `cap`.
+fn with_trailer(n: usize, tl: usize, cap: usize) -> Result<usize, crate::wire::WireError> {
+    if n + tl > cap {
+        return Err(crate::wire::WireError::BufferTooSmall {
+            need: n + tl,
+            have: cap,
+        });
+    }
+    Ok(n + tl)
 }
 
 /// Bit mask of planes `0..planes`.

@@ -15,7 +15,10 @@ use super::{
     check_len, check_out, expect_type, get_u16, get_u32, put_common, put_u16, put_u32, PacketType,
     WireError,
 };
-use crate::consts::{COOKIE_LEN, HELLO_LEN, MAX_MTU, MAX_PATHS, MAX_PLANES, MIN_MTU, VERSION};
+use crate::consts::{
+    AEAD_PROOF_LEN, COOKIE_LEN, HANDSHAKE_NONCE_LEN, HELLO_LEN, MAX_MTU, MAX_PATHS, MAX_PLANES,
+    MIN_MTU, VERSION,
+};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 /// HELLO flag: a cookie is present.
@@ -31,6 +34,11 @@ const CAP_GRANTS: u8 = 0x01;
 /// peer may carry its ACKs on its DATA.
 const CAP_COALESCE: u8 = 0x02;
 
+/// Capability bit (HELLO and ACCEPT byte 17): this side ends every datagram
+/// of the connection with a CRC32C trailer and checks the peer's (PROTOCOL
+/// §3.1). In force when both sides set it.
+const CAP_CRC32C: u8 = 0x04;
+
 /// HELLO: a client's connection request.
 ///
 /// | offset | size | field |
@@ -40,7 +48,7 @@ const CAP_COALESCE: u8 = 0x02;
 /// | 12 | 2 | `listen_port`: UDP port the client receives on |
 /// | 14 | 2 | `mtu`: largest UDP payload the client takes |
 /// | 16 | 1 | `max_paths`: paths the client will spray over |
-/// | 17 | 1 | `caps`: `0x01` = the client grants rates in its ACKs; `0x02` = it takes ACKs coalesced with DATA |
+/// | 17 | 1 | `caps`: `0x01` = the client grants rates in its ACKs; `0x02` = it takes ACKs coalesced with DATA; `0x04` = CRC32C trailers |
 /// | 18 | 2 | `window_kib`: the client's receive window for the server until its first ACK, KiB (0: none) |
 /// | 20 | 16 | `cookie` (zero when absent) |
 /// | 36 | 28 | padding (zero) |
@@ -59,6 +67,8 @@ pub struct Hello {
     /// Whether the client takes coalesced datagrams (an ACK followed by a
     /// DATA packet), so that ACKs may ride on the data sent to it.
     pub coalesce: bool,
+    /// Whether the client asks for CRC32C trailers (PROTOCOL §3.1).
+    pub crc32c: bool,
     /// The client's receive window for the server until the client's first
     /// ACK gives one, in KiB (0: none; PROTOCOL §14).
     pub window_kib: u16,
@@ -99,6 +109,7 @@ impl Hello {
             max_paths,
             grants: buf[17] & CAP_GRANTS != 0,
             coalesce: buf[17] & CAP_COALESCE != 0,
+            crc32c: buf[17] & CAP_CRC32C != 0,
             window_kib: get_u16(buf, 18),
             cookie,
         })
@@ -118,7 +129,7 @@ impl Hello {
         put_u16(buf, 12, self.listen_port);
         put_u16(buf, 14, self.mtu);
         buf[16] = self.max_paths;
-        buf[17] = caps(self.grants, self.coalesce);
+        buf[17] = caps(self.grants, self.coalesce, self.crc32c);
         put_u16(buf, 18, self.window_kib);
         if let Some(c) = &self.cookie {
             buf[20..20 + COOKIE_LEN].copy_from_slice(c);
@@ -174,7 +185,7 @@ impl CookieReply {
 /// | 12 | 2 | `listen_port`: UDP port the server receives on |
 /// | 14 | 2 | `mtu`: the connection's MTU (the smaller of both) |
 /// | 16 | 1 | `max_paths`: the server's path count |
-/// | 17 | 1 | `caps`: `0x01` = the server grants rates in its ACKs; `0x02` = it takes ACKs coalesced with DATA |
+/// | 17 | 1 | `caps`: `0x01` = the server grants rates in its ACKs; `0x02` = it takes ACKs coalesced with DATA; `0x04` = CRC32C trailers |
 /// | 18 | 2 | `window_kib`: the server's receive window for the client until its first ACK, KiB (0: none) |
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Accept {
@@ -193,6 +204,9 @@ pub struct Accept {
     /// Whether the server takes coalesced datagrams (an ACK followed by a
     /// DATA packet), so that ACKs may ride on the data sent to it.
     pub coalesce: bool,
+    /// Whether the server agrees to CRC32C trailers: set only when the
+    /// client asked for them and the server wants them too.
+    pub crc32c: bool,
     /// The server's receive window for the client until the server's first
     /// ACK gives one, in KiB (0: none; PROTOCOL §14).
     pub window_kib: u16,
@@ -225,6 +239,7 @@ impl Accept {
             max_paths,
             grants: buf[17] & CAP_GRANTS != 0,
             coalesce: buf[17] & CAP_COALESCE != 0,
+            crc32c: buf[17] & CAP_CRC32C != 0,
             window_kib: get_u16(buf, 18),
         })
     }
@@ -238,15 +253,18 @@ impl Accept {
         put_u16(buf, 12, self.listen_port);
         put_u16(buf, 14, self.mtu);
         buf[16] = self.max_paths;
-        buf[17] = caps(self.grants, self.coalesce);
+        buf[17] = caps(self.grants, self.coalesce, self.crc32c);
         put_u16(buf, 18, self.window_kib);
         Ok(Self::LEN)
     }
 }
 
 /// The `caps` byte of a HELLO or an ACCEPT.
-fn caps(grants: bool, coalesce: bool) -> u8 {
+fn caps(grants: bool, coalesce: bool, crc32c: bool) -> u8 {
     let mut c = 0;
+    if crc32c {
+        c |= CAP_CRC32C;
+    }
     if grants {
         c |= CAP_GRANTS;
     }
@@ -404,6 +422,82 @@ impl PlaneAddrs {
     }
 }
 
+/// Type byte of the security extension (PROTOCOL §3.2, §7.7) that may
+/// follow the fixed part of a HELLO or an ACCEPT, after the plane-address
+/// extension if there is one.
+pub const EXT_SECURITY: u8 = 0x02;
+
+/// The AEAD suite of the security extension: AES-128-GCM, keys from HKDF-SHA256.
+pub const SUITE_AES_128_GCM: u8 = 0x01;
+
+/// The security extension of a HELLO or an ACCEPT: the sender's nonce for
+/// the connection's key derivation and its proof that it holds the
+/// pre-shared key (PROTOCOL §3.2).
+///
+/// | offset | size | field |
+/// |---|---|---|
+/// | 0 | 1 | extension type [`EXT_SECURITY`] |
+/// | 1 | 1 | `suite`: [`SUITE_AES_128_GCM`] |
+/// | 2 | 16 | `nonce` |
+/// | 18 | 16 | `proof` |
+///
+/// ```
+/// use metaroce_proto::wire::{PlaneAddrs, SecurityExt, SUITE_AES_128_GCM};
+/// let e = SecurityExt { suite: SUITE_AES_128_GCM, nonce: [1; 16], proof: [2; 16] };
+/// let planes = PlaneAddrs::new(&["10.1.0.1".parse().unwrap()]).unwrap();
+/// let mut buf = [0u8; 64];
+/// let n = planes.emit(&mut buf).unwrap();
+/// let m = e.emit(&mut buf[n..]).unwrap();
+/// assert_eq!(SecurityExt::find(&buf[..n + m]).unwrap(), Some(e));
+/// assert_eq!(SecurityExt::find(&buf[..n]).unwrap(), None);
+/// assert!(SecurityExt::find(&buf[..n + m - 1]).is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SecurityExt {
+    /// The AEAD suite.
+    pub suite: u8,
+    /// The sender's handshake nonce.
+    pub nonce: [u8; HANDSHAKE_NONCE_LEN],
+    /// The sender's key proof.
+    pub proof: [u8; AEAD_PROOF_LEN],
+}
+
+impl SecurityExt {
+    /// Length on the wire.
+    pub const LEN: usize = 2 + HANDSHAKE_NONCE_LEN + AEAD_PROOF_LEN;
+
+    /// The extension in the bytes after a HELLO's or ACCEPT's fixed part,
+    /// if present: first, or right after a well-formed plane-address list.
+    /// A malformed plane list, or the extension cut short: an error.
+    pub fn find(trailer: &[u8]) -> Result<Option<Self>, WireError> {
+        let at = PlaneAddrs::parse(trailer)?.encoded_len();
+        let rest = &trailer[at..];
+        if rest.first() != Some(&EXT_SECURITY) {
+            return Ok(None);
+        }
+        check_len(rest, Self::LEN)?;
+        let mut e = SecurityExt {
+            suite: rest[1],
+            nonce: [0; HANDSHAKE_NONCE_LEN],
+            proof: [0; AEAD_PROOF_LEN],
+        };
+        e.nonce.copy_from_slice(&rest[2..2 + HANDSHAKE_NONCE_LEN]);
+        e.proof
+            .copy_from_slice(&rest[2 + HANDSHAKE_NONCE_LEN..Self::LEN]);
+        Ok(Some(e))
+    }
+
+    /// Writes the extension.
+    pub fn emit(&self, buf: &mut [u8]) -> Result<usize, WireError> {
+        check_out(buf, Self::LEN)?;
+        buf[0] = EXT_SECURITY;
+        buf[1] = self.suite;
+        buf[2..2 + HANDSHAKE_NONCE_LEN].copy_from_slice(&self.nonce);
+        buf[2 + HANDSHAKE_NONCE_LEN..Self::LEN].copy_from_slice(&self.proof);
+        Ok(Self::LEN)
+    }
+}
+
 /// Reason carried by a CLOSE.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u32)]
@@ -418,6 +512,9 @@ pub enum CloseCode {
     Shutdown = 3,
     /// The receiver knows no such connection (sent in answer to stray packets).
     UnknownConnection = 4,
+    /// The server refused the client's key proof (PROTOCOL §3.2): the keys
+    /// differ, or one side has none.
+    KeyRefused = 5,
 }
 
 impl CloseCode {
@@ -429,6 +526,7 @@ impl CloseCode {
             2 => Self::RetryExceeded,
             3 => Self::Shutdown,
             4 => Self::UnknownConnection,
+            5 => Self::KeyRefused,
             _ => return Err(WireError::InvalidField("close code")),
         })
     }
@@ -542,6 +640,7 @@ mod tests {
             max_paths: 8,
             grants: true,
             coalesce: false,
+            crc32c: false,
             window_kib: 0x1234,
             cookie: Some([7; COOKIE_LEN]),
         };
@@ -569,9 +668,13 @@ mod tests {
         assert_eq!(buf[17], 0x02, "coalescing is bit 1 of byte 17");
         assert_eq!(Hello::parse(&buf[..n]).unwrap(), h3);
         // Reserved capability bits are ignored.
-        buf[17] = 0xfc;
+        let h5 = Hello { crc32c: true, ..h2 };
+        h5.emit(&mut buf).unwrap();
+        assert_eq!(buf[17], 0x04, "CRC32C is bit 2 of byte 17");
+        assert_eq!(Hello::parse(&buf[..n]).unwrap(), h5);
+        buf[17] = 0xf8;
         let h4 = Hello::parse(&buf[..n]).unwrap();
-        assert!(!h4.grants && !h4.coalesce);
+        assert!(!h4.grants && !h4.coalesce && !h4.crc32c);
     }
 
     #[test]
@@ -583,6 +686,7 @@ mod tests {
             max_paths: 8,
             grants: false,
             coalesce: true,
+            crc32c: true,
             window_kib: 0,
             cookie: None,
         };
@@ -624,6 +728,7 @@ mod tests {
             max_paths: 4,
             grants: true,
             coalesce: true,
+            crc32c: false,
             window_kib: 0xabcd,
         };
         let n = a.emit(&mut buf).unwrap();
@@ -688,6 +793,64 @@ mod tests {
         assert_eq!(PlaneAddrs::default().emit(&mut buf), Ok(0));
         assert!(PlaneAddrs::new(&[ips[0]; MAX_PLANES]).is_err());
         assert!(p.emit(&mut buf[..n - 1]).is_err());
+    }
+
+    #[test]
+    fn security_extension_alone_after_planes_and_malformed() {
+        let e = SecurityExt {
+            suite: SUITE_AES_128_GCM,
+            nonce: [0xa5; HANDSHAKE_NONCE_LEN],
+            proof: [0x5a; AEAD_PROOF_LEN],
+        };
+        let mut buf = [0u8; 128];
+        let n = e.emit(&mut buf).unwrap();
+        assert_eq!(n, SecurityExt::LEN);
+        assert_eq!((buf[0], buf[1]), (EXT_SECURITY, SUITE_AES_128_GCM));
+        assert_eq!(SecurityExt::find(&buf[..n]), Ok(Some(e)));
+        // Every cut of it is refused; trailing bytes are ignored.
+        for cut in 1..n {
+            assert!(matches!(
+                SecurityExt::find(&buf[..cut]),
+                Err(WireError::Truncated { .. })
+            ));
+        }
+        assert_eq!(SecurityExt::find(&buf[..n + 5]), Ok(Some(e)));
+        // After a plane list; absent; another extension type.
+        let planes = PlaneAddrs::new(&[IpAddr::V6(Ipv6Addr::LOCALHOST)]).unwrap();
+        let p = planes.emit(&mut buf).unwrap();
+        let m = e.emit(&mut buf[p..]).unwrap();
+        assert_eq!(SecurityExt::find(&buf[..p + m]), Ok(Some(e)));
+        assert_eq!(PlaneAddrs::parse(&buf[..p + m]), Ok(planes));
+        assert_eq!(SecurityExt::find(&buf[..p]), Ok(None));
+        assert_eq!(SecurityExt::find(&[]), Ok(None));
+        assert_eq!(SecurityExt::find(&[0x7f; 40]), Ok(None));
+        // A malformed plane list before it is an error.
+        buf[1] = 0;
+        assert!(SecurityExt::find(&buf[..p + m]).is_err());
+        assert!(e.emit(&mut buf[..n - 1]).is_err());
+        // Any bytes: an answer, never a panic.
+        let mut x = 0x1234_5678u32;
+        for len in 0..80 {
+            let junk: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 17;
+                    x ^= x << 5;
+                    if x % 5 == 0 {
+                        EXT_SECURITY
+                    } else {
+                        x as u8
+                    }
+                })
+                .collect();
+            let _ = SecurityExt::find(&junk);
+        }
+    }
+
+    #[test]
+    fn key_refused_close_code() {
+        assert_eq!(CloseCode::from_u32(5), Ok(CloseCode::KeyRefused));
+        assert!(CloseCode::from_u32(6).is_err());
     }
 
     #[test]

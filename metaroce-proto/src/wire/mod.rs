@@ -44,7 +44,8 @@ pub use ack::{
 };
 pub use data::{data_flags, segment_payload, DataHeader, Opcode, OpcodeExt};
 pub use handshake::{
-    Accept, Close, CloseCode, CookieReply, Hello, PlaneAddrs, VersionNegotiation, EXT_PLANES,
+    Accept, Close, CloseCode, CookieReply, Hello, PlaneAddrs, SecurityExt, VersionNegotiation,
+    EXT_PLANES, EXT_SECURITY, SUITE_AES_128_GCM,
 };
 
 use crate::consts::{COMMON_HEADER_LEN, VERSION};
