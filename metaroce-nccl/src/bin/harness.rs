@@ -380,6 +380,8 @@ struct Args {
     chunk: usize,
     window: usize,
     iters: usize,
+    budget: usize,
+    pingpongs: usize,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -413,6 +415,8 @@ fn parse_args() -> Result<Args, String> {
         chunk: 512 << 10,
         window: 8,
         iters: 0,
+        budget: 256 << 20,
+        pingpongs: 2000,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -426,10 +430,12 @@ fn parse_args() -> Result<Args, String> {
             "--chunk" => a.chunk = parse_size(&val()?)?.max(1),
             "--window" => a.window = val()?.parse::<usize>().map_err(|e| e.to_string())?.clamp(1, NCCL_NET_MAX_REQUESTS),
             "--iters" => a.iters = val()?.parse().map_err(|e| format!("--iters: {e}"))?,
+            "--pingpongs" => a.pingpongs = val()?.parse::<usize>().map_err(|e| e.to_string())?.max(1),
+            "--budget" => a.budget = parse_size(&val()?)?,
             "--json" => a.json = true,
             "verify" | "bench" => a.mode = arg,
             "-h" | "--help" => {
-                println!("usage: metaroce-nccl-harness --rank 0|1 --rendezvous DIR [--plugin NAME] [--version N] [--max-size SIZE] [--chunk SIZE] [--window N] [--iters N] [--json] verify|bench");
+                println!("usage: metaroce-nccl-harness --rank 0|1 --rendezvous DIR [--plugin NAME] [--version N] [--max-size SIZE] [--chunk SIZE] [--window N] [--iters N] [--budget SIZE] [--pingpongs N] [--json] verify|bench");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -577,8 +583,10 @@ fn run_size(
                 None => break,
             }
         }
+        let mut progressed = false;
         if let Some(p) = sends.front() {
             if let Some(sz) = t.test(p.req, p.n)? {
+                progressed = true;
                 if sz[0] as usize != size {
                     return Err(format!("send of {size} bytes reported {}", sz[0]));
                 }
@@ -588,6 +596,7 @@ fn run_size(
         }
         if let Some(p) = recvs.front() {
             if let Some(sz) = t.test(p.req, p.n)? {
+                progressed = true;
                 if sz[0] as usize != size {
                     return Err(format!("receive of {size} bytes reported {}", sz[0]));
                 }
@@ -597,6 +606,10 @@ fn run_size(
                 recvs.pop_front();
                 recvd += 1;
             }
+        }
+        if !progressed {
+            // As NCCL's proxy thread does when a round made no progress.
+            std::thread::yield_now();
         }
         if Instant::now() > deadline {
             return Err(format!("{size} B: {sent}/{count} sent, {recvd}/{count} received after 300 s"));
@@ -679,9 +692,9 @@ fn run_grouped(c: &Comms, rank: usize, n: usize, groups: usize, sbuf: &mut [u8],
 }
 
 /// The round trip of 8 B messages: rank 0 sends and waits for the echo.
-fn pingpong(c: &Comms, rank: usize, iters: usize, buf: &mut [u8], smh: Ptr, rmh: Ptr) -> Result<Vec<f64>, String> {
+fn pingpong(c: &Comms, rank: usize, iters: usize, sbuf: &mut [u8], rbuf: &mut [u8], smh: Ptr, rmh: Ptr) -> Result<Vec<f64>, String> {
     let t = c.t;
-    let (sp, rp) = (buf.as_mut_ptr(), buf[64..].as_mut_ptr());
+    let (sp, rp) = (sbuf.as_mut_ptr(), rbuf.as_mut_ptr());
     let wait = |req: Ptr| -> Result<(), String> {
         while t.test(req, 1)?.is_none() {}
         Ok(())
@@ -759,7 +772,7 @@ fn run() -> Result<(), String> {
         let mut sizes = vec![0usize, 1, 7, 8, 4095, 4096, 65535, 65536, 65537, 1 << 20, 3 << 20, 8 << 20, 64 << 20];
         sizes.retain(|&s| s <= a.max_size);
         for &size in &sizes {
-            let count = if a.iters > 0 { a.iters } else { ((256usize << 20) / size.max(4096)).clamp(2, 200) };
+            let count = if a.iters > 0 { a.iters } else { (a.budget / size.max(4096)).clamp(2, 200) };
             let window = NCCL_NET_MAX_REQUESTS.min(((32usize << 20) / size.max(1)).max(1));
             let t0 = Instant::now();
             run_size(&c, a.rank, size, count, window, &mut sbuf, &mut rbuf, smh, rmh, true)?;
@@ -805,7 +818,7 @@ fn bench(c: &Comms, a: &Args, sbuf: &mut [u8], rbuf: &mut [u8], smh: Ptr, rmh: P
         rows.push(serde_json::json!({"size": size, "count": iters, "time_us": us, "algbw_gbps": algbw, "busbw_gbps": algbw}));
         size *= 2;
     }
-    let mut rtts = pingpong(c, a.rank, 2000, sbuf, smh, rmh)?;
+    let mut rtts = pingpong(c, a.rank, a.pingpongs, sbuf, rbuf, smh, rmh)?;
     rtts.sort_by(|x, y| x.total_cmp(y));
     let pct = |p: f64| rtts.get(((rtts.len() as f64 * p) as usize).min(rtts.len().saturating_sub(1))).copied().unwrap_or(0.0);
     if a.rank == 0 {
