@@ -465,7 +465,13 @@ pub unsafe extern "C" fn metaroce_qp_create(
 ) -> c_int {
     run(|| {
         // SAFETY: by the contract.
-        let (p, s, r) = unsafe { (obj(pd, "pd")?, obj(send_cq, "send_cq")?, obj(recv_cq, "recv_cq")?) };
+        let (p, s, r) = unsafe {
+            (
+                obj(pd, "pd")?,
+                obj(send_cq, "send_cq")?,
+                obj(recv_cq, "recv_cq")?,
+            )
+        };
         let q = block_on(p.0.create_qp(&s.0, &r.0))?;
         // SAFETY: valid for a write, by the contract.
         unsafe { out(qp, Box::into_raw(Box::new(MetaroceQp(q)))) }

@@ -144,11 +144,13 @@ impl Config {
         }
         let backend = match get("METAROCE_BACKEND") {
             None => Backend::Auto,
-            Some(s) => s.parse().map_err(|e: metaroce_io::UnknownBackend| ConfigError {
-                var: "METAROCE_BACKEND",
-                value: s.clone(),
-                why: e.to_string(),
-            })?,
+            Some(s) => s
+                .parse()
+                .map_err(|e: metaroce_io::UnknownBackend| ConfigError {
+                    var: "METAROCE_BACKEND",
+                    value: s.clone(),
+                    why: e.to_string(),
+                })?,
         };
         let paths = match get("METAROCE_PATHS") {
             None => None,
@@ -257,14 +259,14 @@ mod tests {
 
     #[test]
     fn bad_values_are_refused_with_the_variable_named() {
-        let e = Config::from_lookup(|k| (k == "METAROCE_BACKEND").then(|| "rdma".into()))
-            .unwrap_err();
+        let e =
+            Config::from_lookup(|k| (k == "METAROCE_BACKEND").then(|| "rdma".into())).unwrap_err();
         assert_eq!(e.var, "METAROCE_BACKEND");
         let e = Config::from_lookup(|k| (k == "METAROCE_ADDRS").then(|| "10.0.0.x".into()))
             .unwrap_err();
         assert_eq!(e.var, "METAROCE_ADDRS");
-        let e = Config::from_lookup(|k| (k == "METAROCE_FAULT_DROP").then(|| "2".into()))
-            .unwrap_err();
+        let e =
+            Config::from_lookup(|k| (k == "METAROCE_FAULT_DROP").then(|| "2".into())).unwrap_err();
         assert_eq!(e.var, "METAROCE_FAULT_DROP");
     }
 

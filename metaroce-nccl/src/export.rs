@@ -150,7 +150,9 @@ fn props_v12(dev: c_int) -> Result<NetPropertiesV12, NetError> {
 
 /// # Safety
 /// `handle` points to `NCCL_NET_HANDLE_MAXSIZE` writable bytes (or is NULL).
-unsafe fn handle_mut<'a>(handle: *mut c_void) -> Result<&'a mut [u8; NCCL_NET_HANDLE_MAXSIZE], NetError> {
+unsafe fn handle_mut<'a>(
+    handle: *mut c_void,
+) -> Result<&'a mut [u8; NCCL_NET_HANDLE_MAXSIZE], NetError> {
     if handle.is_null() {
         return Err(null_arg("handle"));
     }
@@ -352,9 +354,9 @@ unsafe extern "C" fn test(request: *mut c_void, done: *mut c_int, sizes: *mut c_
 unsafe extern "C" fn close_send(comm: *mut c_void) -> NcclResult {
     ffi("closeSend", || {
         if !comm.is_null() {
-            // SAFETY: a send comm `connect` made, closed once.
-            let c = unsafe { Box::from_raw(comm as *mut SendComm) };
-            drop(crate::memory::block_on(c.connection().close()));
+            // SAFETY: a send comm `connect` made, closed once. Its QP goes;
+            // the connection stays for the device's other comms.
+            drop(unsafe { Box::from_raw(comm as *mut SendComm) });
         }
         Ok(())
     })
@@ -388,7 +390,9 @@ unsafe extern "C" fn v8_init(logger: NcclDebugLogger) -> NcclResult {
 
 unsafe extern "C" fn v8_get_properties(dev: c_int, out: *mut NetPropertiesV8) -> NcclResult {
     // SAFETY: NCCL passes a properties struct of this version.
-    ffi("getProperties", || unsafe { put(out, props_v8(dev)?, "props") })
+    ffi("getProperties", || unsafe {
+        put(out, props_v8(dev)?, "props")
+    })
 }
 
 unsafe extern "C" fn v8_listen(dev: c_int, handle: *mut c_void, l: *mut *mut c_void) -> NcclResult {
@@ -465,7 +469,9 @@ pub static ncclNetPlugin_v8: NetV8 = NetV8 {
 
 unsafe extern "C" fn v9_get_properties(dev: c_int, out: *mut NetPropertiesV9) -> NcclResult {
     // SAFETY: NCCL passes a properties struct of this version.
-    ffi("getProperties", || unsafe { put(out, props_v9(dev)?, "props") })
+    ffi("getProperties", || unsafe {
+        put(out, props_v9(dev)?, "props")
+    })
 }
 
 unsafe extern "C" fn v9_isend(
@@ -636,7 +642,9 @@ unsafe extern "C" fn v11_get_properties(dev: c_int, out: *mut NetPropertiesV11) 
 
 unsafe extern "C" fn v12_get_properties(dev: c_int, out: *mut NetPropertiesV12) -> NcclResult {
     // SAFETY: NCCL passes a properties struct of this version.
-    ffi("getProperties", || unsafe { put(out, props_v12(dev)?, "props") })
+    ffi("getProperties", || unsafe {
+        put(out, props_v12(dev)?, "props")
+    })
 }
 
 unsafe extern "C" fn v11_listen(

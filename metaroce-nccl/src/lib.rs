@@ -5,7 +5,7 @@
 //! looks up in `libnccl-net-NAME.so` when `NCCL_NET_PLUGIN=NAME`: install
 //! the library as `libnccl-net-metaroce.so` (see the README) and NCCL runs
 //! its inter-node traffic over metaroce instead of its TCP sockets.
-//! All versions call one implementation ([`net`](crate::net) internally):
+//! All versions call one implementation (the internal `net` module):
 //!
 //! - `init` reads the [`Config`] from `METAROCE_` environment variables
 //!   (listed there) and keeps NCCL's logger: every error NCCL gets is also

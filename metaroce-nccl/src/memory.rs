@@ -104,7 +104,8 @@ pub(crate) struct Bounce {
 impl Bounce {
     /// The first `len` bytes, for a work request.
     pub(crate) fn sge(&self, len: usize) -> Result<Sge, NetError> {
-        let len = u32::try_from(len).map_err(|_| NetError::InvalidArgument("message over 4 GiB".into()))?;
+        let len = u32::try_from(len)
+            .map_err(|_| NetError::InvalidArgument("message over 4 GiB".into()))?;
         Ok(self.mr.sge(0, len)?)
     }
 
@@ -165,7 +166,11 @@ impl Staging {
     /// A bounce region of at least `len` bytes (registered now if the pool
     /// has none of that size: a one-time cost per region).
     pub(crate) fn take(&mut self, len: usize) -> Result<Bounce, NetError> {
-        let shift = len.max(1).next_power_of_two().trailing_zeros().max(MIN_SHIFT);
+        let shift = len
+            .max(1)
+            .next_power_of_two()
+            .trailing_zeros()
+            .max(MIN_SHIFT);
         let class = (shift - MIN_SHIFT) as usize;
         if let Some(mr) = self.free.get_mut(class).and_then(Vec::pop) {
             return Ok(Bounce { mr, shift });

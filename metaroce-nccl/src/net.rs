@@ -29,15 +29,13 @@ use crate::abi::NCCL_NET_MAX_REQUESTS;
 use crate::config::{Config, DeviceSpec};
 use crate::error::NetError;
 use crate::memory::{block_on, poll_now, AppRegion, Bounce, Staging};
-use metaroce_io::{
-    CompletionQueue, Connection, Device, QpCaps, QueuePair, RcAttrs, WorkRequest,
-};
+use metaroce_io::{CompletionQueue, Connection, Device, QpCaps, QueuePair, RcAttrs, WorkRequest};
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Most buffers of one grouped receive (`maxRecvs`).
@@ -97,18 +95,110 @@ pub(crate) fn plugin() -> Result<&'static Plugin, NetError> {
     PLUGIN.get().ok_or(NetError::NotInitialized)
 }
 
-fn device_spec(dev: i32) -> Result<(&'static Plugin, &'static DeviceSpec), NetError> {
+fn device_node(dev: i32) -> Result<(&'static Plugin, Arc<Node>), NetError> {
     let p = plugin()?;
-    let d = usize::try_from(dev)
+    let (i, spec) = usize::try_from(dev)
         .ok()
-        .and_then(|i| p.cfg.devices.get(i))
+        .and_then(|i| p.cfg.devices.get(i).map(|s| (i, s)))
         .ok_or_else(|| NetError::InvalidArgument(format!("no device {dev}")))?;
-    Ok((p, d))
+    Ok((p, node(p, i, spec)?))
 }
 
-fn open_device(p: &Plugin, spec: &DeviceSpec) -> Result<Device, NetError> {
+/// One plugin device's endpoint, shared by all its comms, and the
+/// connections to each peer endpoint: the one this side opened (its send
+/// comms' QPs) and the one the peer opened (its receive comms' QPs).
+struct Node {
+    dev: Device,
+    outgoing: Mutex<HashMap<SocketAddr, Connection>>,
+    incoming: Mutex<HashMap<SocketAddr, Connection>>,
+    arrived: Condvar,
+}
+
+static NODES: Mutex<Vec<Option<Arc<Node>>>> = Mutex::new(Vec::new());
+
+/// The endpoint of device `dev`, opened on first use, with a thread that
+/// takes the connections peers open to it.
+fn node(p: &Plugin, dev: usize, spec: &DeviceSpec) -> Result<Arc<Node>, NetError> {
+    let mut nodes = NODES.lock().unwrap_or_else(|e| e.into_inner());
+    if nodes.len() <= dev {
+        nodes.resize(dev + 1, None);
+    }
+    if let Some(n) = &nodes[dev] {
+        return Ok(n.clone());
+    }
     let salt = SALT.fetch_add(1, Ordering::Relaxed) ^ u64::from(std::process::id()) << 20;
-    Ok(block_on(Device::open(p.cfg.driver(spec, salt)))?)
+    let d = block_on(Device::open(p.cfg.driver(spec, salt)))?;
+    let n = Arc::new(Node {
+        dev: d,
+        outgoing: Mutex::new(HashMap::new()),
+        incoming: Mutex::new(HashMap::new()),
+        arrived: Condvar::new(),
+    });
+    let taker = n.clone();
+    std::thread::Builder::new()
+        .name("metaroce-incoming".into())
+        .spawn(move || {
+            while let Ok(c) = block_on(taker.dev.accept()) {
+                // A peer endpoint opens one connection to us at a time; a
+                // new one replaces one it lost.
+                taker
+                    .incoming
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(c.peer(), c);
+                taker.arrived.notify_all();
+            }
+        })?;
+    nodes[dev] = Some(n.clone());
+    crate::log::info(
+        line!(),
+        &format!("device {dev}: endpoint on {}", n.dev.local_addr()),
+    );
+    Ok(n)
+}
+
+fn established(c: &Connection) -> bool {
+    matches!(
+        block_on(c.state()),
+        Ok(Some(metaroce_io::ConnectionState::Established))
+    )
+}
+
+impl Node {
+    /// The connection this side opened to `peer`, opened now if there is
+    /// none (or it failed).
+    fn outgoing(&self, peer: SocketAddr, deadline: Instant) -> Result<Connection, NetError> {
+        let mut out = self.outgoing.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = out.get(&peer) {
+            if established(c) {
+                return Ok(c.clone());
+            }
+        }
+        let c = block_on(tokio_free_timeout(deadline, self.dev.connect(peer)))??;
+        out.insert(peer, c.clone());
+        Ok(c)
+    }
+
+    /// The connection `peer` opened to this side, once it is there.
+    fn incoming(&self, peer: SocketAddr, deadline: Instant) -> Result<Connection, NetError> {
+        let mut inc = self.incoming.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(c) = inc.get(&peer) {
+                return Ok(c.clone());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(NetError::Remote(format!(
+                    "no connection from {peer} in time"
+                )));
+            }
+            inc = self
+                .arrived
+                .wait_timeout(inc, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
 }
 
 /// The opaque handle `listen` fills and NCCL carries to the peer.
@@ -171,21 +261,19 @@ fn fresh_nonce() -> u64 {
 }
 
 /// The QP side of one comm; fields drop in order (QP, CQ, staging, ...).
+/// The connection and the endpoint are shared with the device's other comms.
 struct Link {
     qp: QueuePair,
     _cq: CompletionQueue,
     staging: Arc<Mutex<Staging>>,
-    conn: Connection,
-    _dev: Device,
+    _conn: Connection,
+    _node: Arc<Node>,
 }
 
 impl Link {
-    /// A device on `spec` and a PD, CQ and QP on it, not yet connected.
-    fn open(
-        p: &Plugin,
-        spec: &DeviceSpec,
-    ) -> Result<(Device, Staging, CompletionQueue, QueuePair), NetError> {
-        let dev = open_device(p, spec)?;
+    /// A PD, CQ and QP on the device's endpoint, not yet connected.
+    fn open(node: &Node) -> Result<(Staging, CompletionQueue, QueuePair), NetError> {
+        let dev = &node.dev;
         let pd = block_on(dev.alloc_pd())?;
         let depth = (NCCL_NET_MAX_REQUESTS * MAX_RECVS) as u32;
         let cq = block_on(dev.create_cq(depth as usize))?;
@@ -194,7 +282,7 @@ impl Link {
             max_recv_wr: depth,
         };
         let qp = block_on(pd.create_qp_with(&cq, &cq, caps))?;
-        Ok((dev, Staging::new(pd), cq, qp))
+        Ok((Staging::new(pd), cq, qp))
     }
 }
 
@@ -212,7 +300,10 @@ struct Pending<T> {
 }
 
 impl<T> Pending<T> {
-    fn spawn(name: &str, f: impl FnOnce() -> Result<T, NetError> + Send + 'static) -> Result<Self, NetError>
+    fn spawn(
+        name: &str,
+        f: impl FnOnce() -> Result<T, NetError> + Send + 'static,
+    ) -> Result<Self, NetError>
     where
         T: Send + 'static,
     {
@@ -249,23 +340,31 @@ impl Drop for ListenComm {
     }
 }
 
-fn hello(nonce: u64, qpn: u32) -> [u8; 16] {
-    let mut b = [0u8; 16];
+/// The set-up message each side sends the other over TCP: the handle's
+/// nonce, its QP number and its endpoint's address.
+fn hello(nonce: u64, qpn: u32, endpoint: SocketAddr) -> [u8; 36] {
+    let mut b = [0u8; 36];
     b[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
     b[4..12].copy_from_slice(&nonce.to_le_bytes());
     b[12..16].copy_from_slice(&qpn.to_le_bytes());
+    put_addr(&mut b[16..36], endpoint);
     b
 }
 
-fn read_hello(s: &mut TcpStream, nonce: u64) -> Result<u32, NetError> {
-    let mut b = [0u8; 16];
+fn read_hello(s: &mut TcpStream, nonce: u64) -> Result<(u32, SocketAddr), NetError> {
+    let mut b = [0u8; 36];
     s.read_exact(&mut b)?;
     let magic = u32::from_le_bytes(b[0..4].try_into().unwrap_or_default());
     let their = u64::from_le_bytes(b[4..12].try_into().unwrap_or_default());
     if magic != HELLO_MAGIC || their != nonce {
-        return Err(NetError::Remote("set-up message with a wrong magic or nonce".into()));
+        return Err(NetError::Remote(
+            "set-up message with a wrong magic or nonce".into(),
+        ));
     }
-    Ok(u32::from_le_bytes(b[12..16].try_into().unwrap_or_default()))
+    let qpn = u32::from_le_bytes(b[12..16].try_into().unwrap_or_default());
+    let addr = get_addr(&b[16..36])
+        .ok_or_else(|| NetError::Remote("set-up message with a bad address".into()))?;
+    Ok((qpn, addr))
 }
 
 /// `listen`: fills `handle`, returns the listen comm.
@@ -273,13 +372,12 @@ pub(crate) fn listen(
     dev: i32,
     handle: &mut [u8; crate::abi::NCCL_NET_HANDLE_MAXSIZE],
 ) -> Result<Box<ListenComm>, NetError> {
-    let (p, spec) = device_spec(dev)?;
-    let (device, staging, cq, qp) = Link::open(p, spec)?;
-    let tcp = TcpListener::bind(SocketAddr::new(spec.planes[0], 0))?;
+    let (p, node) = device_node(dev)?;
+    let tcp = TcpListener::bind(SocketAddr::new(node.dev.local_addr().ip(), 0))?;
     tcp.set_nonblocking(true)?;
     let h = Handle {
         tcp: tcp.local_addr()?,
-        udp: device.local_addr(),
+        udp: node.dev.local_addr(),
         nonce: fresh_nonce(),
     };
     h.write(handle);
@@ -303,20 +401,21 @@ pub(crate) fn listen(
         s.set_nonblocking(false)?;
         s.set_read_timeout(Some(timeout))?;
         s.set_nodelay(true)?;
-        let peer_qpn = read_hello(&mut s, h.nonce)?;
-        s.write_all(&hello(h.nonce, qp.qpn().0))?;
-        let deadline = Instant::now() + timeout;
-        let conn = block_on(async {
-            tokio_free_timeout(deadline, device.accept()).await
-        })??;
+        let (peer_qpn, peer) = read_hello(&mut s, h.nonce)?;
+        let (staging, cq, qp) = Link::open(&node)?;
+        s.write_all(&hello(h.nonce, qp.qpn().0, node.dev.local_addr()))?;
+        // The peer opens (or reuses) its connection to us, then says so.
+        let mut ready = [0u8; 1];
+        s.read_exact(&mut ready)?;
+        let conn = node.incoming(peer, Instant::now() + timeout)?;
         block_on(qp.connect_with(&conn, metaroce_io::Qpn(peer_qpn), rc_attrs()))?;
         s.write_all(&[1])?;
         Ok(RecvComm::new(Link {
             qp,
             _cq: cq,
             staging: Arc::new(Mutex::new(staging)),
-            conn,
-            _dev: device,
+            _conn: conn,
+            _node: node,
         }))
     })?;
     Ok(Box::new(ListenComm { stop, pending }))
@@ -363,32 +462,37 @@ pub(crate) fn connect(
     dev: i32,
     handle: &mut [u8; crate::abi::NCCL_NET_HANDLE_MAXSIZE],
 ) -> Result<Option<Box<SendComm>>, NetError> {
-    let state = u64::from_le_bytes(handle[HANDLE_STATE..HANDLE_STATE + 8].try_into().unwrap_or_default());
+    let state = u64::from_le_bytes(
+        handle[HANDLE_STATE..HANDLE_STATE + 8]
+            .try_into()
+            .unwrap_or_default(),
+    );
     let mut map = PENDING.lock().unwrap_or_else(|e| e.into_inner());
     let map = map.get_or_insert_with(HashMap::new);
     if state == 0 {
-        let (p, spec) = device_spec(dev)?;
+        let (p, node) = device_node(dev)?;
         let h = Handle::read(handle)?;
         let id = fresh_nonce();
         let timeout = p.cfg.connect_timeout;
         let pending = Pending::spawn("metaroce-connect", move || {
-            let (device, staging, cq, qp) = Link::open(p, spec)?;
+            let (staging, cq, qp) = Link::open(&node)?;
             let mut s = TcpStream::connect_timeout(&h.tcp, timeout)?;
             s.set_read_timeout(Some(timeout))?;
             s.set_nodelay(true)?;
-            s.write_all(&hello(h.nonce, qp.qpn().0))?;
-            let peer_qpn = read_hello(&mut s, h.nonce)?;
-            let deadline = Instant::now() + timeout;
-            let conn = block_on(tokio_free_timeout(deadline, device.connect(h.udp)))??;
+            s.write_all(&hello(h.nonce, qp.qpn().0, node.dev.local_addr()))?;
+            let (peer_qpn, _) = read_hello(&mut s, h.nonce)?;
+            let conn = node.outgoing(h.udp, Instant::now() + timeout)?;
+            s.write_all(&[1])?;
             block_on(qp.connect_with(&conn, metaroce_io::Qpn(peer_qpn), rc_attrs()))?;
+            // The peer's QP is connected too: sends may start.
             let mut ready = [0u8; 1];
             s.read_exact(&mut ready)?;
             Ok(SendComm::new(Link {
                 qp,
                 _cq: cq,
                 staging: Arc::new(Mutex::new(staging)),
-                conn,
-                _dev: device,
+                _conn: conn,
+                _node: node,
             }))
         })?;
         map.insert(id, pending);
@@ -396,7 +500,9 @@ pub(crate) fn connect(
         return Ok(None);
     }
     let Some(pending) = map.get(&state) else {
-        return Err(NetError::InvalidArgument("connect with a handle already used".into()));
+        return Err(NetError::InvalidArgument(
+            "connect with a handle already used".into(),
+        ));
     };
     match pending.poll() {
         None => Ok(None),
@@ -436,7 +542,12 @@ impl SendComm {
         if self.outstanding.load(Ordering::Relaxed) >= NCCL_NET_MAX_REQUESTS as u64 {
             return Ok(None);
         }
-        let mut bounce = self.link.staging.lock().unwrap_or_else(|e| e.into_inner()).take(size)?;
+        let mut bounce = self
+            .link
+            .staging
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take(size)?;
         let src: &[u8] = if size == 0 {
             &[]
         } else {
@@ -455,11 +566,6 @@ impl SendComm {
             staging: self.link.staging.clone(),
             outstanding: self.outstanding.clone(),
         }))))
-    }
-
-    /// The connection's counters, for logs.
-    pub(crate) fn connection(&self) -> &Connection {
-        &self.link.conn
     }
 }
 
@@ -537,7 +643,10 @@ impl RecvEngine {
             let dst = unsafe { std::slice::from_raw_parts_mut(slot.ptr as *mut u8, a.len) };
             a.bounce.drain(dst)?;
         }
-        staging.lock().unwrap_or_else(|e| e.into_inner()).give(a.bounce);
+        staging
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .give(a.bounce);
         slot.got = Some(a.len);
         g.remaining -= 1;
         // Groups finish in any order; keep the finished ones for `test`.
@@ -688,7 +797,9 @@ impl Request {
             Request::Recv(r) => {
                 let mut eng = r.engine.lock().unwrap_or_else(|e| e.into_inner());
                 if let Some((code, msg)) = &eng.failed {
-                    return Err(NetError::Remote(format!("receive comm failed earlier ({code}): {msg}")));
+                    return Err(NetError::Remote(format!(
+                        "receive comm failed earlier ({code}): {msg}"
+                    )));
                 }
                 if let Err(e) = eng.progress(&r.staging) {
                     eng.failed = Some((e.code(), e.to_string()));

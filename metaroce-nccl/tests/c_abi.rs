@@ -63,7 +63,10 @@ fn header_declares_exactly_what_the_library_exports() {
     exported.sort();
     declared.sort();
     assert!(exported.len() >= 20, "too few exports found: {exported:?}");
-    assert_eq!(exported, declared, "header and src/capi.rs differ: regenerate with cbindgen");
+    assert_eq!(
+        exported, declared,
+        "header and src/capi.rs differ: regenerate with cbindgen"
+    );
     // The plugin's NCCL tables are not part of the C API.
     assert!(!header.contains("ncclNetPlugin"));
 }
@@ -85,14 +88,23 @@ fn header_is_what_cbindgen_generates() {
     let run = match run {
         Ok(r) => r,
         Err(e) => {
-            println!("skipped: no cbindgen ({tool}: {e}); `cargo install --locked cbindgen` to check");
+            println!(
+                "skipped: no cbindgen ({tool}: {e}); `cargo install --locked cbindgen` to check"
+            );
             return;
         }
     };
-    assert!(run.status.success(), "cbindgen failed: {}", String::from_utf8_lossy(&run.stderr));
+    assert!(
+        run.status.success(),
+        "cbindgen failed: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
     let fresh = std::fs::read_to_string(&out).expect("generated header");
     let committed = std::fs::read_to_string(dir.join("include/metaroce.h")).expect("metaroce.h");
-    assert_eq!(committed, fresh, "include/metaroce.h is stale: regenerate it (see cbindgen.toml)");
+    assert_eq!(
+        committed, fresh,
+        "include/metaroce.h is stale: regenerate it (see cbindgen.toml)"
+    );
 }
 
 fn compile(src: &Path, exe: &Path, lang: &str) -> std::process::Output {
@@ -118,7 +130,11 @@ fn c_example_builds_and_runs() {
     let dir = common::scratch("c-example");
     let exe = dir.join("hello");
     let cc = compile(&crate_dir().join("examples/c/hello.c"), &exe, "c");
-    assert!(cc.status.success(), "cc failed:\n{}", String::from_utf8_lossy(&cc.stderr));
+    assert!(
+        cc.status.success(),
+        "cc failed:\n{}",
+        String::from_utf8_lossy(&cc.stderr)
+    );
     let run = Command::new(&exe).output().expect("run the example");
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(
@@ -129,8 +145,16 @@ fn c_example_builds_and_runs() {
     assert_eq!(stdout.trim(), "hello from C over metaroce");
     // The header also compiles as C++ (`extern "C"` guards).
     if Command::new("c++").arg("--version").output().is_ok() {
-        let cxx = compile(&crate_dir().join("examples/c/hello.c"), &dir.join("hello++"), "c++");
-        assert!(cxx.status.success(), "c++ failed:\n{}", String::from_utf8_lossy(&cxx.stderr));
+        let cxx = compile(
+            &crate_dir().join("examples/c/hello.c"),
+            &dir.join("hello++"),
+            "c++",
+        );
+        assert!(
+            cxx.status.success(),
+            "c++ failed:\n{}",
+            String::from_utf8_lossy(&cxx.stderr)
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -33,12 +33,24 @@ fn newest_version_over_loopback_every_byte() {
     assert_ok(&outs);
     for (rank, o) in outs.iter().enumerate() {
         let err = String::from_utf8_lossy(&o.stderr);
-        assert!(err.contains("ncclNetPlugin_v12"), "rank {rank} did not pick v12");
-        assert!(err.contains("verified 2 x 67108864 B"), "rank {rank}: no 64 MiB run");
-        assert!(err.contains("grouped receives of 8 tags"), "rank {rank}: no grouped run");
+        assert!(
+            err.contains("ncclNetPlugin_v12"),
+            "rank {rank} did not pick v12"
+        );
+        assert!(
+            err.contains("verified 2 x 67108864 B"),
+            "rank {rank}: no 64 MiB run"
+        );
+        assert!(
+            err.contains("grouped receives of 8 tags"),
+            "rank {rank}: no grouped run"
+        );
         // The harness's deliberate bad regMr came back as an error code
         // with a warning through the logger it gave init.
-        assert!(err.contains("NCCL WARN NET/metaroce: regMr"), "rank {rank}: no warning logged");
+        assert!(
+            err.contains("NCCL WARN NET/metaroce: regMr"),
+            "rank {rank}: no warning logged"
+        );
         assert!(String::from_utf8_lossy(&o.stdout).contains("verify ok"));
     }
 }
@@ -49,7 +61,15 @@ fn v8_over_loopback_every_byte() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let outs = run_ranks(
         "v8",
-        &["--version", "8", "--max-size", "8M", "--budget", "4M", "verify"],
+        &[
+            "--version",
+            "8",
+            "--max-size",
+            "8M",
+            "--budget",
+            "4M",
+            "verify",
+        ],
         &loopback(),
         |_| Vec::new(),
         Duration::from_secs(600),
@@ -69,7 +89,15 @@ fn injected_loss_over_loopback_every_byte() {
     env.push(("METAROCE_FAULT_DROP", "0.01".into()));
     let outs = run_ranks(
         "loss",
-        &["--version", "11", "--max-size", "8M", "--budget", "4M", "verify"],
+        &[
+            "--version",
+            "11",
+            "--max-size",
+            "8M",
+            "--budget",
+            "4M",
+            "verify",
+        ],
         &env,
         |_| Vec::new(),
         Duration::from_secs(600),
@@ -83,7 +111,16 @@ fn bench_reports_sendrecv_columns() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let outs = run_ranks(
         "bench",
-        &["--max-size", "64K", "--iters", "5", "--pingpongs", "200", "--json", "bench"],
+        &[
+            "--max-size",
+            "64K",
+            "--iters",
+            "5",
+            "--pingpongs",
+            "200",
+            "--json",
+            "bench",
+        ],
         &loopback(),
         |_| Vec::new(),
         Duration::from_secs(300),

@@ -71,7 +71,11 @@ unsafe extern "C" fn logger(
             },
         )
     };
-    let kind = if level == NCCL_LOG_WARN { "WARN" } else { "INFO" };
+    let kind = if level == NCCL_LOG_WARN {
+        "WARN"
+    } else {
+        "INFO"
+    };
     eprintln!(
         "[rank {}] NCCL {kind} {}",
         RANK.load(Ordering::Relaxed),
@@ -80,9 +84,19 @@ unsafe extern "C" fn logger(
 }
 
 fn nccl_logger() -> NcclDebugLogger {
-    #[cfg(all(target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64")))]
+    #[cfg(all(
+        target_os = "linux",
+        any(target_arch = "x86_64", target_arch = "aarch64")
+    ))]
     {
-        type Fixed = unsafe extern "C" fn(c_int, c_ulong, *const c_char, c_int, *const c_char, *const c_char);
+        type Fixed = unsafe extern "C" fn(
+            c_int,
+            c_ulong,
+            *const c_char,
+            c_int,
+            *const c_char,
+            *const c_char,
+        );
         // SAFETY: see `logger`: on these targets a call through the
         // variadic type with one trailing pointer lands in `logger` with
         // every argument in place.
@@ -93,7 +107,10 @@ fn nccl_logger() -> NcclDebugLogger {
             >(logger)
         })
     }
-    #[cfg(not(all(target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64"))))]
+    #[cfg(not(all(
+        target_os = "linux",
+        any(target_arch = "x86_64", target_arch = "aarch64")
+    )))]
     {
         None
     }
@@ -134,8 +151,14 @@ impl Table {
             Table::V8(t) => call!(t, init(nccl_logger())),
             Table::V9(t) => call!(t, init(nccl_logger())),
             Table::V10(t) => call!(t, init(nccl_logger(), None)),
-            Table::V11(t) => call!(t, init(&mut ctx, 1, std::ptr::null_mut(), nccl_logger(), None)),
-            Table::V12(t) => call!(t, init(&mut ctx, 1, std::ptr::null_mut(), nccl_logger(), None)),
+            Table::V11(t) => call!(
+                t,
+                init(&mut ctx, 1, std::ptr::null_mut(), nccl_logger(), None)
+            ),
+            Table::V12(t) => call!(
+                t,
+                init(&mut ctx, 1, std::ptr::null_mut(), nccl_logger(), None)
+            ),
         };
         check("init", r)
     }
@@ -259,7 +282,14 @@ impl Table {
     }
 
     /// `isend`; `None`: not now (try again).
-    fn isend(self, comm: Ptr, data: *const u8, size: usize, tag: c_int, mh: Ptr) -> Result<Option<Ptr>, String> {
+    fn isend(
+        self,
+        comm: Ptr,
+        data: *const u8,
+        size: usize,
+        tag: c_int,
+        mh: Ptr,
+    ) -> Result<Option<Ptr>, String> {
         let mut req: Ptr = std::ptr::null_mut();
         let d = data as Ptr;
         let ph = std::ptr::null_mut();
@@ -274,7 +304,12 @@ impl Table {
     }
 
     /// `irecv` of (pointer, size, tag); `None`: not now.
-    fn irecv(self, comm: Ptr, bufs: &[(*mut u8, usize, c_int)], mh: Ptr) -> Result<Option<Ptr>, String> {
+    fn irecv(
+        self,
+        comm: Ptr,
+        bufs: &[(*mut u8, usize, c_int)],
+        mh: Ptr,
+    ) -> Result<Option<Ptr>, String> {
         let mut req: Ptr = std::ptr::null_mut();
         let n = bufs.len() as c_int;
         let mut data: Vec<Ptr> = bufs.iter().map(|b| b.0 as Ptr).collect();
@@ -341,8 +376,8 @@ fn load(name: &str, want: Option<u32>) -> Result<Table, String> {
     let file = format!("libnccl-net-{name}.so");
     // SAFETY: loading the plugin runs no initializers beyond Rust's own
     // (the crate has no constructors); it stays loaded for the process.
-    let lib = unsafe { libloading::Library::new(&file) }
-        .map_err(|e| format!("dlopen {file}: {e}"))?;
+    let lib =
+        unsafe { libloading::Library::new(&file) }.map_err(|e| format!("dlopen {file}: {e}"))?;
     let lib: &'static libloading::Library = Box::leak(Box::new(lib));
     for v in [12u32, 11, 10, 9, 8] {
         if want.is_some_and(|w| w != v) {
@@ -428,9 +463,16 @@ fn parse_args() -> Result<Args, String> {
             "--version" => a.version = Some(val()?.parse().map_err(|e| format!("--version: {e}"))?),
             "--max-size" => a.max_size = parse_size(&val()?)?,
             "--chunk" => a.chunk = parse_size(&val()?)?.max(1),
-            "--window" => a.window = val()?.parse::<usize>().map_err(|e| e.to_string())?.clamp(1, NCCL_NET_MAX_REQUESTS),
+            "--window" => {
+                a.window = val()?
+                    .parse::<usize>()
+                    .map_err(|e| e.to_string())?
+                    .clamp(1, NCCL_NET_MAX_REQUESTS)
+            }
             "--iters" => a.iters = val()?.parse().map_err(|e| format!("--iters: {e}"))?,
-            "--pingpongs" => a.pingpongs = val()?.parse::<usize>().map_err(|e| e.to_string())?.max(1),
+            "--pingpongs" => {
+                a.pingpongs = val()?.parse::<usize>().map_err(|e| e.to_string())?.max(1)
+            }
             "--budget" => a.budget = parse_size(&val()?)?,
             "--json" => a.json = true,
             "verify" | "bench" => a.mode = arg,
@@ -456,7 +498,11 @@ struct Comms {
     retries: usize,
 }
 
-fn exchange(dir: &Path, rank: usize, mine: &[u8; NCCL_NET_HANDLE_MAXSIZE]) -> Result<[u8; NCCL_NET_HANDLE_MAXSIZE], String> {
+fn exchange(
+    dir: &Path,
+    rank: usize,
+    mine: &[u8; NCCL_NET_HANDLE_MAXSIZE],
+) -> Result<[u8; NCCL_NET_HANDLE_MAXSIZE], String> {
     let tmp = dir.join(format!("rank{rank}.handle.tmp"));
     std::fs::write(&tmp, mine).map_err(|e| e.to_string())?;
     std::fs::rename(&tmp, dir.join(format!("rank{rank}.handle"))).map_err(|e| e.to_string())?;
@@ -517,13 +563,25 @@ fn fill(buf: &mut [u8], from: usize, size: usize, msg: usize) {
 }
 
 fn verify_bytes(buf: &[u8], from: usize, size: usize, msg: usize) -> Result<(), String> {
-    match buf.iter().enumerate().find(|&(j, &b)| b != pattern(from, size, msg, j)) {
+    match buf
+        .iter()
+        .enumerate()
+        .find(|&(j, &b)| b != pattern(from, size, msg, j))
+    {
         None => Ok(()),
         Some((j, &b)) => Err(format!(
             "message {msg} of {size} bytes: byte {j} is {b:#04x}, expected {:#04x}",
             pattern(from, size, msg, j)
         )),
     }
+}
+
+/// The registered buffers of a rank.
+struct Bufs {
+    sbuf: Vec<u8>,
+    rbuf: Vec<u8>,
+    smh: Ptr,
+    rmh: Ptr,
 }
 
 /// One outstanding request of the run loops.
@@ -536,22 +594,21 @@ struct Pending {
 
 /// Sends and receives `count` messages of `size` bytes each way with up to
 /// `window` outstanding, checking every byte when `check` is set.
-#[allow(clippy::too_many_arguments)]
 fn run_size(
     c: &Comms,
     rank: usize,
     size: usize,
-    count: usize,
-    window: usize,
-    sbuf: &mut [u8],
-    rbuf: &mut [u8],
-    smh: Ptr,
-    rmh: Ptr,
+    (count, window): (usize, usize),
+    b: &mut Bufs,
     check_bytes: bool,
 ) -> Result<(), String> {
     let t = c.t;
+    let (sbuf, rbuf, smh, rmh) = (&mut b.sbuf, &mut b.rbuf, b.smh, b.rmh);
     let slot_len = size.max(1);
-    let window = window.min(sbuf.len() / slot_len).min(rbuf.len() / slot_len).max(1);
+    let window = window
+        .min(sbuf.len() / slot_len)
+        .min(rbuf.len() / slot_len)
+        .max(1);
     let (mut sent, mut recvd, mut posted_s, mut posted_r) = (0, 0, 0, 0);
     let mut sends: std::collections::VecDeque<Pending> = Default::default();
     let mut recvs: std::collections::VecDeque<Pending> = Default::default();
@@ -563,7 +620,12 @@ fn run_size(
             let p = rbuf[slot * slot_len..].as_mut_ptr();
             match t.irecv(c.recv, &[(p, size, 1)], rmh)? {
                 Some(req) => {
-                    recvs.push_back(Pending { req, slot, msg: posted_r, n: 1 });
+                    recvs.push_back(Pending {
+                        req,
+                        slot,
+                        msg: posted_r,
+                        n: 1,
+                    });
                     posted_r += 1;
                 }
                 None => break,
@@ -577,7 +639,12 @@ fn run_size(
             }
             match t.isend(c.send, buf.as_ptr(), size, 1, smh)? {
                 Some(req) => {
-                    sends.push_back(Pending { req, slot, msg: posted_s, n: 1 });
+                    sends.push_back(Pending {
+                        req,
+                        slot,
+                        msg: posted_s,
+                        n: 1,
+                    });
                     posted_s += 1;
                 }
                 None => break,
@@ -601,7 +668,12 @@ fn run_size(
                     return Err(format!("receive of {size} bytes reported {}", sz[0]));
                 }
                 if check_bytes {
-                    verify_bytes(&rbuf[p.slot * slot_len..p.slot * slot_len + size], peer, size, p.msg)?;
+                    verify_bytes(
+                        &rbuf[p.slot * slot_len..p.slot * slot_len + size],
+                        peer,
+                        size,
+                        p.msg,
+                    )?;
                 }
                 recvs.pop_front();
                 recvd += 1;
@@ -612,7 +684,9 @@ fn run_size(
             std::thread::yield_now();
         }
         if Instant::now() > deadline {
-            return Err(format!("{size} B: {sent}/{count} sent, {recvd}/{count} received after 300 s"));
+            return Err(format!(
+                "{size} B: {sent}/{count} sent, {recvd}/{count} received after 300 s"
+            ));
         }
     }
     Ok(())
@@ -622,8 +696,15 @@ fn run_size(
 /// sizes that differ per tag; the sender sends each group's messages in
 /// reverse tag order, shorter than the buffers, so the receiver must match
 /// by tag and learn each size.
-fn run_grouped(c: &Comms, rank: usize, n: usize, groups: usize, sbuf: &mut [u8], rbuf: &mut [u8], smh: Ptr, rmh: Ptr) -> Result<(), String> {
+fn run_grouped(
+    c: &Comms,
+    rank: usize,
+    n: usize,
+    groups: usize,
+    b: &mut Bufs,
+) -> Result<(), String> {
     let t = c.t;
+    let (sbuf, rbuf, smh, rmh) = (&mut b.sbuf, &mut b.rbuf, b.smh, b.rmh);
     let buf_len = |tag: usize| 1000 + 517 * tag;
     let msg_len = |tag: usize, g: usize| buf_len(tag) - (tag + g) % 300;
     let stride: usize = (0..n).map(buf_len).sum();
@@ -643,7 +724,12 @@ fn run_grouped(c: &Comms, rank: usize, n: usize, groups: usize, sbuf: &mut [u8],
                 off += buf_len(tag);
             }
             if let Some(req) = t.irecv(c.recv, &bufs, rmh)? {
-                recvs.push_back(Pending { req, slot, msg: posted_r, n });
+                recvs.push_back(Pending {
+                    req,
+                    slot,
+                    msg: posted_r,
+                    n,
+                });
                 posted_r += 1;
             }
         }
@@ -675,7 +761,10 @@ fn run_grouped(c: &Comms, rank: usize, n: usize, groups: usize, sbuf: &mut [u8],
                 for (tag, &got) in sizes.iter().enumerate().take(n) {
                     let want = msg_len(tag, p.msg);
                     if got as usize != want {
-                        return Err(format!("group {} tag {tag}: size {got}, expected {want}", p.msg));
+                        return Err(format!(
+                            "group {} tag {tag}: size {got}, expected {want}",
+                            p.msg
+                        ));
                     }
                     verify_bytes(&rbuf[off..off + want], peer, want, p.msg * n + tag)?;
                     off += buf_len(tag);
@@ -685,18 +774,23 @@ fn run_grouped(c: &Comms, rank: usize, n: usize, groups: usize, sbuf: &mut [u8],
             }
         }
         if Instant::now() > deadline {
-            return Err(format!("grouped: {done_r}/{groups} groups received after 120 s"));
+            return Err(format!(
+                "grouped: {done_r}/{groups} groups received after 120 s"
+            ));
         }
     }
     Ok(())
 }
 
 /// The round trip of 8 B messages: rank 0 sends and waits for the echo.
-fn pingpong(c: &Comms, rank: usize, iters: usize, sbuf: &mut [u8], rbuf: &mut [u8], smh: Ptr, rmh: Ptr) -> Result<Vec<f64>, String> {
+fn pingpong(c: &Comms, rank: usize, iters: usize, b: &mut Bufs) -> Result<Vec<f64>, String> {
     let t = c.t;
-    let (sp, rp) = (sbuf.as_mut_ptr(), rbuf.as_mut_ptr());
+    let (sp, rp, smh, rmh) = (b.sbuf.as_mut_ptr(), b.rbuf.as_mut_ptr(), b.smh, b.rmh);
+    // Polled as NCCL's proxy thread polls, yielding between tries.
     let wait = |req: Ptr| -> Result<(), String> {
-        while t.test(req, 1)?.is_none() {}
+        while t.test(req, 1)?.is_none() {
+            std::thread::yield_now();
+        }
         Ok(())
     };
     let post_recv = || -> Result<Ptr, String> {
@@ -748,18 +842,29 @@ fn run() -> Result<(), String> {
     }
     let (name, speed, ptr, max_recvs) = t.properties(0)?;
     if ptr & NCCL_PTR_HOST == 0 || max_recvs < 1 || name.is_empty() {
-        return Err(format!("properties: name {name:?} ptrSupport {ptr} maxRecvs {max_recvs}"));
+        return Err(format!(
+            "properties: name {name:?} ptrSupport {ptr} maxRecvs {max_recvs}"
+        ));
     }
-    eprintln!("[rank {}] ncclNetPlugin_v{}: {ndev} device(s), {name}, {speed} Mbps, maxRecvs {max_recvs}", a.rank, t.version());
+    eprintln!(
+        "[rank {}] ncclNetPlugin_v{}: {ndev} device(s), {name}, {speed} Mbps, maxRecvs {max_recvs}",
+        a.rank,
+        t.version()
+    );
     let c = connect(t, &a)?;
-    eprintln!("[rank {}] connected after {} connect/accept rounds", a.rank, c.retries);
+    eprintln!(
+        "[rank {}] connected after {} connect/accept rounds",
+        a.rank, c.retries
+    );
 
     // An error goes back as a result code and a warning through the logger.
     let mut probe = vec![0u8; 64];
     let before = WARNINGS.load(Ordering::Relaxed);
     let (r, _) = t.reg_mr_raw(c.send, &mut probe, NCCL_PTR_CUDA);
     if r != NCCL_INVALID_ARGUMENT || WARNINGS.load(Ordering::Relaxed) != before + 1 {
-        return Err(format!("regMr of CUDA memory: result {r}, expected ncclInvalidArgument and one warning"));
+        return Err(format!(
+            "regMr of CUDA memory: result {r}, expected ncclInvalidArgument and one warning"
+        ));
     }
 
     let region = a.max_size.max(1 << 20) * 2;
@@ -767,23 +872,51 @@ fn run() -> Result<(), String> {
     let mut rbuf = vec![0u8; region];
     let smh = t.reg_mr(c.send, &mut sbuf)?;
     let rmh = t.reg_mr(c.recv, &mut rbuf)?;
+    let mut b = Bufs {
+        sbuf,
+        rbuf,
+        smh,
+        rmh,
+    };
 
     if a.mode == "verify" {
-        let mut sizes = vec![0usize, 1, 7, 8, 4095, 4096, 65535, 65536, 65537, 1 << 20, 3 << 20, 8 << 20, 64 << 20];
+        let mut sizes = vec![
+            0usize,
+            1,
+            7,
+            8,
+            4095,
+            4096,
+            65535,
+            65536,
+            65537,
+            1 << 20,
+            3 << 20,
+            8 << 20,
+            64 << 20,
+        ];
         sizes.retain(|&s| s <= a.max_size);
         for &size in &sizes {
-            let count = if a.iters > 0 { a.iters } else { (a.budget / size.max(4096)).clamp(2, 200) };
+            let count = if a.iters > 0 {
+                a.iters
+            } else {
+                (a.budget / size.max(4096)).clamp(2, 200)
+            };
             let window = NCCL_NET_MAX_REQUESTS.min(((32usize << 20) / size.max(1)).max(1));
             let t0 = Instant::now();
-            run_size(&c, a.rank, size, count, window, &mut sbuf, &mut rbuf, smh, rmh, true)?;
-            eprintln!("[rank {}] verified {count} x {size} B each way, window {window}, {:.1} ms", a.rank, t0.elapsed().as_secs_f64() * 1e3);
+            run_size(&c, a.rank, size, (count, window), &mut b, true)?;
+            eprintln!(
+                "[rank {}] verified {count} x {size} B each way, window {window}, {:.1} ms",
+                a.rank,
+                t0.elapsed().as_secs_f64() * 1e3
+            );
         }
         let n = (max_recvs as usize).min(MAX_GROUP);
-        run_grouped(&c, a.rank, n, 64, &mut sbuf, &mut rbuf, smh, rmh)?;
+        run_grouped(&c, a.rank, n, 64, &mut b)?;
         eprintln!("[rank {}] verified 64 grouped receives of {n} tags", a.rank);
         println!("rank {} verify ok", a.rank);
     } else {
-        bench(&c, &a, &mut sbuf, &mut rbuf, smh, rmh)?;
+        bench(&c, &a, &mut b)?;
     }
     t.dereg_mr(c.send, smh)?;
     t.dereg_mr(c.recv, rmh)?;
@@ -794,22 +927,37 @@ fn run() -> Result<(), String> {
 /// Tags of a grouped receive the harness tests at most.
 const MAX_GROUP: usize = 8;
 
-fn bench(c: &Comms, a: &Args, sbuf: &mut [u8], rbuf: &mut [u8], smh: Ptr, rmh: Ptr) -> Result<(), String> {
+fn bench(c: &Comms, a: &Args, b: &mut Bufs) -> Result<(), String> {
     let mut rows = Vec::new();
     if a.rank == 0 && !a.json {
-        println!("# sendrecv over ncclNetPlugin_v{}: chunk {} B, window {}", c.t.version(), a.chunk, a.window);
-        println!("#{:>12} {:>8} {:>10} {:>8} {:>8}", "size", "count", "time(us)", "algbw", "busbw");
-        println!("#{:>12} {:>8} {:>10} {:>8} {:>8}", "(B)", "(iter)", "", "(GB/s)", "(GB/s)");
+        println!(
+            "# sendrecv over ncclNetPlugin_v{}: chunk {} B, window {}",
+            c.t.version(),
+            a.chunk,
+            a.window
+        );
+        println!(
+            "#{:>12} {:>8} {:>10} {:>8} {:>8}",
+            "size", "count", "time(us)", "algbw", "busbw"
+        );
+        println!(
+            "#{:>12} {:>8} {:>10} {:>8} {:>8}",
+            "(B)", "(iter)", "", "(GB/s)", "(GB/s)"
+        );
     }
     let mut size = 8usize;
     while size <= a.max_size {
         let chunk = a.chunk.min(size).max(1);
         let chunks = size.div_ceil(chunk).max(1);
-        let iters = if a.iters > 0 { a.iters } else { ((64usize << 20) / size).clamp(5, 200) };
+        let iters = if a.iters > 0 {
+            a.iters
+        } else {
+            ((64usize << 20) / size).clamp(5, 200)
+        };
         // Warm up (registers the bounce regions), then time.
-        run_size(c, a.rank, chunk, chunks * 2, a.window, sbuf, rbuf, smh, rmh, false)?;
+        run_size(c, a.rank, chunk, (chunks * 2, a.window), b, false)?;
         let t0 = Instant::now();
-        run_size(c, a.rank, chunk, chunks * iters, a.window, sbuf, rbuf, smh, rmh, false)?;
+        run_size(c, a.rank, chunk, (chunks * iters, a.window), b, false)?;
         let us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
         let algbw = size as f64 / us / 1e3;
         if a.rank == 0 && !a.json {
@@ -818,9 +966,13 @@ fn bench(c: &Comms, a: &Args, sbuf: &mut [u8], rbuf: &mut [u8], smh: Ptr, rmh: P
         rows.push(serde_json::json!({"size": size, "count": iters, "time_us": us, "algbw_gbps": algbw, "busbw_gbps": algbw}));
         size *= 2;
     }
-    let mut rtts = pingpong(c, a.rank, a.pingpongs, sbuf, rbuf, smh, rmh)?;
+    let mut rtts = pingpong(c, a.rank, a.pingpongs, b)?;
     rtts.sort_by(|x, y| x.total_cmp(y));
-    let pct = |p: f64| rtts.get(((rtts.len() as f64 * p) as usize).min(rtts.len().saturating_sub(1))).copied().unwrap_or(0.0);
+    let pct = |p: f64| {
+        rtts.get(((rtts.len() as f64 * p) as usize).min(rtts.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0.0)
+    };
     if a.rank == 0 {
         if a.json {
             let out = serde_json::json!({
@@ -829,7 +981,12 @@ fn bench(c: &Comms, a: &Args, sbuf: &mut [u8], rbuf: &mut [u8], smh: Ptr, rmh: P
             });
             println!("{out}");
         } else {
-            println!("# 8 B round trip: p50 {:.1} us, p99 {:.1} us ({} samples)", pct(0.5), pct(0.99), rtts.len());
+            println!(
+                "# 8 B round trip: p50 {:.1} us, p99 {:.1} us ({} samples)",
+                pct(0.5),
+                pct(0.99),
+                rtts.len()
+            );
         }
     }
     Ok(())
@@ -837,7 +994,10 @@ fn bench(c: &Comms, a: &Args, sbuf: &mut [u8], rbuf: &mut [u8], smh: Ptr, rmh: P
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("[rank {}] harness failed: {e}", RANK.load(Ordering::Relaxed));
+        eprintln!(
+            "[rank {}] harness failed: {e}",
+            RANK.load(Ordering::Relaxed)
+        );
         std::process::exit(1);
     }
 }

@@ -20,7 +20,11 @@ pub fn artifacts() -> PathBuf {
 /// The cdylib cargo built for this crate.
 pub fn cdylib() -> PathBuf {
     let p = artifacts().join("libmetaroce_nccl.so");
-    assert!(p.exists(), "{} missing: cargo builds it with the crate", p.display());
+    assert!(
+        p.exists(),
+        "{} missing: cargo builds it with the crate",
+        p.display()
+    );
     p
 }
 
@@ -30,7 +34,10 @@ pub fn scratch(name: &str) -> PathBuf {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
         .unwrap_or(0);
-    let d = std::env::temp_dir().join(format!("metaroce-nccl-{name}-{}-{nanos}", std::process::id()));
+    let d = std::env::temp_dir().join(format!(
+        "metaroce-nccl-{name}-{}-{nanos}",
+        std::process::id()
+    ));
     std::fs::create_dir_all(&d).expect("scratch dir");
     d
 }
@@ -101,7 +108,9 @@ pub fn run_ranks(
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    let mut outs = children.into_iter().map(|c| c.wait_with_output().expect("wait"));
+    let mut outs = children
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("wait"));
     let outs = [outs.next().expect("rank 0"), outs.next().expect("rank 1")];
     let _ = std::fs::remove_dir_all(&dir);
     outs
@@ -112,6 +121,10 @@ pub fn assert_ok(outs: &[Output; 2]) {
     for (rank, o) in outs.iter().enumerate() {
         let err = String::from_utf8_lossy(&o.stderr);
         eprintln!("--- rank {rank} ---\n{err}");
-        assert!(o.status.success(), "rank {rank} failed: {:?}\n{err}", o.status);
+        assert!(
+            o.status.success(),
+            "rank {rank} failed: {:?}\n{err}",
+            o.status
+        );
     }
 }
