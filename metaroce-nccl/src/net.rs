@@ -28,7 +28,7 @@
 use crate::abi::NCCL_NET_MAX_REQUESTS;
 use crate::config::{Config, DeviceSpec};
 use crate::error::NetError;
-use crate::memory::{block_on, poll_now, AppRegion, Bounce, Staging};
+use crate::memory::{block_on, poll_now, AppRegion, Bounce, Prefetch, Staging};
 use metaroce_io::{CompletionQueue, Connection, Device, QpCaps, QueuePair, RcAttrs, WorkRequest};
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
@@ -589,6 +589,7 @@ struct Arrived {
     tag: i32,
     len: usize,
     bounce: Bounce,
+    pre: Prefetch,
 }
 
 struct Slot {
@@ -641,7 +642,7 @@ impl RecvEngine {
             // `ptr` inside its registered region (checked at irecv), which
             // NCCL does not touch until the request completes.
             let dst = unsafe { std::slice::from_raw_parts_mut(slot.ptr as *mut u8, a.len) };
-            a.bounce.drain(dst)?;
+            a.bounce.drain(a.pre, dst)?;
         }
         staging
             .lock()
@@ -660,6 +661,8 @@ impl RecvEngine {
 
     /// Takes the completions that are in, in posting order.
     fn progress(&mut self, staging: &Mutex<Staging>) -> Result<(), NetError> {
+        // Every completion that is in first, their copies started together.
+        let mut batch = Vec::new();
         while let Some((wr, _)) = self.posted.front_mut() {
             let Some(r) = poll_now(wr) else { break };
             let (_, bounce) = self.posted.pop_front().unwrap_or_else(|| unreachable!());
@@ -668,14 +671,17 @@ impl RecvEngine {
                 .imm
                 .ok_or_else(|| NetError::Remote("a message without a tag".into()))?
                 as i32;
-            self.deliver(
-                staging,
-                Arrived {
-                    tag,
-                    len: wc.byte_len as usize,
-                    bounce,
-                },
-            )?;
+            let len = wc.byte_len as usize;
+            let pre = bounce.prefetch(len);
+            batch.push(Arrived {
+                tag,
+                len,
+                bounce,
+                pre,
+            });
+        }
+        for a in batch {
+            self.deliver(staging, a)?;
         }
         Ok(())
     }
