@@ -356,7 +356,8 @@ unsafe extern "C" fn close_send(comm: *mut c_void) -> NcclResult {
         if !comm.is_null() {
             // SAFETY: a send comm `connect` made, closed once. Its QP goes;
             // the connection stays for the device's other comms.
-            drop(unsafe { Box::from_raw(comm as *mut SendComm) });
+            let c = unsafe { Box::from_raw(comm as *mut SendComm) };
+            c.log_close();
         }
         Ok(())
     })

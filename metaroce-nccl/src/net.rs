@@ -266,7 +266,7 @@ struct Link {
     qp: QueuePair,
     _cq: CompletionQueue,
     staging: Arc<Mutex<Staging>>,
-    _conn: Connection,
+    conn: Connection,
     _node: Arc<Node>,
 }
 
@@ -414,7 +414,7 @@ pub(crate) fn listen(
             qp,
             _cq: cq,
             staging: Arc::new(Mutex::new(staging)),
-            _conn: conn,
+            conn,
             _node: node,
         }))
     })?;
@@ -491,7 +491,7 @@ pub(crate) fn connect(
                 qp,
                 _cq: cq,
                 staging: Arc::new(Mutex::new(staging)),
-                _conn: conn,
+                conn,
                 _node: node,
             }))
         })?;
@@ -524,6 +524,23 @@ impl SendComm {
         SendComm {
             link,
             outstanding: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// A log line with the counters of the comm's connection (shared with
+    /// the device's other send comms to the same peer), at close.
+    pub(crate) fn log_close(&self) {
+        if let Ok(Some(st)) = block_on(self.link.conn.stats()) {
+            crate::log::info(
+                line!(),
+                &format!(
+                    "send comm to {} closed; its connection: {} data packets sent, {} retransmits, {} RTO fires",
+                    self.link.conn.peer(),
+                    st.data_packets_sent,
+                    st.retransmits,
+                    st.rto_fires
+                ),
+            );
         }
     }
 

@@ -103,6 +103,17 @@ fn injected_loss_over_loopback_every_byte() {
         Duration::from_secs(600),
     );
     assert_ok(&outs);
+    // The loss was real: the senders retransmitted.
+    for (rank, o) in outs.iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        let retransmits: u64 = err
+            .lines()
+            .find_map(|l| l.split(" data packets sent, ").nth(1))
+            .and_then(|r| r.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("rank {rank}: no close line with counters:\n{err}"));
+        assert!(retransmits > 0, "rank {rank}: 1% loss but no retransmit");
+    }
 }
 
 /// The bench mode prints sendrecv_perf's columns as JSON.
