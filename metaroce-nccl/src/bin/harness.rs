@@ -786,10 +786,26 @@ fn run_grouped(
 fn pingpong(c: &Comms, rank: usize, iters: usize, b: &mut Bufs) -> Result<Vec<f64>, String> {
     let t = c.t;
     let (sp, rp, smh, rmh) = (b.sbuf.as_mut_ptr(), b.rbuf.as_mut_ptr(), b.smh, b.rmh);
-    // Polled as NCCL's proxy thread polls, yielding between tries.
-    let wait = |req: Ptr| -> Result<(), String> {
+    // Sends complete when the peer acknowledges them; as in NCCL's proxy,
+    // they are tested along the way and never hold up a receive.
+    let mut sends: std::collections::VecDeque<Ptr> = Default::default();
+    let reap = |sends: &mut std::collections::VecDeque<Ptr>| -> Result<bool, String> {
+        let mut any = false;
+        while let Some(&s) = sends.front() {
+            if t.test(s, 1)?.is_none() {
+                break;
+            }
+            sends.pop_front();
+            any = true;
+        }
+        Ok(any)
+    };
+    // Polled as NCCL's proxy thread polls, yielding when a round did nothing.
+    let wait = |req: Ptr, sends: &mut std::collections::VecDeque<Ptr>| -> Result<(), String> {
         while t.test(req, 1)?.is_none() {
-            std::thread::yield_now();
+            if !reap(sends)? {
+                std::thread::yield_now();
+            }
         }
         Ok(())
     };
@@ -800,11 +816,13 @@ fn pingpong(c: &Comms, rank: usize, iters: usize, b: &mut Bufs) -> Result<Vec<f6
             }
         }
     };
-    let send = || -> Result<Ptr, String> {
+    let send = |sends: &mut std::collections::VecDeque<Ptr>| -> Result<(), String> {
         loop {
             if let Some(r) = t.isend(c.send, sp, 8, 0, smh)? {
-                return Ok(r);
+                sends.push_back(r);
+                return Ok(());
             }
+            reap(sends)?;
         }
     };
     let mut rtts = Vec::with_capacity(iters);
@@ -812,22 +830,24 @@ fn pingpong(c: &Comms, rank: usize, iters: usize, b: &mut Bufs) -> Result<Vec<f6
     for _ in 0..iters {
         if rank == 0 {
             let t0 = Instant::now();
-            let s = send()?;
-            wait(rreq)?;
+            send(&mut sends)?;
+            wait(rreq, &mut sends)?;
             rtts.push(t0.elapsed().as_secs_f64() * 1e6);
             rreq = post_recv()?;
-            wait(s)?;
         } else {
-            wait(rreq)?;
+            wait(rreq, &mut sends)?;
             rreq = post_recv()?;
-            let s = send()?;
-            wait(s)?;
+            send(&mut sends)?;
         }
     }
     // The last receive posted is answered by nobody: send one more each way.
-    let s = send()?;
-    wait(rreq)?;
-    wait(s)?;
+    send(&mut sends)?;
+    wait(rreq, &mut sends)?;
+    while !sends.is_empty() {
+        if !reap(&mut sends)? {
+            std::thread::yield_now();
+        }
+    }
     Ok(rtts)
 }
 
