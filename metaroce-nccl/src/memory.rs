@@ -160,7 +160,10 @@ impl Bounce {
 }
 
 /// A copy out of a bounce region started ahead ([`Bounce::prefetch`]).
-pub(crate) struct Prefetch(Option<Pin<Box<dyn Future<Output = Result<Vec<u8>, ApiError>> + Send>>>);
+pub(crate) struct Prefetch(Option<CopyOut>);
+
+/// A copy of a region's bytes the endpoint thread answers.
+type CopyOut = Pin<Box<dyn Future<Output = Result<Vec<u8>, ApiError>> + Send>>;
 
 impl std::fmt::Debug for Prefetch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -174,7 +174,7 @@ impl Node {
                 return Ok(c.clone());
             }
         }
-        let c = block_on(tokio_free_timeout(deadline, self.dev.connect(peer)))??;
+        let c = block_on(with_deadline(deadline, self.dev.connect(peer)))??;
         out.insert(peer, c.clone());
         Ok(c)
     }
@@ -422,7 +422,7 @@ pub(crate) fn listen(
 }
 
 /// Awaits `f` until `deadline` (a timer thread wakes the waiter).
-async fn tokio_free_timeout<F: std::future::Future>(
+async fn with_deadline<F: std::future::Future>(
     deadline: Instant,
     f: F,
 ) -> Result<F::Output, NetError> {
