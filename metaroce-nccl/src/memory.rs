@@ -136,10 +136,7 @@ impl Bounce {
     /// that the copies of every message that came in meanwhile are answered
     /// in one turn of it instead of a round trip each.
     pub(crate) fn prefetch(&self, len: usize) -> Prefetch {
-        Prefetch(
-            (len > 0 && len < SMALL)
-                .then(|| Box::pin(self.mr.read(0, len)) as Pin<Box<dyn Future<Output = _> + Send>>),
-        )
+        Prefetch((len > 0 && len < SMALL).then(|| Box::pin(self.mr.read(0, len)) as CopyOut))
     }
 
     /// Copies the first `dst.len()` bytes of the region to `dst` (what

@@ -839,3 +839,50 @@ impl Request {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::abi::NCCL_NET_HANDLE_MAXSIZE;
+
+    #[test]
+    fn handle_round_trips_and_refuses_foreign_bytes() {
+        for (tcp, udp) in [
+            ("10.0.0.1:4000", "10.0.0.1:5000"),
+            ("[fe80::1]:4000", "[2001:db8::2]:65535"),
+        ] {
+            let h = Handle {
+                tcp: tcp.parse().unwrap(),
+                udp: udp.parse().unwrap(),
+                nonce: 0x1234_5678_9abc_def1,
+            };
+            let mut b = [0xffu8; NCCL_NET_HANDLE_MAXSIZE];
+            h.write(&mut b);
+            assert_eq!(Handle::read(&b).unwrap(), h);
+            // connect's progress lives past the fields, zero until used.
+            assert!(b[HANDLE_STATE..].iter().all(|&x| x == 0));
+        }
+        let mut b = [0u8; NCCL_NET_HANDLE_MAXSIZE];
+        assert!(matches!(
+            Handle::read(&b),
+            Err(NetError::InvalidArgument(_))
+        ));
+        b[0..4].copy_from_slice(HANDLE_MAGIC);
+        b[4] = WIRE_VERSION;
+        b[8] = 5; // neither IPv4 nor IPv6
+        assert!(Handle::read(&b).is_err());
+    }
+
+    #[test]
+    fn set_up_message_checks_magic_and_nonce() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let mut c = TcpStream::connect(addr).unwrap();
+        let (mut s, _) = l.accept().unwrap();
+        let ep: SocketAddr = "10.1.2.3:4792".parse().unwrap();
+        c.write_all(&hello(7, 42, ep)).unwrap();
+        assert_eq!(read_hello(&mut s, 7).unwrap(), (42, ep));
+        c.write_all(&hello(8, 42, ep)).unwrap();
+        assert!(matches!(read_hello(&mut s, 7), Err(NetError::Remote(_))));
+    }
+}

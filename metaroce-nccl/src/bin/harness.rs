@@ -900,6 +900,11 @@ fn run() -> Result<(), String> {
     };
 
     if a.mode == "verify" {
+        request_limit(&c, &mut b)?;
+        eprintln!(
+            "[rank {}] isend and irecv say \"not now\" beyond {NCCL_NET_MAX_REQUESTS} outstanding",
+            a.rank
+        );
         let mut sizes = vec![
             0usize,
             1,
@@ -941,6 +946,56 @@ fn run() -> Result<(), String> {
     t.dereg_mr(c.send, smh)?;
     t.dereg_mr(c.recv, rmh)?;
     t.close(c.send, c.recv, c.listen)?;
+    Ok(())
+}
+
+/// NCCL keeps at most NCCL_NET_MAX_REQUESTS requests per comm; a plugin
+/// may refuse more by returning a NULL request ("not now"). Posts that many
+/// sends and receives (the peer does the same), checks that one more of
+/// each is refused, then completes them all.
+fn request_limit(c: &Comms, b: &mut Bufs) -> Result<(), String> {
+    let t = c.t;
+    let (sp, rp) = (b.sbuf.as_mut_ptr(), b.rbuf.as_mut_ptr());
+    let mut reqs = Vec::new();
+    for _ in 0..NCCL_NET_MAX_REQUESTS {
+        reqs.push((
+            t.isend(c.send, sp, 0, 9, b.smh)?
+                .ok_or("isend refused below the limit")?,
+            1,
+        ));
+    }
+    if t.isend(c.send, sp, 0, 9, b.smh)?.is_some() {
+        return Err(format!(
+            "isend accepted beyond {NCCL_NET_MAX_REQUESTS} outstanding"
+        ));
+    }
+    for i in 0..NCCL_NET_MAX_REQUESTS {
+        let p = rp.wrapping_add(i);
+        reqs.push((
+            t.irecv(c.recv, &[(p, 1, 9)], b.rmh)?
+                .ok_or("irecv refused below the limit")?,
+            1,
+        ));
+    }
+    if t.irecv(c.recv, &[(rp, 1, 9)], b.rmh)?.is_some() {
+        return Err(format!(
+            "irecv accepted beyond {NCCL_NET_MAX_REQUESTS} outstanding"
+        ));
+    }
+    while !reqs.is_empty() {
+        let mut left = Vec::new();
+        for (r, n) in reqs {
+            match t.test(r, n)? {
+                Some(sizes) if sizes[0] != 0 => {
+                    return Err(format!("0 B message reported as {}", sizes[0]))
+                }
+                Some(_) => {}
+                None => left.push((r, n)),
+            }
+        }
+        reqs = left;
+        std::thread::yield_now();
+    }
     Ok(())
 }
 
