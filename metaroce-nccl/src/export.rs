@@ -241,10 +241,16 @@ unsafe extern "C" fn dereg_mr(_comm: *mut c_void, mhandle: *mut c_void) -> NcclR
     })
 }
 
+/// The region of a transfer of `size` bytes (a zero-byte one may come
+/// without a handle).
+///
 /// # Safety
 /// `mhandle` is NULL or a handle `regMr` made and not yet deregistered.
-unsafe fn region<'a>(mhandle: *mut c_void) -> Result<&'a AppRegion, NetError> {
+unsafe fn region<'a>(mhandle: *mut c_void, size: usize) -> Result<&'a AppRegion, NetError> {
     if mhandle.is_null() {
+        if size == 0 {
+            return Ok(&AppRegion::EMPTY);
+        }
         return Err(null_arg("mhandle"));
     }
     // SAFETY: by the caller's contract.
@@ -266,7 +272,7 @@ unsafe fn isend(
         // SAFETY: a send comm `connect` made and NCCL has not closed.
         let c = unsafe { &mut *(send_comm as *mut SendComm) };
         // SAFETY: NCCL's registered handle.
-        let mr = unsafe { region(mhandle)? };
+        let mr = unsafe { region(mhandle, size)? };
         let r = c.isend(data as *const u8, size, tag, mr)?;
         let ptr = r.map_or(std::ptr::null_mut(), |r| Box::into_raw(r) as *mut c_void);
         // SAFETY: NCCL passes where the request goes.
@@ -294,9 +300,10 @@ unsafe fn irecv(
         for i in 0..n {
             // SAFETY: NCCL passes arrays of `n` entries.
             let (ptr, tag, mh) = unsafe { (*data.add(i), *tags.add(i), *mhandles.add(i)) };
+            let len = size(i);
             // SAFETY: NCCL's registered handle.
-            let mr = unsafe { region(mh)? };
-            bufs.push((ptr as *mut u8, size(i), tag, mr));
+            let mr = unsafe { region(mh, len)? };
+            bufs.push((ptr as *mut u8, len, tag, mr));
         }
         let r = c.irecv(&bufs)?;
         let ptr = r.map_or(std::ptr::null_mut(), |r| Box::into_raw(r) as *mut c_void);

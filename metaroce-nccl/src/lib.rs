@@ -12,10 +12,11 @@
 //!   logged through it;
 //! - `devices`/`getProperties`: one device per configured address (or
 //!   interface), host memory only (`NCCL_PTR_HOST`);
-//! - `listen`/`connect`/`accept`: a metaroce endpoint per comm, set up on a
-//!   thread while NCCL keeps polling (`connect`/`accept` return a NULL comm
-//!   until it is ready), the QP numbers exchanged over TCP as NCCL's IB
-//!   transport does;
+//! - `listen`/`connect`/`accept`: one metaroce endpoint per device, shared
+//!   by its comms (a QP each, on one connection per peer endpoint and
+//!   direction), set up on a thread while NCCL keeps polling
+//!   (`connect`/`accept` return a NULL comm until it is ready), the QP
+//!   numbers exchanged over TCP as NCCL's IB transport does;
 //! - `isend`/`irecv`/`test`: SEND with the tag as immediate data, grouped
 //!   receives matched by tag, the actual size of each message reported;
 //!   `iflush` has nothing to do for host memory.

@@ -68,6 +68,9 @@ pub(crate) struct AppRegion {
 }
 
 impl AppRegion {
+    /// No memory: what a zero-byte transfer without a handle names.
+    pub(crate) const EMPTY: AppRegion = AppRegion { base: 0, len: 0 };
+
     /// Records `len` bytes at `base`.
     pub(crate) fn register(base: *mut u8, len: usize) -> Result<AppRegion, NetError> {
         if base.is_null() && len > 0 {

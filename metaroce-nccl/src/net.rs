@@ -2,15 +2,18 @@
 //!
 //! # Connections
 //!
-//! `listen` opens a [`Device`] (an endpoint thread on a free UDP port of the
-//! device's address) and a TCP listener beside it, and returns a handle
+//! Each plugin device has one [`Device`] (an endpoint thread on a free UDP
+//! port of the device's address), opened on first use and shared by all its
+//! comms. `listen` opens a TCP listener beside it and returns a handle
 //! naming both. `connect` (on the peer) and `accept` each start a thread that
-//! sets the connection up while NCCL keeps calling them (they return a NULL
-//! comm until it is ready, as NCCL expects): the connecting side opens a
-//! device of its own and a QP, sends its QP number over TCP (as NCCL's IB
-//! transport does), gets the listener's, opens the metaroce connection,
-//! connects its QP and waits for the listener's "ready". One QP carries one
-//! direction: send comm to receive comm.
+//! sets the comm up while NCCL keeps calling them (they return a NULL comm
+//! until it is ready, as NCCL expects): each side makes a QP, they trade QP
+//! numbers and endpoint addresses over TCP (as NCCL's IB transport does),
+//! the connecting side opens its connection to the peer endpoint (or reuses
+//! the one it has: one per peer endpoint and direction, carrying the QPs of
+//! every comm between them), both QPs are brought to RTS, and a last byte
+//! each way says so. One QP carries one direction: send comm to receive
+//! comm.
 //!
 //! # Messages
 //!
