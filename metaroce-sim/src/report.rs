@@ -147,12 +147,13 @@ pub struct SimReport {
     pub bin_us: f64,
     /// Goodput per bin, Gbit/s per receiving host (see [`crate::series`]).
     pub goodput_series_gbps: Vec<f64>,
-    /// With a `Fail` fault: µs from the first failure until goodput,
+    /// With a fault that fails, blackholes or degrades links: µs from the
+    /// first such fault until goodput,
     /// averaged over [`crate::series::RECOVERY_HOLD_BINS`] bins, is back at
     /// [`crate::series::RECOVERY_FRACTION`] of the line rate (`None`: never).
     pub recovery_us: Option<f64>,
-    /// With a `Fail` fault: mean goodput per receiving host from the first
-    /// failure to the end, Gbit/s.
+    /// With a fault that fails, blackholes or degrades links: mean goodput
+    /// per receiving host from the first such fault to the end, Gbit/s.
     pub goodput_after_fault_gbps: Option<f64>,
     /// Jain's index over the bytes delivered from each sending host.
     pub jain_fairness: Option<f64>,

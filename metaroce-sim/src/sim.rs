@@ -702,7 +702,12 @@ impl<'c, T: SimTransport> Simulator<'c, T> {
         let fail_at = cfg
             .faults
             .iter()
-            .filter(|f| matches!(f.action, FaultAction::Fail | FaultAction::Blackhole))
+            .filter(|f| {
+                matches!(
+                    f.action,
+                    FaultAction::Fail | FaultAction::Blackhole | FaultAction::Degrade { .. }
+                )
+            })
             .map(|f| f.at_ns)
             .min();
         let recovery_us = fail_at.and_then(|at| {
