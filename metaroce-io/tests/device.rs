@@ -238,7 +238,7 @@ async fn completion_queue_posting(backend: Backend) {
         let sge = dst.sge(i * u64::from(size), size).unwrap();
         b.qp.post_recv(RecvWr {
             wr_id: 1000 + i,
-            sge,
+            sge: sge.into(),
         })
         .await
         .unwrap();
@@ -285,7 +285,7 @@ async fn error_statuses(backend: Backend) {
     let r =
         b.qp.post_recv(RecvWr {
             wr_id: 9,
-            sge: no_lw.sge(0, 100).unwrap(),
+            sge: no_lw.sge(0, 100).unwrap().into(),
         })
         .await;
     // Refused as what it is: the region exists, without LOCAL_WRITE.
@@ -842,7 +842,12 @@ async fn batched_and_unsignaled_posts(backend: Backend) {
             .unwrap();
     for i in 0..n {
         let sge = dst.sge(i * u64::from(size), size).unwrap();
-        b.qp.post_recv(RecvWr { wr_id: i, sge }).await.unwrap();
+        b.qp.post_recv(RecvWr {
+            wr_id: i,
+            sge: sge.into(),
+        })
+        .await
+        .unwrap();
     }
     // Every 8th signaled: 8 completions for 64 SENDs.
     let wrs = (0..n).map(|i| SendWr {
@@ -929,7 +934,7 @@ async fn receive_chains(backend: Backend) {
     let slot = |i: u64| (n - 1 - i) * u64::from(size);
     let wrs = (0..n).map(|i| RecvWr {
         wr_id: 500 + i,
-        sge: dst.sge(slot(i), size).unwrap(),
+        sge: dst.sge(slot(i), size).unwrap().into(),
     });
     b.qp.post_recv_batch(wrs).await.unwrap();
     for i in 0..n {
@@ -953,19 +958,19 @@ async fn receive_chains(backend: Backend) {
     let wrs = [
         RecvWr {
             wr_id: 1,
-            sge: dst.sge(0, 64).unwrap(),
+            sge: dst.sge(0, 64).unwrap().into(),
         },
         RecvWr {
             wr_id: 2,
-            sge: dst.sge(64, 64).unwrap(),
+            sge: dst.sge(64, 64).unwrap().into(),
         },
         RecvWr {
             wr_id: 3,
-            sge: readonly.sge(0, 64).unwrap(),
+            sge: readonly.sge(0, 64).unwrap().into(),
         },
         RecvWr {
             wr_id: 4,
-            sge: dst.sge(128, 64).unwrap(),
+            sge: dst.sge(128, 64).unwrap().into(),
         },
     ];
     let r = b.qp.post_recv_batch(wrs).await;
@@ -997,7 +1002,7 @@ async fn receive_chains(backend: Backend) {
     qb.connect(&b.conn, qa.qpn()).await.unwrap();
     let wrs = (0..5).map(|i| RecvWr {
         wr_id: i,
-        sge: dst.sge(i * 64, 64).unwrap(),
+        sge: dst.sge(i * 64, 64).unwrap().into(),
     });
     let r = qb.post_recv_batch(wrs).await;
     assert!(

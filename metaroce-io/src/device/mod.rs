@@ -1345,7 +1345,10 @@ impl QueuePair {
     pub fn recv(&self, sge: Sge) -> WorkRequest {
         let (tx, rx) = oneshot::channel();
         let wr_id = self.dev.next_wr_id();
-        let wr = RecvWr { wr_id, sge };
+        let wr = RecvWr {
+            wr_id,
+            sge: sge.into(),
+        };
         self.dev
             .send(Command::PostRecv(self.qpn, wr, Dest::Once(tx)));
         WorkRequest { wr_id, rx }
@@ -1419,7 +1422,7 @@ impl QueuePair {
     /// # async fn demo(qp: metaroce_io::QueuePair, mr: metaroce_io::MemoryRegion) -> Result<(), metaroce_io::ApiError> {
     /// use metaroce_io::RecvWr;
     /// // 64 receives of 4 KiB, side by side in one region.
-    /// let wrs = (0..64u64).map(|i| RecvWr { wr_id: i, sge: mr.sge(i * 4096, 4096).unwrap() });
+    /// let wrs = (0..64u64).map(|i| RecvWr { wr_id: i, sge: mr.sge(i * 4096, 4096).unwrap().into() });
     /// qp.post_recv_batch(wrs).await?;
     /// # Ok(()) }
     /// ```

@@ -11,7 +11,8 @@ use super::{
     WcOpcode, WcStatus, WorkCompletion,
 };
 use crate::consts::{
-    DATA_HEADER_LEN, DEFAULT_MAX_RD_ATOMIC, DEFAULT_RNR_RETRY, DEFAULT_RNR_TIMER, MSG_WINDOW,
+    DATA_HEADER_LEN, DEFAULT_MAX_RD_ATOMIC, DEFAULT_RNR_RETRY, DEFAULT_RNR_TIMER, MAX_SGE,
+    MSG_WINDOW,
 };
 use crate::time::Instant;
 use crate::wire::seq::{seq_dist, seq_lt};
@@ -218,7 +219,8 @@ pub(crate) struct SendWqe {
     pub(crate) read_seen: bool,
     /// Set when the request failed locally before it was sent.
     pub(crate) local_error: Option<WcStatus>,
-    /// Whether the request holds a reference on its local region.
+    /// Whether the request holds a reference on the region of each of its
+    /// non-empty local elements.
     pub(crate) has_ref: bool,
 }
 
@@ -292,13 +294,32 @@ impl SendWqe {
         }
     }
 
+    /// The message length: the local elements' bytes together (checked to
+    /// fit a `u32` when posted).
+    pub(crate) fn msg_len(&self) -> u32 {
+        self.wr.local.byte_len() as u32
+    }
+
     /// Bytes carried in request packets (zero for READ, whose data comes back).
     pub(crate) fn request_len(&self) -> u32 {
         if self.is_read() {
             0
         } else {
-            self.wr.local.len
+            self.msg_len()
         }
+    }
+
+    /// Most payload a request packet starting at message byte `offset` may
+    /// carry: up to the end of the local element it starts in, so that a
+    /// packet (and its every retransmission) reads one range of one region.
+    pub(crate) fn segment_room(&self, offset: u32) -> u32 {
+        if self.is_read() {
+            return 0;
+        }
+        self.wr
+            .local
+            .locate(offset)
+            .map_or(0, |(_, _, end)| end - offset)
     }
 }
 
@@ -408,6 +429,9 @@ pub(crate) struct Qp {
     pub(crate) recv_cq: CqHandle,
     pub(crate) max_send_wr: u32,
     pub(crate) max_recv_wr: u32,
+    /// Most scatter/gather elements of a send and of a receive request.
+    pub(crate) max_send_sge: u32,
+    pub(crate) max_recv_sge: u32,
     pub(crate) state: QpState,
     pub(crate) access: AccessFlags,
     pub(crate) conn: Option<ConnectionHandle>,
@@ -481,6 +505,8 @@ impl Qp {
             recv_cq,
             max_send_wr: max_send_wr.clamp(1, MSG_WINDOW),
             max_recv_wr: max_recv_wr.max(1),
+            max_send_sge: MAX_SGE as u32,
+            max_recv_sge: MAX_SGE as u32,
             state: QpState::Reset,
             access: AccessFlags::NONE,
             conn: None,
@@ -519,7 +545,7 @@ impl Qp {
 
     /// Back to the freshly created state (the `RESET` transition).
     pub(crate) fn reset(&mut self) {
-        let fresh = Qp::new(
+        let mut fresh = Qp::new(
             self.qpn,
             self.pd,
             self.send_cq,
@@ -527,6 +553,8 @@ impl Qp {
             self.max_send_wr,
             self.max_recv_wr,
         );
+        fresh.max_send_sge = self.max_send_sge;
+        fresh.max_recv_sge = self.max_recv_sge;
         *self = fresh;
     }
 
@@ -640,15 +668,16 @@ impl Qp {
         }
         self.rnr_wait_until = None;
         while let Some(&(msn, offset)) = self.resend.front() {
-            let Some((len_total, gen, opcode)) =
-                self.wqe(msn).map(|w| (w.request_len(), w.gen, w.opcode()))
-            else {
+            let Some((len_total, room, gen, opcode)) = self.wqe(msn).map(|w| {
+                let room = w.segment_room(offset);
+                (w.request_len(), room, w.gen, w.opcode())
+            }) else {
                 // Completed or flushed meanwhile.
                 self.resend.pop_front();
                 continue;
             };
             let max = limit.payload(opcode);
-            let len = len_total.saturating_sub(offset).min(max);
+            let len = room.min(max);
             let next = offset + len;
             self.last_progress = self.last_progress.max(now);
             if next >= len_total {
@@ -669,7 +698,7 @@ impl Qp {
         let offset = self.send_offset;
         let total = wqe.request_len();
         let max = limit.payload(wqe.opcode());
-        let len = (total - offset).min(max);
+        let len = wqe.segment_room(offset).min(max);
         let seg = Segment::Request {
             msn: wqe.msn,
             gen: wqe.gen,
@@ -782,7 +811,7 @@ impl Qp {
             status,
             opcode: wqe.wc_opcode(),
             byte_len: if status == WcStatus::Success {
-                wqe.wr.local.len
+                wqe.msg_len()
             } else {
                 0
             },
