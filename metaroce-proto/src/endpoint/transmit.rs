@@ -601,8 +601,10 @@ impl Endpoint {
     /// and records of [`extend_batch`](Self::extend_batch) for each: the
     /// same packets, in fewer steps. Each header is the template's with
     /// PSN, CSN and offset patched; the region is looked up and
-    /// range-checked once. Returns how many it appended: none when that
+    /// range-checked once. Segments stop at the end of the template's
+    /// scatter/gather element. Returns how many it appended: none when that
     /// request is not the QP's next (it ended, or something comes first),
+    /// its element ended,
     /// its region is gone or no window has room, which the caller then
     /// sorts out the general way.
     #[allow(clippy::too_many_arguments)]
