@@ -270,7 +270,7 @@ impl Endpoint {
                 break;
             }
             let done = if w.is_read() {
-                w.read_seen && w.read_received >= w.wr.local.byte_len()
+                w.read_seen && w.read_received >= u64::from(w.msg_len())
             } else {
                 seq_lt(w.msn, q.remote_msn_done)
             };

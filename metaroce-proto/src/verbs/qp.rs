@@ -208,6 +208,9 @@ impl RcAttrs {
 #[derive(Debug, Clone)]
 pub(crate) struct SendWqe {
     pub(crate) wr: SendWr,
+    /// The message length: the local elements' bytes together (checked to
+    /// fit a `u32` when posted).
+    len: u32,
     pub(crate) msn: u32,
     /// For receive-consuming operations: which receive it lands in.
     pub(crate) recv_seq: u32,
@@ -234,6 +237,7 @@ impl SendWqe {
         has_ref: bool,
     ) -> Self {
         SendWqe {
+            len: wr.local.byte_len() as u32,
             wr,
             msn,
             recv_seq,
@@ -294,10 +298,9 @@ impl SendWqe {
         }
     }
 
-    /// The message length: the local elements' bytes together (checked to
-    /// fit a `u32` when posted).
+    /// The message length.
     pub(crate) fn msg_len(&self) -> u32 {
-        self.wr.local.byte_len() as u32
+        self.len
     }
 
     /// Bytes carried in request packets (zero for READ, whose data comes back).
@@ -315,6 +318,9 @@ impl SendWqe {
     pub(crate) fn segment_room(&self, offset: u32) -> u32 {
         if self.is_read() {
             return 0;
+        }
+        if self.wr.local.len() <= 1 {
+            return self.len.saturating_sub(offset);
         }
         self.wr
             .local
@@ -931,6 +937,50 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn segments_end_at_scatter_gather_element_ends() {
+        use super::super::{SgList, Sge};
+        let sge = |len| Sge {
+            lkey: 1,
+            addr: 0,
+            len,
+        };
+        // 5,000 + 0 + 100 + 4,096 bytes: the empty element is skipped.
+        let list = SgList::try_from(&[sge(5_000), sge(0), sge(100), sge(4_096)][..]).unwrap();
+        let mut q = qp();
+        q.sq.push_back(SendWqe::new(
+            SendWr::new(0, SendOp::Send, list),
+            0,
+            0,
+            None,
+            false,
+        ));
+        let limit = SegLimit::new(4096 + 60);
+        let mut got = Vec::new();
+        while let Some((Segment::Request { offset, len, .. }, _)) =
+            q.next_segment(Instant::ZERO, limit)
+        {
+            got.push((offset, len));
+        }
+        assert_eq!(
+            got,
+            vec![(0, 4096), (4096, 904), (5_000, 100), (5_100, 4_096)]
+        );
+        let w = &q.sq[0];
+        assert_eq!(w.msg_len(), 9_196);
+        assert_eq!(
+            (
+                w.segment_room(4_999),
+                w.segment_room(5_000),
+                w.segment_room(9_196)
+            ),
+            (1, 100, 0)
+        );
+        let pieces: Vec<_> = list.pieces(4_990, 120).unwrap().collect();
+        assert_eq!(pieces, vec![(1, 4_990, 10), (1, 0, 100), (1, 0, 10)]);
+        assert!(list.pieces(9_000, 197).is_none(), "past the end");
     }
 
     #[test]
