@@ -1042,7 +1042,8 @@ fn recv_wr(m: &MrInfo) -> RecvWr {
             lkey: m.lkey,
             addr: 8,
             len: 8,
-        },
+        }
+        .into(),
     }
 }
 

@@ -39,7 +39,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             lkey: mr.lkey,
             addr: u64::from(size),
             len: size,
-        },
+        }
+        .into(),
     };
     let send = |mr: &MrInfo| {
         SendWr::new(

@@ -211,7 +211,7 @@ async fn post_recv(
     let sge = mr.sge((slot * MAX) as u64, MAX as u32)?;
     qp.post_recv(RecvWr {
         wr_id: slot as u64,
-        sge,
+        sge: sge.into(),
     })
     .await
 }

@@ -97,7 +97,8 @@ fn interop(client_backend: Backend, server_backend: Backend) {
                 lkey: rbuf.lkey,
                 addr: 0,
                 len: 4096,
-            },
+            }
+            .into(),
         },
     )
     .unwrap();

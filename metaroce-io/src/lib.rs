@@ -86,8 +86,8 @@ pub use metaroce_proto as proto;
 // Every type in this crate's public signatures, nameable from here.
 pub use metaroce_proto::verbs::{
     AccessFlags, ConnectionHandle, CqHandle, MrInfo, PdHandle, QpAttrs, QpInit, QpState, Qpn,
-    RcAttrs, RecvWr, RegionBuf, RemoteAddr, SendOp, SendWr, Sge, VerbsError, WcOpcode, WcStatus,
-    WorkCompletion,
+    RcAttrs, RecvWr, RegionBuf, RemoteAddr, SendOp, SendWr, SgList, Sge, VerbsError, WcOpcode,
+    WcStatus, WorkCompletion,
 };
 pub use metaroce_proto::{
     ConnectionError, ConnectionState, ConnectionStats, Endpoint, EndpointConfig, EndpointStats,

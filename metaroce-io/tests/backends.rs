@@ -125,12 +125,12 @@ fn ping_pong_acks_ride_on_the_answers<D: IoDriver>(name: &str) {
         };
         let recv = RecvWr {
             wr_id: 0,
-            sge: sge(&ma, MSG),
+            sge: sge(&ma, MSG).into(),
         };
         p.a.endpoint().post_recv(p.qa, recv).unwrap();
         let recv = RecvWr {
             wr_id: 0,
-            sge: sge(&mb, MSG),
+            sge: sge(&mb, MSG).into(),
         };
         p.b.endpoint().post_recv(p.qb, recv).unwrap();
         let before = p.a.stats().datagrams_sent + p.b.stats().datagrams_sent;
@@ -164,7 +164,7 @@ fn ping_pong_acks_ride_on_the_answers<D: IoDriver>(name: &str) {
                 assert!(got == pattern(tag, MSG), "{name}: message {tag} differs");
                 let recv = RecvWr {
                     wr_id: 0,
-                    sge: sge(&rm, MSG),
+                    sge: sge(&rm, MSG).into(),
                 };
                 rx.endpoint().post_recv(rqp, recv).unwrap();
             }

@@ -238,7 +238,7 @@ async fn completion_queue_posting(backend: Backend) {
         let sge = dst.sge(i * u64::from(size), size).unwrap();
         b.qp.post_recv(RecvWr {
             wr_id: 1000 + i,
-            sge,
+            sge: sge.into(),
         })
         .await
         .unwrap();
@@ -285,7 +285,7 @@ async fn error_statuses(backend: Backend) {
     let r =
         b.qp.post_recv(RecvWr {
             wr_id: 9,
-            sge: no_lw.sge(0, 100).unwrap(),
+            sge: no_lw.sge(0, 100).unwrap().into(),
         })
         .await;
     // Refused as what it is: the region exists, without LOCAL_WRITE.
@@ -614,6 +614,7 @@ async fn qp_capacities_and_foreign_handles(backend: Backend) {
     let caps = metaroce_io::QpCaps {
         max_send_wr: 2,
         max_recv_wr: 3,
+        ..Default::default()
     };
     let qp = a.pd.create_qp_with(&a.cq, &a.cq, caps).await.unwrap();
     let mr =
@@ -842,7 +843,12 @@ async fn batched_and_unsignaled_posts(backend: Backend) {
             .unwrap();
     for i in 0..n {
         let sge = dst.sge(i * u64::from(size), size).unwrap();
-        b.qp.post_recv(RecvWr { wr_id: i, sge }).await.unwrap();
+        b.qp.post_recv(RecvWr {
+            wr_id: i,
+            sge: sge.into(),
+        })
+        .await
+        .unwrap();
     }
     // Every 8th signaled: 8 completions for 64 SENDs.
     let wrs = (0..n).map(|i| SendWr {
@@ -929,7 +935,7 @@ async fn receive_chains(backend: Backend) {
     let slot = |i: u64| (n - 1 - i) * u64::from(size);
     let wrs = (0..n).map(|i| RecvWr {
         wr_id: 500 + i,
-        sge: dst.sge(slot(i), size).unwrap(),
+        sge: dst.sge(slot(i), size).unwrap().into(),
     });
     b.qp.post_recv_batch(wrs).await.unwrap();
     for i in 0..n {
@@ -953,19 +959,19 @@ async fn receive_chains(backend: Backend) {
     let wrs = [
         RecvWr {
             wr_id: 1,
-            sge: dst.sge(0, 64).unwrap(),
+            sge: dst.sge(0, 64).unwrap().into(),
         },
         RecvWr {
             wr_id: 2,
-            sge: dst.sge(64, 64).unwrap(),
+            sge: dst.sge(64, 64).unwrap().into(),
         },
         RecvWr {
             wr_id: 3,
-            sge: readonly.sge(0, 64).unwrap(),
+            sge: readonly.sge(0, 64).unwrap().into(),
         },
         RecvWr {
             wr_id: 4,
-            sge: dst.sge(128, 64).unwrap(),
+            sge: dst.sge(128, 64).unwrap().into(),
         },
     ];
     let r = b.qp.post_recv_batch(wrs).await;
@@ -997,7 +1003,7 @@ async fn receive_chains(backend: Backend) {
     qb.connect(&b.conn, qa.qpn()).await.unwrap();
     let wrs = (0..5).map(|i| RecvWr {
         wr_id: i,
-        sge: dst.sge(i * 64, 64).unwrap(),
+        sge: dst.sge(i * 64, 64).unwrap().into(),
     });
     let r = qb.post_recv_batch(wrs).await;
     assert!(
@@ -1141,4 +1147,200 @@ fn a_device_that_cannot_bind_says_why() {
             "{e}"
         );
     });
+}
+
+/// Scatter/gather lists through the async API, over 2% loss: a SEND
+/// gathered from 3 elements in 2 regions into a receive of 2, a WRITE from
+/// 2, a READ into 2; a SEND longer than its receive's elements; too many
+/// elements refused; a region of a posted list does not deregister.
+async fn scatter_gather_lists(backend: Backend) {
+    use metaroce_io::{QpCaps, SgList, Sge};
+    let faults = FaultConfig {
+        seed: 35,
+        drop: 0.02,
+        duplicate: 0.01,
+        reorder: 0.02,
+        reorder_delay: Duration::from_micros(300),
+        per_path: None,
+        per_source: None,
+    };
+    let (a, b) = pair(backend, faults).await;
+    let list = |s: &[Sge]| SgList::try_from(s).unwrap();
+    let d1 = pattern(41, 300_000);
+    let d2 = pattern(42, 200_000);
+    let a1 = a.pd.reg_mr(d1.clone(), AccessFlags::NONE).await.unwrap();
+    let a2 = a.pd.reg_mr(d2.clone(), AccessFlags::NONE).await.unwrap();
+    let b1 =
+        b.pd.reg_mr(vec![0u8; 300_000], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    let b2 =
+        b.pd.reg_mr(vec![0u8; 300_000], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+
+    // SEND: 100,000 + 50,001 + 30,000 bytes, into 70,000 then 200,000.
+    let s = [
+        a1.sge(5, 100_000).unwrap(),
+        a2.sge(7, 50_001).unwrap(),
+        a1.sge(200_000, 30_000).unwrap(),
+    ];
+    let mut sent = d1[5..100_005].to_vec();
+    sent.extend_from_slice(&d2[7..50_008]);
+    sent.extend_from_slice(&d1[200_000..230_000]);
+    let r = b.qp.recv(list(&[
+        b1.sge(10, 70_000).unwrap(),
+        b2.sge(0, 200_000).unwrap(),
+    ]));
+    let wc = a.qp.send(list(&s)).await.unwrap();
+    assert_eq!(wc.byte_len, 180_001);
+    assert_eq!(r.await.unwrap().byte_len, 180_001);
+    let got1 = b1.read(0, 300_000).await.unwrap();
+    let got2 = b2.read(0, 300_000).await.unwrap();
+    assert!(got1[10..70_010] == sent[..70_000], "first receive element");
+    assert!(got2[..110_001] == sent[70_000..], "second receive element");
+    assert!(got1[..10].iter().chain(&got1[70_010..]).all(|&x| x == 0));
+    assert!(got2[110_001..].iter().all(|&x| x == 0));
+
+    // WRITE from 2 elements.
+    let win =
+        b.pd.reg_mr(
+            vec![0u8; 400_000],
+            AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
+        )
+        .await
+        .unwrap();
+    let w = [a2.sge(1, 150_000).unwrap(), a1.sge(3, 120_003).unwrap()];
+    let wc =
+        a.qp.write(list(&w), win.remote().at(100, 270_003).unwrap())
+            .await
+            .unwrap();
+    assert_eq!(wc.byte_len, 270_003);
+    let mut written = d2[1..150_001].to_vec();
+    written.extend_from_slice(&d1[3..120_006]);
+    let got = win.read(0, 400_000).await.unwrap();
+    assert!(got[100..270_103] == written[..], "WRITE bytes");
+    assert!(got[..100].iter().chain(&got[270_103..]).all(|&x| x == 0));
+
+    // READ it back into 2 elements of 2 regions.
+    let r1 =
+        a.pd.reg_mr(vec![0u8; 200_000], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    let r2 =
+        a.pd.reg_mr(vec![0u8; 200_000], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    let rd = [r2.sge(9, 100_001).unwrap(), r1.sge(0, 170_002).unwrap()];
+    let wc =
+        a.qp.read(list(&rd), win.remote().at(100, 270_003).unwrap())
+            .await
+            .unwrap();
+    assert_eq!(wc.byte_len, 270_003);
+    let back2 = r2.read(0, 200_000).await.unwrap();
+    let back1 = r1.read(0, 200_000).await.unwrap();
+    assert!(
+        back2[9..100_010] == written[..100_001],
+        "READ, first element"
+    );
+    assert!(
+        back1[..170_002] == written[100_001..],
+        "READ, second element"
+    );
+    assert!(back2[..9].iter().chain(&back2[100_010..]).all(|&x| x == 0));
+    assert!(back1[170_002..].iter().all(|&x| x == 0));
+    let sa = a.conn.stats().await.unwrap().unwrap();
+    let sb = b.conn.stats().await.unwrap().unwrap();
+    assert!(
+        sa.retransmits > 0 && sb.retransmits > 0,
+        "lost packets were sent again: {} {}",
+        sa.retransmits,
+        sb.retransmits
+    );
+
+    // Too many elements: refused, the QP unharmed.
+    let five = [a1.sge(0, 1).unwrap(); 5];
+    assert!(matches!(
+        SgList::try_from(&five[..]),
+        Err(VerbsError::TooManySge { n: 5, max: 4 })
+    ));
+    let caps = QpCaps {
+        max_send_sge: 2,
+        max_recv_sge: 1,
+        ..QpCaps::default()
+    };
+    let narrow = a.pd.create_qp_with(&a.cq, &a.cq, caps).await.unwrap();
+    let narrow_b = b.pd.create_qp_with(&b.cq, &b.cq, caps).await.unwrap();
+    narrow.connect(&a.conn, narrow_b.qpn()).await.unwrap();
+    narrow_b.connect(&b.conn, narrow.qpn()).await.unwrap();
+    let e = narrow.send(list(&s)).await;
+    assert!(
+        matches!(
+            e,
+            Err(ApiError::Verbs(VerbsError::TooManySge { n: 3, max: 2 }))
+        ),
+        "{e:?}"
+    );
+    let two_r = list(&[b1.sge(0, 10).unwrap(), b1.sge(10, 10).unwrap()]);
+    let e = narrow_b.recv(two_r).await;
+    assert!(
+        matches!(
+            e,
+            Err(ApiError::Verbs(VerbsError::TooManySge { n: 2, max: 1 }))
+        ),
+        "{e:?}"
+    );
+    let e = narrow_b.post_recv(RecvWr::new(1, two_r)).await;
+    assert!(
+        matches!(
+            e,
+            Err(ApiError::Verbs(VerbsError::TooManySge { n: 2, max: 1 }))
+        ),
+        "{e:?}"
+    );
+    assert_eq!(narrow.state().await.unwrap(), Some(QpState::Rts));
+
+    // A SEND longer than its receive's elements together (100 + 100 for
+    // 250): the verbs statuses at both ends, nothing written.
+    let small =
+        b.pd.reg_mr(vec![0u8; 400], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    let held =
+        b.pd.reg_mr(vec![0u8; 100], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    let r = b.qp.recv(list(&[
+        small.sge(0, 100).unwrap(),
+        held.sge(0, 100).unwrap(),
+    ]));
+    // The second element's region is held by the posted receive.
+    let d = held.dereg().await;
+    assert!(
+        matches!(d, Err(ApiError::Verbs(VerbsError::MrInUse(1)))),
+        "{d:?}"
+    );
+    let e =
+        a.qp.send(list(&[a1.sge(0, 200).unwrap(), a2.sge(0, 50).unwrap()]))
+            .await;
+    assert!(
+        matches!(&e, Err(ApiError::Failed(wc)) if wc.status == WcStatus::RemoteInvalidRequest),
+        "{e:?}"
+    );
+    let e = r.await;
+    assert!(
+        matches!(&e, Err(ApiError::Failed(wc)) if wc.status == WcStatus::LocalLengthError),
+        "{e:?}"
+    );
+    assert!(small.read(0, 400).await.unwrap().iter().all(|&x| x == 0));
+}
+
+#[test]
+fn scatter_gather_lists_portable() {
+    run(Backend::Portable, scatter_gather_lists);
+}
+
+#[test]
+fn scatter_gather_lists_io_uring() {
+    run(Backend::Uring, scatter_gather_lists);
 }

@@ -730,6 +730,6 @@ pub unsafe extern "C" fn metaroce_post_recv(
             addr: s.addr,
             len: s.len,
         };
-        Ok(block_on(q.0.post_recv(RecvWr { wr_id, sge }))?)
+        Ok(block_on(q.0.post_recv(RecvWr::new(wr_id, sge)))?)
     })
 }

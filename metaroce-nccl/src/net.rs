@@ -283,6 +283,7 @@ impl Link {
         let caps = QpCaps {
             max_send_wr: depth,
             max_recv_wr: depth,
+            ..QpCaps::default()
         };
         let qp = block_on(pd.create_qp_with(&cq, &cq, caps))?;
         Ok((Staging::new(pd), cq, qp))

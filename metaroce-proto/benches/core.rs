@@ -484,7 +484,8 @@ impl PingPong {
                 lkey: self.mrs[i].lkey,
                 addr: 8,
                 len: 8,
-            },
+            }
+            .into(),
         }
     }
 

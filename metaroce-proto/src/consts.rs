@@ -78,6 +78,10 @@ pub const MSG_WINDOW: u32 = 4_096;
 /// Largest message the protocol carries, in bytes (`MAX_MESSAGE_LEN`): lengths are `u32`.
 pub const MAX_MESSAGE_LEN: u64 = u32::MAX as u64;
 
+/// Largest number of scatter/gather elements in one work request
+/// (`MAX_SGE`): the bound of a QP's `max_send_sge` and `max_recv_sge`.
+pub const MAX_SGE: usize = 4;
+
 /// Smallest path MTU (UDP payload bytes) an endpoint accepts (`MIN_MTU`).
 pub const MIN_MTU: u16 = 256;
 

@@ -82,7 +82,8 @@ impl PingPong {
                 lkey: m.lkey,
                 addr: 64,
                 len: MSG as u32,
-            },
+            }
+            .into(),
         };
         ep.post_recv(qp, wr).unwrap();
     }

@@ -84,7 +84,8 @@ fn rnr_nak_for_earlier_message_during_resend() {
                     lkey: dst.lkey,
                     addr,
                     len,
-                },
+                }
+                .into(),
             },
         )
         .unwrap();

@@ -87,7 +87,7 @@ fn send_that_names_a_later_receive_completes_none() {
         v.qb,
         RecvWr {
             wr_id: 10,
-            sge: sge(&small, 0, 100),
+            sge: sge(&small, 0, 100).into(),
         },
     )
     .unwrap();
@@ -95,7 +95,7 @@ fn send_that_names_a_later_receive_completes_none() {
         v.qb,
         RecvWr {
             wr_id: 11,
-            sge: sge(&big, 0, 4096),
+            sge: sge(&big, 0, 4096).into(),
         },
     )
     .unwrap();
@@ -133,7 +133,7 @@ fn two_sends_naming_one_receive() {
         v.qb,
         RecvWr {
             wr_id: 10,
-            sge: sge(&dst, 0, 128),
+            sge: sge(&dst, 0, 128).into(),
         },
     )
     .unwrap();
@@ -141,7 +141,7 @@ fn two_sends_naming_one_receive() {
         v.qb,
         RecvWr {
             wr_id: 11,
-            sge: sge(&dst, 128, 128),
+            sge: sge(&dst, 128, 128).into(),
         },
     )
     .unwrap();

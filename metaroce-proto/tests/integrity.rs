@@ -97,7 +97,8 @@ fn exchange(
                     lkey: recv.lkey,
                     addr: 0,
                     len,
-                },
+                }
+                .into(),
             },
         )
         .unwrap();

@@ -94,7 +94,8 @@ fn send_recv_and_immediate() {
                 lkey: dst.lkey,
                 addr: dst.addr,
                 len: 20_000,
-            },
+            }
+            .into(),
         },
     )
     .unwrap();
@@ -106,7 +107,8 @@ fn send_recv_and_immediate() {
                 lkey: dst.lkey,
                 addr: dst.addr + 20_000,
                 len: 20_000,
-            },
+            }
+            .into(),
         },
     )
     .unwrap();
@@ -271,7 +273,8 @@ fn write_write_imm_and_read() {
                 lkey: rbuf.lkey,
                 addr: 0,
                 len: 16,
-            },
+            }
+            .into(),
         },
     )
     .unwrap();
@@ -364,7 +367,7 @@ fn zero_length_messages() {
         v.qb,
         RecvWr {
             wr_id: 1,
-            sge: Sge::default(),
+            sge: Sge::default().into(),
         },
     )
     .unwrap();
@@ -372,7 +375,7 @@ fn zero_length_messages() {
         v.qb,
         RecvWr {
             wr_id: 2,
-            sge: Sge::default(),
+            sge: Sge::default().into(),
         },
     )
     .unwrap();
@@ -616,7 +619,8 @@ fn receive_too_small_is_local_length_error_and_invalid_request() {
                 lkey: rb.lkey,
                 addr: 0,
                 len: 100,
-            },
+            }
+            .into(),
         },
     )
     .unwrap();
@@ -628,7 +632,8 @@ fn receive_too_small_is_local_length_error_and_invalid_request() {
                 lkey: rb.lkey,
                 addr: 0,
                 len: 100,
-            },
+            }
+            .into(),
         },
     )
     .unwrap();
@@ -699,7 +704,8 @@ fn rnr_then_success_once_a_receive_is_posted() {
                 lkey: rb.lkey,
                 addr: 0,
                 len: 10_000,
-            },
+            }
+            .into(),
         },
     )
     .unwrap();
@@ -873,7 +879,7 @@ fn verbs_refuse_misuse_with_typed_errors() {
             q,
             RecvWr {
                 wr_id: 1,
-                sge: Sge::default()
+                sge: Sge::default().into()
             }
         ),
         Err(VerbsError::InvalidState(QpState::Reset))
@@ -894,6 +900,7 @@ fn verbs_refuse_misuse_with_typed_errors() {
                     addr: 0,
                     len: 1
                 }
+                .into()
             }
         )
         .is_err());
@@ -913,7 +920,8 @@ fn verbs_refuse_misuse_with_typed_errors() {
                 lkey: mr.lkey,
                 addr: 0,
                 len: 10,
-            },
+            }
+            .into(),
         },
     )
     .unwrap();
@@ -980,7 +988,8 @@ fn close_flushes_both_sides() {
                 lkey: rb.lkey,
                 addr: 0,
                 len: 10,
-            },
+            }
+            .into(),
         },
     )
     .unwrap();
@@ -1450,7 +1459,14 @@ fn mixed_work(p: &mut Pair, v: &Verbs, data: &[u8]) -> (MrInfo, MrInfo) {
             addr,
             len,
         };
-        p.b.post_recv(v.qb, RecvWr { wr_id: id, sge }).unwrap();
+        p.b.post_recv(
+            v.qb,
+            RecvWr {
+                wr_id: id,
+                sge: sge.into(),
+            },
+        )
+        .unwrap();
     }
     let at = |addr: u64| RemoteAddr {
         rkey: win.rkey,
@@ -1709,7 +1725,8 @@ fn gather_run(seed: u64, loss: f64, gather: Option<usize>) -> GatherRun {
                 lkey: inbox.lkey,
                 addr: 0,
                 len: 1000,
-            },
+            }
+            .into(),
         },
     )
     .unwrap();

@@ -400,7 +400,8 @@ fn run_case(case: &Case) {
                     lkey: buf.lkey,
                     addr: buf.addr + slots[i].recv as u64,
                     len: op.len + op.slack,
-                },
+                }
+                .into(),
             };
             let (ep, q) = if op.from_b {
                 (&mut p.a, qps[op.qp].0)

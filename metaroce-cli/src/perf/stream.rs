@@ -844,5 +844,8 @@ pub(super) fn recv_wr(op: Op, mr: &MrInfo, lay: &Layout, j: usize, k: u64, size:
             len: size as u32,
         },
     };
-    RecvWr { wr_id: iter, sge }
+    RecvWr {
+        wr_id: iter,
+        sge: sge.into(),
+    }
 }

@@ -709,16 +709,17 @@ impl ProtectionDomain {
     /// [`VerbsError::QueueFull`].
     ///
     /// Fails with [`VerbsError::InvalidCq`] if a queue belongs to another
-    /// [`Device`], and with [`VerbsError::InvalidLength`] for a capacity of
+    /// [`Device`], with [`VerbsError::InvalidLength`] for a capacity of
     /// zero or a send capacity above the protocol's message window
-    /// (`MSG_WINDOW`).
+    /// (`MSG_WINDOW`), and with [`VerbsError::InvalidAttribute`] for an
+    /// element capacity outside 1 to `MAX_SGE`.
     ///
     /// ```no_run
     /// # async fn demo(dev: metaroce_io::Device) -> Result<(), metaroce_io::ApiError> {
     /// use metaroce_io::QpCaps;
     /// let pd = dev.alloc_pd().await?;
     /// let (scq, rcq) = (dev.create_cq(64).await?, dev.create_cq(256).await?);
-    /// let caps = QpCaps { max_send_wr: 64, max_recv_wr: 256 };
+    /// let caps = QpCaps { max_send_wr: 64, max_recv_wr: 256, ..QpCaps::default() };
     /// let qp = pd.create_qp_with(&scq, &rcq, caps).await?;
     /// # let _ = qp; Ok(()) }
     /// ```
@@ -744,6 +745,8 @@ impl ProtectionDomain {
         let init = QpInit {
             max_send_wr: caps.max_send_wr,
             max_recv_wr: caps.max_recv_wr,
+            max_send_sge: caps.max_send_sge,
+            max_recv_sge: caps.max_recv_sge,
             ..QpInit::new(self.pd, send_cq.cq, recv_cq.cq)
         };
         let qpn = self.dev.call(|r| Command::CreateQp(init, r)).await?;
@@ -756,11 +759,13 @@ impl ProtectionDomain {
 
 /// The capacities of a queue pair (`ibv_qp_cap`), for
 /// [`ProtectionDomain::create_qp_with`]: how many send and receive requests
-/// may be outstanding at once (posted and not yet completed).
+/// may be outstanding at once (posted and not yet completed), and how many
+/// scatter/gather elements each may have.
 ///
 /// ```
 /// let caps = metaroce_io::QpCaps { max_recv_wr: 4096, ..Default::default() };
 /// assert_eq!(caps.max_send_wr, 1024);
+/// assert_eq!(caps.max_send_sge, metaroce_io::proto::consts::MAX_SGE as u32);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QpCaps {
@@ -769,6 +774,12 @@ pub struct QpCaps {
     pub max_send_wr: u32,
     /// Receives posted and not yet consumed at once; 1024 by default.
     pub max_recv_wr: u32,
+    /// Scatter/gather elements of a send request, 1 to `MAX_SGE` (4, the
+    /// default); more are refused with [`VerbsError::TooManySge`].
+    pub max_send_sge: u32,
+    /// Scatter/gather elements of a receive, 1 to `MAX_SGE` (4, the
+    /// default); more are refused with [`VerbsError::TooManySge`].
+    pub max_recv_sge: u32,
 }
 
 impl Default for QpCaps {
@@ -776,6 +787,8 @@ impl Default for QpCaps {
         QpCaps {
             max_send_wr: 1024,
             max_recv_wr: 1024,
+            max_send_sge: metaroce_proto::consts::MAX_SGE as u32,
+            max_recv_sge: metaroce_proto::consts::MAX_SGE as u32,
         }
     }
 }
@@ -1305,7 +1318,7 @@ impl QueuePair {
             .await
     }
 
-    fn post(&self, op: SendOp, local: Sge) -> WorkRequest {
+    fn post(&self, op: SendOp, local: SgList) -> WorkRequest {
         let (tx, rx) = oneshot::channel();
         let wr_id = self.dev.next_wr_id();
         let wr = SendWr::new(wr_id, op, local);
@@ -1314,38 +1327,69 @@ impl QueuePair {
         WorkRequest { wr_id, rx }
     }
 
-    /// RDMA WRITE of `local` to `remote`.
-    pub fn write(&self, local: Sge, remote: RemoteAddr) -> WorkRequest {
-        self.post(SendOp::Write(remote), local)
+    /// RDMA WRITE of `local` (one [`Sge`], or an [`SgList`] gathered in
+    /// order) to `remote`.
+    ///
+    /// A request with more elements than the QP's `max_send_sge`
+    /// ([`QpCaps`]) is refused with [`VerbsError::TooManySge`].
+    ///
+    /// ```no_run
+    /// # async fn demo(qp: metaroce_io::QueuePair, a: metaroce_io::MemoryRegion, b: metaroce_io::MemoryRegion, remote: metaroce_io::RemoteAddr) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::SgList;
+    /// // A header from one region and a body from another, as one message.
+    /// let list = SgList::try_from(&[a.sge(0, 64)?, b.sge(0, 4096)?][..])?;
+    /// let wc = qp.write(list, remote).await?;
+    /// assert_eq!(wc.byte_len, 4160);
+    /// # Ok(()) }
+    /// ```
+    pub fn write(&self, local: impl Into<SgList>, remote: RemoteAddr) -> WorkRequest {
+        self.post(SendOp::Write(remote), local.into())
     }
 
     /// RDMA WRITE with immediate data: also consumes a receive at the peer,
     /// which completes with `imm` once every byte is placed.
-    pub fn write_imm(&self, local: Sge, remote: RemoteAddr, imm: u32) -> WorkRequest {
-        self.post(SendOp::WriteImm(remote, imm), local)
+    pub fn write_imm(&self, local: impl Into<SgList>, remote: RemoteAddr, imm: u32) -> WorkRequest {
+        self.post(SendOp::WriteImm(remote, imm), local.into())
     }
 
-    /// RDMA READ of `local.len` bytes at `remote` into `local`.
-    pub fn read(&self, local: Sge, remote: RemoteAddr) -> WorkRequest {
-        self.post(SendOp::Read(remote), local)
+    /// RDMA READ of as many bytes as `local` holds, at `remote`, into
+    /// `local` (one [`Sge`], or an [`SgList`] filled in order); its regions
+    /// need `LOCAL_WRITE`.
+    pub fn read(&self, local: impl Into<SgList>, remote: RemoteAddr) -> WorkRequest {
+        self.post(SendOp::Read(remote), local.into())
     }
 
-    /// SEND of `local` into the peer's next posted receive.
-    pub fn send(&self, local: Sge) -> WorkRequest {
-        self.post(SendOp::Send, local)
+    /// SEND of `local` (one [`Sge`], or an [`SgList`] gathered in order)
+    /// into the peer's next posted receive.
+    pub fn send(&self, local: impl Into<SgList>) -> WorkRequest {
+        self.post(SendOp::Send, local.into())
     }
 
     /// SEND with immediate data.
-    pub fn send_imm(&self, local: Sge, imm: u32) -> WorkRequest {
-        self.post(SendOp::SendImm(imm), local)
+    pub fn send_imm(&self, local: impl Into<SgList>, imm: u32) -> WorkRequest {
+        self.post(SendOp::SendImm(imm), local.into())
     }
 
-    /// Posts a receive into `sge`; the future completes when a SEND (or a
-    /// WRITE with immediate) consumed it (`byte_len`, `imm`).
-    pub fn recv(&self, sge: Sge) -> WorkRequest {
+    /// Posts a receive into `sge` (one [`Sge`], or an [`SgList`] filled in
+    /// order, at most the QP's `max_recv_sge` elements); the future
+    /// completes when a SEND (or a WRITE with immediate) consumed it
+    /// (`byte_len`, `imm`). A SEND longer than the elements together fails
+    /// it with [`WcStatus::LocalLengthError`] (and the sender's with
+    /// [`WcStatus::RemoteInvalidRequest`]).
+    ///
+    /// ```no_run
+    /// # async fn demo(qp: metaroce_io::QueuePair, hdr: metaroce_io::MemoryRegion, body: metaroce_io::MemoryRegion) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::SgList;
+    /// // The first 64 bytes of the message into `hdr`, the rest into `body`.
+    /// let list = SgList::try_from(&[hdr.sge(0, 64)?, body.sge(0, 1 << 20)?][..])?;
+    /// let wc = qp.recv(list).await?;
+    /// println!("{} bytes", wc.byte_len);
+    /// # Ok(()) }
+    /// ```
+    pub fn recv(&self, sge: impl Into<SgList>) -> WorkRequest {
         let (tx, rx) = oneshot::channel();
         let wr_id = self.dev.next_wr_id();
-        let wr = RecvWr { wr_id, sge };
+        let wr = RecvWr::new(wr_id, sge);
         self.dev
             .send(Command::PostRecv(self.qpn, wr, Dest::Once(tx)));
         WorkRequest { wr_id, rx }
@@ -1410,7 +1454,8 @@ impl QueuePair {
     /// QP's `max_recv_wr` ([`QpCaps`]), [`VerbsError::InvalidKey`],
     /// [`VerbsError::AccessDenied`] (a region without `LOCAL_WRITE`),
     /// [`VerbsError::OtherPd`], [`VerbsError::OutsideRegion`] or
-    /// [`VerbsError::MrLent`] for its buffer, [`VerbsError::InvalidState`]
+    /// [`VerbsError::MrLent`] for one of its buffers,
+    /// [`VerbsError::TooManySge`] beyond the QP's `max_recv_sge`, [`VerbsError::InvalidState`]
     /// for a QP that takes no receives yet (RESET). A QP in ERROR takes
     /// them, and each completes at once with [`WcStatus::WrFlushError`],
     /// as in verbs.
@@ -1419,7 +1464,7 @@ impl QueuePair {
     /// # async fn demo(qp: metaroce_io::QueuePair, mr: metaroce_io::MemoryRegion) -> Result<(), metaroce_io::ApiError> {
     /// use metaroce_io::RecvWr;
     /// // 64 receives of 4 KiB, side by side in one region.
-    /// let wrs = (0..64u64).map(|i| RecvWr { wr_id: i, sge: mr.sge(i * 4096, 4096).unwrap() });
+    /// let wrs = (0..64u64).map(|i| RecvWr::new(i, mr.sge(i * 4096, 4096).unwrap()));
     /// qp.post_recv_batch(wrs).await?;
     /// # Ok(()) }
     /// ```

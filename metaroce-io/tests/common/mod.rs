@@ -194,7 +194,7 @@ impl<D: IoDriver> Pair<D> {
             };
             let wr = RecvWr {
                 wr_id: i as u64,
-                sge,
+                sge: sge.into(),
             };
             self.b.endpoint().post_recv(self.qb, wr).unwrap();
         }

@@ -759,6 +759,17 @@ impl Endpoint {
     /// Creates a queue pair in the RESET state (`ibv_create_qp`).
     pub fn create_qp(&mut self, init: QpInit) -> Result<Qpn, VerbsError> {
         self.check_pd(init.pd)?;
+        let max_sge = crate::consts::MAX_SGE as u32;
+        if !(1..=max_sge).contains(&init.max_send_sge) {
+            return Err(VerbsError::InvalidAttribute(
+                "max_send_sge not in 1..=MAX_SGE",
+            ));
+        }
+        if !(1..=max_sge).contains(&init.max_recv_sge) {
+            return Err(VerbsError::InvalidAttribute(
+                "max_recv_sge not in 1..=MAX_SGE",
+            ));
+        }
         for cq in [init.send_cq, init.recv_cq] {
             if cq.0 as usize >= self.cqs.len() {
                 return Err(VerbsError::InvalidCq);
@@ -780,14 +791,17 @@ impl Endpoint {
             self.qp_gens[idx] = 1;
         }
         let qpn = Qpn((self.qp_gens[idx] << QPN_INDEX_BITS) | idx as u32);
-        self.qps[idx] = Some(Qp::new(
+        let mut q = Qp::new(
             qpn,
             init.pd,
             init.send_cq,
             init.recv_cq,
             init.max_send_wr,
             init.max_recv_wr,
-        ));
+        );
+        q.max_send_sge = init.max_send_sge;
+        q.max_recv_sge = init.max_recv_sge;
+        self.qps[idx] = Some(q);
         Ok(qpn)
     }
 
@@ -984,6 +998,14 @@ impl Endpoint {
 
     /// Posts a receive (`ibv_post_recv`). In the error state it completes at
     /// once with `WrFlushError`.
+    ///
+    /// Refused at once (typed error) when the QP's state does not take
+    /// receives, its queue is full, the request has more elements than the
+    /// QP's `max_recv_sge` ([`VerbsError::TooManySge`]) or more bytes than
+    /// a message carries, or one of its elements is not a buffer the QP may
+    /// write (no such region, another PD, no `LOCAL_WRITE`, out of bounds,
+    /// lent). Each element's region is held until the receive completes:
+    /// it cannot be deregistered meanwhile.
     pub fn post_recv(&mut self, qpn: Qpn, wr: RecvWr) -> Result<(), VerbsError> {
         let idx = self.qp_index(qpn).ok_or(VerbsError::InvalidQp(qpn))?;
         let Endpoint {
@@ -1005,16 +1027,9 @@ impl Endpoint {
         if q.rq.len() as u32 >= q.max_recv_wr {
             return Err(VerbsError::QueueFull(q.max_recv_wr));
         }
-        mrs.local_access(
-            q.pd,
-            wr.sge.lkey,
-            wr.sge.addr,
-            wr.sge.len,
-            AccessFlags::LOCAL_WRITE,
-        )?;
-        if wr.sge.len > 0 {
-            mrs.add_ref(wr.sge.lkey, 1);
-        }
+        check_list(&wr.sge, q.max_recv_sge)?;
+        mrs.local_access_list(q.pd, &wr.sge, AccessFlags::LOCAL_WRITE)?;
+        mrs.add_list_refs(&wr.sge, 1);
         q.rq.push_back(wr);
         Ok(())
     }
@@ -1022,12 +1037,18 @@ impl Endpoint {
     /// Posts a send work request (`ibv_post_send`).
     ///
     /// Refused at once (typed error) when the QP's state does not take sends,
-    /// its queue is full, or its local region is lent
-    /// ([`lend_mr`](Self::lend_mr)). A request whose local buffer is invalid (no
-    /// such region, another PD, out of bounds, or a READ into a region
-    /// without `LOCAL_WRITE`) is accepted and completes with
+    /// its queue is full, the request has more elements than the QP's
+    /// `max_send_sge` ([`VerbsError::TooManySge`]) or more bytes than a
+    /// message carries, or one of its local regions is lent
+    /// ([`lend_mr`](Self::lend_mr)). A request with an invalid local
+    /// element (no such region, another PD, out of bounds, or a READ into a
+    /// region without `LOCAL_WRITE`) is accepted and completes with
     /// `LocalProtectionError` when its turn comes, moving the QP to the
-    /// error state, as with verbs.
+    /// error state, as with verbs. Each element's region is held until the
+    /// request completes: it cannot be deregistered meanwhile.
+    ///
+    /// A message gathered from several elements is sent in packets that
+    /// each carry bytes of one element only.
     pub fn post_send(&mut self, now: Instant, qpn: Qpn, wr: SendWr) -> Result<(), VerbsError> {
         let idx = self.qp_index(qpn).ok_or(VerbsError::InvalidQp(qpn))?;
         let Endpoint {
@@ -1049,21 +1070,22 @@ impl Endpoint {
         if q.sq.len() as u32 >= q.max_send_wr {
             return Err(VerbsError::QueueFull(q.max_send_wr));
         }
+        check_list(&wr.local, q.max_send_sge)?;
         let need = if matches!(wr.op, SendOp::Read(_)) {
             AccessFlags::LOCAL_WRITE
         } else {
             AccessFlags::NONE
         };
-        let checked = mrs.local_access(q.pd, wr.local.lkey, wr.local.addr, wr.local.len, need);
+        let checked = mrs.local_access_list(q.pd, &wr.local, need);
         // A lent region is a passing state, not a bad buffer: refused now,
         // the QP stays as it is.
         if let Err(e @ VerbsError::MrLent(_)) = checked {
             return Err(e);
         }
         let ok = checked.is_ok();
-        let has_ref = ok && wr.local.len > 0;
+        let has_ref = ok;
         if has_ref {
-            mrs.add_ref(wr.local.lkey, 1);
+            mrs.add_list_refs(&wr.local, 1);
         }
         let msn = q.next_msn;
         q.next_msn = msn.wrapping_add(1);
@@ -1364,4 +1386,20 @@ impl Endpoint {
             self.update_ready(ci);
         }
     }
+}
+
+/// Checks a request's list against its queue's `max_sge` and the largest
+/// message.
+fn check_list(list: &crate::verbs::SgList, max_sge: u32) -> Result<(), VerbsError> {
+    if list.len() > max_sge as usize {
+        return Err(VerbsError::TooManySge {
+            n: list.len(),
+            max: max_sge,
+        });
+    }
+    let len = list.byte_len();
+    if len > crate::consts::MAX_MESSAGE_LEN {
+        return Err(VerbsError::MessageTooLong(len));
+    }
+    Ok(())
 }

@@ -52,16 +52,14 @@ impl Endpoint {
                 _ => WcStatus::WrFlushError,
             };
             if w.has_ref {
-                mrs.add_ref(w.wr.local.lkey, -1);
+                mrs.add_list_refs(&w.wr.local, -1);
             }
             let wc = q.send_wc(w, status);
             push_wc(cqs, events, q.send_cq, wc);
         }
         let rq: Vec<_> = q.rq.drain(..).collect();
         for r in &rq {
-            if r.sge.len > 0 {
-                mrs.add_ref(r.sge.lkey, -1);
-            }
+            mrs.add_list_refs(&r.sge, -1);
             let wc = q.recv_flush_wc(r);
             push_wc(cqs, events, q.recv_cq, wc);
         }
@@ -272,7 +270,7 @@ impl Endpoint {
                 break;
             }
             let done = if w.is_read() {
-                w.read_seen && w.read_received >= u64::from(w.wr.local.len)
+                w.read_seen && w.read_received >= u64::from(w.msg_len())
             } else {
                 seq_lt(w.msn, q.remote_msn_done)
             };
@@ -287,7 +285,7 @@ impl Endpoint {
             }
             q.resend.retain(|&(m, _)| m != w.msn);
             if w.has_ref {
-                mrs.add_ref(w.wr.local.lkey, -1);
+                mrs.add_list_refs(&w.wr.local, -1);
             }
             if w.wr.signaled {
                 let wc = q.send_wc(&w, WcStatus::Success);
@@ -319,7 +317,9 @@ impl Endpoint {
                 // requester that named another (or a SEND longer than it)
                 // breaks the protocol: the message fails, and no receive
                 // completes with bytes it does not hold.
-                let fits = |r: &RecvWr| a.opcode == Opcode::WriteImm || a.len <= r.sge.len;
+                let fits = |r: &RecvWr| {
+                    a.opcode == Opcode::WriteImm || u64::from(a.len) <= r.sge.byte_len()
+                };
                 if a.recv_seq != q.rq_base_seq || !q.rq.front().is_some_and(fits) {
                     tracing::debug!(
                         qpn = q.qpn.0,
@@ -334,9 +334,7 @@ impl Endpoint {
                     return Err(NakCode::InvalidRequest);
                 };
                 q.rq_base_seq = q.rq_base_seq.wrapping_add(1);
-                if r.sge.len > 0 {
-                    mrs.add_ref(r.sge.lkey, -1);
-                }
+                mrs.add_list_refs(&r.sge, -1);
                 let wc = WorkCompletion {
                     wr_id: r.wr_id,
                     status: WcStatus::Success,
@@ -402,9 +400,7 @@ impl Endpoint {
             if local_len_error {
                 if let Some(r) = q.rq.pop_front() {
                     q.rq_base_seq = q.rq_base_seq.wrapping_add(1);
-                    if r.sge.len > 0 {
-                        mrs.add_ref(r.sge.lkey, -1);
-                    }
+                    mrs.add_list_refs(&r.sge, -1);
                     let wc = WorkCompletion {
                         wr_id: r.wr_id,
                         status: WcStatus::LocalLengthError,

@@ -583,24 +583,21 @@ impl Endpoint {
         let Some(w) = q.wqe_mut(hdr.msn) else {
             return self.reject(RejectReason::Duplicate, from);
         };
-        if !w.is_read() || hdr.msg_len != w.wr.local.len || w.local_error.is_some() {
+        if !w.is_read() || hdr.msg_len != w.msg_len() || w.local_error.is_some() {
             return self.reject(RejectReason::Inconsistent, from);
         }
-        if !payload.is_empty() {
-            // Within the READ's own buffer, in a region of the QP's PD that
-            // allows local writes.
-            let fits =
-                u64::from(hdr.msg_offset) + payload.len() as u64 <= u64::from(w.wr.local.len);
-            let dst = w.wr.local.addr.checked_add(u64::from(hdr.msg_offset));
-            let len = payload.len() as u64;
-            let place = mrs.by_lkey_mut(w.wr.local.lkey).and_then(|mr| {
-                let r = mr.permits(pd, AccessFlags::LOCAL_WRITE, dst?, len)?;
-                Some((mr, r))
-            });
-            match place {
-                Some((mr, r)) if fits => mr.buf[r].copy_from_slice(payload),
-                _ => return self.reject(RejectReason::Inconsistent, from),
-            }
+        // Within the READ's own buffers, split over them in order, in
+        // regions of the QP's PD that allow local writes.
+        if !payload.is_empty()
+            && !mrs.scatter(
+                pd,
+                AccessFlags::LOCAL_WRITE,
+                &w.wr.local,
+                hdr.msg_offset,
+                payload,
+            )
+        {
+            return self.reject(RejectReason::Inconsistent, from);
         }
         w.read_received += payload.len() as u64;
         w.read_seen = true;
@@ -835,7 +832,10 @@ impl Endpoint {
                     }
                     return None;
                 }
-                Some(r) if hdr.opcode != Opcode::WriteImm && hdr.msg_len > r.sge.len => {
+                Some(r)
+                    if hdr.opcode != Opcode::WriteImm
+                        && u64::from(hdr.msg_len) > r.sge.byte_len() =>
+                {
                     // The receive is too small: it completes with a local
                     // length error, the requester sees an invalid request.
                     self.fail_message(ci, idx, hdr.msn, NakCode::InvalidRequest, true);
@@ -883,31 +883,28 @@ impl Endpoint {
         let Some(q) = self.qps[idx].as_ref() else {
             return false;
         };
-        let (local, key, base, need) = match a.opcode {
+        let pd = q.pd;
+        let (key, base, need) = match a.opcode {
             Opcode::Send | Opcode::SendImm => {
                 let d = seq_dist(q.rq_base_seq, a.recv_seq) as usize;
-                match q.rq.get(d) {
-                    // The receive's own bounds, not only its region's.
-                    Some(r) if u64::from(offset) + payload.len() as u64 <= u64::from(r.sge.len) => {
-                        (true, r.sge.lkey, r.sge.addr, AccessFlags::LOCAL_WRITE)
+                // The receive's own buffers, in order, not only their regions.
+                return match q.rq.get(d).map(|r| r.sge) {
+                    Some(list) => {
+                        self.mrs
+                            .scatter(pd, AccessFlags::LOCAL_WRITE, &list, offset, payload)
                     }
-                    _ => return false,
-                }
+                    None => false,
+                };
             }
             _ if q.access.contains(AccessFlags::REMOTE_WRITE) => {
-                (false, a.rkey, a.addr, AccessFlags::REMOTE_WRITE)
+                (a.rkey, a.addr, AccessFlags::REMOTE_WRITE)
             }
             _ => return false,
         };
-        let pd = q.pd;
         let Some(addr) = base.checked_add(u64::from(offset)) else {
             return false;
         };
-        let mr = if local {
-            self.mrs.by_lkey_mut(key)
-        } else {
-            self.mrs.by_rkey_mut(key)
-        };
+        let mr = self.mrs.by_rkey_mut(key);
         match mr.and_then(|m| {
             m.permits(pd, need, addr, payload.len() as u64)
                 .map(|r| (m, r))

@@ -37,8 +37,11 @@ struct Template {
     /// The payload's region: found by lkey (else by rkey), and its key.
     local: bool,
     key: u32,
-    /// Address of the message's first byte in that region.
+    /// Address in that region where message byte 0 would be: the
+    /// payload's element, extended back to the message start.
     base: u64,
+    /// Message offset where that element ends: packets never cross it.
+    end: u32,
 }
 use crate::integrity::Protect;
 use crate::time::Instant;
@@ -659,8 +662,10 @@ impl Endpoint {
     /// and records of [`extend_batch`](Self::extend_batch) for each: the
     /// same packets, in fewer steps. Each header is the template's with
     /// PSN, CSN and offset patched; the region is looked up and
-    /// range-checked once. Returns how many it appended: none when that
+    /// range-checked once. Segments stop at the end of the template's
+    /// scatter/gather element. Returns how many it appended: none when that
     /// request is not the QP's next (it ended, or something comes first),
+    /// its element ended,
     /// its region is gone or no window has room, which the caller then
     /// sorts out the general way.
     #[allow(clippy::too_many_arguments)]
@@ -695,13 +700,18 @@ impl Endpoint {
         if (msn, gen) != (tp.msn, tp.gen) {
             return 0;
         }
+        // The rest of the template's element: the next one starts afresh.
+        let stop = total.min(tp.end);
+        if start >= stop {
+            return 0;
+        }
         let mr = if tp.local {
             mrs.by_lkey(tp.key)
         } else {
             mrs.by_rkey(tp.key)
         };
-        // The rest of the request, in its region: checked once.
-        let rest = u64::from(total - start);
+        // The rest of the element, in its region: checked once.
+        let rest = u64::from(stop - start);
         let Some(rest_range) =
             mr.and_then(|m| m.range(tp.base.wrapping_add(u64::from(start)), rest))
         else {
@@ -717,7 +727,7 @@ impl Endpoint {
         // The batch stays within the buffer's size even where the payloads
         // are not in it (as `extend_batch` has it): that is what keeps a
         // gathered batch within one UDP datagram's 64 KiB.
-        while k < room && offset < total && buf.len() >= t.size + seg {
+        while k < room && offset < stop && buf.len() >= t.size + seg {
             if !c.paths_tx[path].has_room()
                 || !c.cwnd_room_on(path, seg as u64)
                 || !c.csn_room()
@@ -725,7 +735,7 @@ impl Endpoint {
             {
                 break;
             }
-            let len = (total - offset).min(max_payload);
+            let len = (stop - offset).min(max_payload);
             let size = hlen + len as usize + tl;
             let gathered = gather
                 .as_ref()
@@ -865,6 +875,8 @@ impl Endpoint {
         // checked at every transmission as its request was on arrival.
         let mut source: Option<(bool, u32, u64, u32)> = None;
         let mut remote_read: Option<PdHandle> = None;
+        // A request's payload: where its element ends in the message.
+        let mut sge_end = 0;
         match kind {
             CsnKind::Request {
                 qp,
@@ -880,15 +892,22 @@ impl Endpoint {
                         hdr.dst_qpn = q.remote_qpn;
                         hdr.gen = gen;
                         hdr.msn = msn;
-                        hdr.msg_len = w.wr.local.len;
+                        hdr.msg_len = w.msg_len();
                         hdr.msg_offset = offset;
-                        if len > 0 {
-                            source = Some((
-                                true,
-                                w.wr.local.lkey,
-                                w.wr.local.addr.wrapping_add(u64::from(offset)),
-                                len,
-                            ));
+                        // One element holds the whole payload (segments
+                        // stop at element ends); a range that is not in
+                        // one names key 0, never issued: the CSN goes as a
+                        // NOP.
+                        let elem =
+                            w.wr.local
+                                .locate(offset)
+                                .filter(|&(_, _, end)| len > 0 && len <= end - offset);
+                        if let Some((sge, at, end)) = elem {
+                            sge_end = end;
+                            source =
+                                Some((true, sge.lkey, sge.addr.wrapping_add(u64::from(at)), len));
+                        } else if len > 0 {
+                            source = Some((true, 0, 0, len));
                         }
                     }
                 }
@@ -954,6 +973,7 @@ impl Endpoint {
                     local,
                     key,
                     base: addr.wrapping_sub(u64::from(hdr.msg_offset)),
+                    end: sge_end,
                 })
             }
             _ => None,

@@ -172,6 +172,164 @@ pub struct Sge {
     pub len: u32,
 }
 
+/// A scatter/gather list: up to [`MAX_SGE`](crate::consts::MAX_SGE)
+/// local buffers that one work request gathers its bytes from (SEND,
+/// WRITE) or scatters them into (a receive, a READ's destination), in
+/// order, as `ibv_send_wr::sg_list`. Its message is the buffers' bytes one
+/// after the other; empty buffers name no memory and are skipped.
+///
+/// A single [`Sge`] converts into a list of one (`From`), so calls that
+/// take `impl Into<SgList>` take either.
+///
+/// ```
+/// use metaroce_proto::verbs::{SgList, Sge, VerbsError};
+/// let head = Sge { lkey: 1, addr: 0x1000, len: 64 };
+/// let body = Sge { lkey: 2, addr: 0x8000, len: 4096 };
+/// let list = SgList::try_from(&[head, body][..]).unwrap();
+/// assert_eq!((list.len(), list.byte_len()), (2, 4160));
+/// let one: SgList = head.into();
+/// assert_eq!(one.as_slice(), &[head]);
+/// // More than MAX_SGE elements are refused.
+/// assert!(matches!(
+///     SgList::try_from(&[head; 5][..]),
+///     Err(VerbsError::TooManySge { n: 5, max: 4 })
+/// ));
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Default)]
+pub struct SgList {
+    /// The elements; those at `n` and after are always `Sge::default()`.
+    sges: [Sge; crate::consts::MAX_SGE],
+    n: u8,
+}
+
+impl SgList {
+    /// An empty list (a zero-length message).
+    pub const fn new() -> Self {
+        SgList {
+            sges: [Sge {
+                lkey: 0,
+                addr: 0,
+                len: 0,
+            }; crate::consts::MAX_SGE],
+            n: 0,
+        }
+    }
+
+    /// Appends `sge`; [`VerbsError::TooManySge`] when the list already
+    /// holds [`MAX_SGE`](crate::consts::MAX_SGE).
+    pub fn push(&mut self, sge: Sge) -> Result<(), VerbsError> {
+        let n = usize::from(self.n);
+        if n >= crate::consts::MAX_SGE {
+            return Err(VerbsError::TooManySge {
+                n: n + 1,
+                max: crate::consts::MAX_SGE as u32,
+            });
+        }
+        self.sges[n] = sge;
+        self.n += 1;
+        Ok(())
+    }
+
+    /// The elements, in order.
+    pub fn as_slice(&self) -> &[Sge] {
+        &self.sges[..usize::from(self.n)]
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        usize::from(self.n)
+    }
+
+    /// Whether the list has no element.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    /// The message length: every element's bytes together.
+    pub fn byte_len(&self) -> u64 {
+        self.as_slice().iter().map(|s| u64::from(s.len)).sum()
+    }
+
+    /// The element holding message byte `offset` and the offset in it
+    /// (empty elements are skipped), with the message offset at which that
+    /// element ends. `None` at or past the end.
+    pub(crate) fn locate(&self, offset: u32) -> Option<(Sge, u32, u32)> {
+        let mut start = 0u64;
+        for s in self.as_slice() {
+            let end = start + u64::from(s.len);
+            if u64::from(offset) < end {
+                let end = u32::try_from(end).ok()?;
+                return Some((*s, offset - start as u32, end));
+            }
+            start = end;
+        }
+        None
+    }
+
+    /// Message bytes `offset..offset + len` as pieces of the elements, in
+    /// order: (lkey, address, length). `None` if the range reaches past
+    /// the end.
+    pub(crate) fn pieces(
+        &self,
+        offset: u32,
+        len: u32,
+    ) -> Option<impl Iterator<Item = (u32, u64, u32)> + '_> {
+        let end = u64::from(offset) + u64::from(len);
+        if end > self.byte_len() {
+            return None;
+        }
+        let mut start = 0u64;
+        Some(self.as_slice().iter().filter_map(move |s| {
+            let s_start = start;
+            let s_end = start + u64::from(s.len);
+            start = s_end;
+            let from = u64::from(offset).max(s_start);
+            let to = end.min(s_end);
+            (from < to).then(|| {
+                (
+                    s.lkey,
+                    s.addr.wrapping_add(from - s_start),
+                    (to - from) as u32,
+                )
+            })
+        }))
+    }
+}
+
+impl core::fmt::Debug for SgList {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_list().entries(self.as_slice()).finish()
+    }
+}
+
+impl From<Sge> for SgList {
+    fn from(sge: Sge) -> Self {
+        let mut l = SgList::new();
+        l.sges[0] = sge;
+        l.n = 1;
+        l
+    }
+}
+
+impl TryFrom<&[Sge]> for SgList {
+    type Error = VerbsError;
+
+    /// The list of `sges`, in order; [`VerbsError::TooManySge`] for more
+    /// than [`MAX_SGE`](crate::consts::MAX_SGE).
+    fn try_from(sges: &[Sge]) -> Result<Self, VerbsError> {
+        if sges.len() > crate::consts::MAX_SGE {
+            return Err(VerbsError::TooManySge {
+                n: sges.len(),
+                max: crate::consts::MAX_SGE as u32,
+            });
+        }
+        let mut l = SgList::new();
+        l.sges[..sges.len()].copy_from_slice(sges);
+        l.n = sges.len() as u8;
+        Ok(l)
+    }
+}
+
 /// A remote buffer: virtual address `addr` in the peer's region `rkey`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RemoteAddr {
@@ -196,15 +354,26 @@ pub enum SendOp {
     Read(RemoteAddr),
 }
 
-/// A send work request (`ibv_send_wr`, one scatter/gather element).
+/// A send work request (`ibv_send_wr`).
+///
+/// ```
+/// use metaroce_proto::verbs::{SendOp, SendWr, Sge, SgList};
+/// let a = Sge { lkey: 1, addr: 0, len: 100 };
+/// let b = Sge { lkey: 2, addr: 64, len: 28 };
+/// // One buffer, or several gathered in order into one message.
+/// let one = SendWr::new(7, SendOp::Send, a);
+/// let two = SendWr::new(8, SendOp::Send, SgList::try_from(&[a, b][..]).unwrap());
+/// assert_eq!((one.local.byte_len(), two.local.byte_len()), (100, 128));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SendWr {
     /// Caller's id, returned in the completion.
     pub wr_id: u64,
     /// What to do.
     pub op: SendOp,
-    /// Local buffer: source for SEND/WRITE, destination for READ.
-    pub local: Sge,
+    /// Local buffers, in order: the source for SEND/WRITE, the
+    /// destination for READ (at most the QP's `max_send_sge` of them).
+    pub local: SgList,
     /// Generate a completion on success (errors always complete).
     pub signaled: bool,
     /// Do not start before every earlier READ of this QP has completed.
@@ -213,24 +382,45 @@ pub struct SendWr {
 
 impl SendWr {
     /// A signaled, unfenced work request.
-    pub fn new(wr_id: u64, op: SendOp, local: Sge) -> Self {
+    pub fn new(wr_id: u64, op: SendOp, local: impl Into<SgList>) -> Self {
         SendWr {
             wr_id,
             op,
-            local,
+            local: local.into(),
             signaled: true,
             fence: false,
         }
     }
 }
 
-/// A receive work request (`ibv_recv_wr`, one scatter/gather element).
+/// A receive work request (`ibv_recv_wr`).
+///
+/// ```
+/// use metaroce_proto::verbs::{RecvWr, Sge, SgList};
+/// let hdr = Sge { lkey: 1, addr: 0, len: 64 };
+/// let body = Sge { lkey: 1, addr: 4096, len: 4096 };
+/// // A message of up to 4160 bytes: its first 64 in `hdr`, the rest in `body`.
+/// let wr = RecvWr::new(3, SgList::try_from(&[hdr, body][..]).unwrap());
+/// assert_eq!(wr.sge.byte_len(), 4160);
+/// assert_eq!(RecvWr::new(4, hdr).sge.len(), 1);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecvWr {
     /// Caller's id, returned in the completion.
     pub wr_id: u64,
-    /// Where an incoming SEND lands.
-    pub sge: Sge,
+    /// Where an incoming SEND lands, filled in order (at most the QP's
+    /// `max_recv_sge` elements).
+    pub sge: SgList,
+}
+
+impl RecvWr {
+    /// A receive of `wr_id` into `sge` (one [`Sge`] or an [`SgList`]).
+    pub fn new(wr_id: u64, sge: impl Into<SgList>) -> Self {
+        RecvWr {
+            wr_id,
+            sge: sge.into(),
+        }
+    }
 }
 
 /// Status of a work completion (`ibv_wc_status`).
@@ -377,6 +567,20 @@ pub enum VerbsError {
     /// The endpoint holds as many memory regions as it may (16,777,216).
     #[error("memory region limit reached")]
     TooManyRegions,
+    /// A work request has more scatter/gather elements than its queue
+    /// takes (the QP's `max_send_sge` or `max_recv_sge`, or
+    /// [`MAX_SGE`](crate::consts::MAX_SGE) for a list).
+    #[error("{n} scatter/gather elements, more than the {max} allowed")]
+    TooManySge {
+        /// Elements in the request.
+        n: usize,
+        /// Most the queue (or list) takes.
+        max: u32,
+    },
+    /// The elements of a work request add up to more than a message may
+    /// carry ([`MAX_MESSAGE_LEN`](crate::consts::MAX_MESSAGE_LEN)).
+    #[error("message of {0} bytes exceeds the largest message")]
+    MessageTooLong(u64),
 }
 
 /// Capacities and parameters given when a QP is created (`ibv_qp_init_attr`).
@@ -392,10 +596,17 @@ pub struct QpInit {
     pub max_send_wr: u32,
     /// Largest number of outstanding receive work requests.
     pub max_recv_wr: u32,
+    /// Most scatter/gather elements of a send work request (1 to
+    /// [`MAX_SGE`](crate::consts::MAX_SGE)).
+    pub max_send_sge: u32,
+    /// Most scatter/gather elements of a receive work request (1 to
+    /// [`MAX_SGE`](crate::consts::MAX_SGE)).
+    pub max_recv_sge: u32,
 }
 
 impl QpInit {
-    /// Defaults of 1024 send and 1024 receive work requests.
+    /// Defaults of 1024 send and 1024 receive work requests, each of up
+    /// to [`MAX_SGE`](crate::consts::MAX_SGE) elements.
     pub fn new(pd: PdHandle, send_cq: CqHandle, recv_cq: CqHandle) -> Self {
         QpInit {
             pd,
@@ -403,6 +614,8 @@ impl QpInit {
             recv_cq,
             max_send_wr: 1024,
             max_recv_wr: 1024,
+            max_send_sge: crate::consts::MAX_SGE as u32,
+            max_recv_sge: crate::consts::MAX_SGE as u32,
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Memory regions and their keys.
 
-use super::{AccessFlags, PdHandle, RegionBuf, Registered, VerbsError};
+use super::{AccessFlags, PdHandle, RegionBuf, Registered, SgList, VerbsError};
 use crate::endpoint::RegionPin;
 use core::ops::Range;
 use core::sync::atomic::{AtomicU64, Ordering};
@@ -397,6 +397,70 @@ impl MrTable {
                 start: mr.info.addr,
                 size: mr.info.len,
             })
+    }
+
+    /// [`local_access`](Self::local_access) for every element of a
+    /// request's list, in order: the first refusal.
+    pub(crate) fn local_access_list(
+        &self,
+        pd: PdHandle,
+        list: &SgList,
+        need: AccessFlags,
+    ) -> Result<(), VerbsError> {
+        list.as_slice()
+            .iter()
+            .try_for_each(|s| self.local_access(pd, s.lkey, s.addr, s.len, need))
+    }
+
+    /// Adds (`+1`) or drops (`-1`) a reference on the region of each
+    /// non-empty element of `list` (one per element: a region named twice
+    /// holds two).
+    pub(crate) fn add_list_refs(&mut self, list: &SgList, delta: i32) {
+        for s in list.as_slice().iter().filter(|s| s.len > 0) {
+            self.add_ref(s.lkey, delta);
+        }
+    }
+
+    /// Copies `payload` to message bytes `offset..` of `list`, split over
+    /// its elements in order. Every piece is checked first (in the list,
+    /// each region still of `pd` and allowing `need`, within bounds):
+    /// false, and nothing written, if one is not.
+    pub(crate) fn scatter(
+        &mut self,
+        pd: PdHandle,
+        need: AccessFlags,
+        list: &SgList,
+        offset: u32,
+        payload: &[u8],
+    ) -> bool {
+        let Ok(len) = u32::try_from(payload.len()) else {
+            return false;
+        };
+        let Some(pieces) = list.pieces(offset, len) else {
+            return false;
+        };
+        let mut ranges: [(u32, Range<usize>); crate::consts::MAX_SGE] = Default::default();
+        let mut n = 0;
+        for (lkey, addr, plen) in pieces {
+            let Some(r) = self
+                .by_lkey(lkey)
+                .and_then(|m| m.permits(pd, need, addr, u64::from(plen)))
+            else {
+                return false;
+            };
+            ranges[n] = (lkey, r);
+            n += 1;
+        }
+        let mut at = 0;
+        for (lkey, r) in ranges[..n].iter().cloned() {
+            let Some(m) = self.by_lkey_mut(lkey) else {
+                return false;
+            };
+            let l = r.len();
+            m.buf[r].copy_from_slice(&payload[at..at + l]);
+            at += l;
+        }
+        true
     }
 
     /// Adds (`+1`) or drops (`-1`) a reference.

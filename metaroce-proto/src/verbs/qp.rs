@@ -11,7 +11,8 @@ use super::{
     WcOpcode, WcStatus, WorkCompletion,
 };
 use crate::consts::{
-    DATA_HEADER_LEN, DEFAULT_MAX_RD_ATOMIC, DEFAULT_RNR_RETRY, DEFAULT_RNR_TIMER, MSG_WINDOW,
+    DATA_HEADER_LEN, DEFAULT_MAX_RD_ATOMIC, DEFAULT_RNR_RETRY, DEFAULT_RNR_TIMER, MAX_SGE,
+    MSG_WINDOW,
 };
 use crate::time::Instant;
 use crate::wire::seq::{seq_dist, seq_lt};
@@ -207,6 +208,9 @@ impl RcAttrs {
 #[derive(Debug, Clone)]
 pub(crate) struct SendWqe {
     pub(crate) wr: SendWr,
+    /// The message length: the local elements' bytes together (checked to
+    /// fit a `u32` when posted).
+    len: u32,
     pub(crate) msn: u32,
     /// For receive-consuming operations: which receive it lands in.
     pub(crate) recv_seq: u32,
@@ -218,7 +222,8 @@ pub(crate) struct SendWqe {
     pub(crate) read_seen: bool,
     /// Set when the request failed locally before it was sent.
     pub(crate) local_error: Option<WcStatus>,
-    /// Whether the request holds a reference on its local region.
+    /// Whether the request holds a reference on the region of each of its
+    /// non-empty local elements.
     pub(crate) has_ref: bool,
 }
 
@@ -232,6 +237,7 @@ impl SendWqe {
         has_ref: bool,
     ) -> Self {
         SendWqe {
+            len: wr.local.byte_len() as u32,
             wr,
             msn,
             recv_seq,
@@ -292,13 +298,34 @@ impl SendWqe {
         }
     }
 
+    /// The message length.
+    pub(crate) fn msg_len(&self) -> u32 {
+        self.len
+    }
+
     /// Bytes carried in request packets (zero for READ, whose data comes back).
     pub(crate) fn request_len(&self) -> u32 {
         if self.is_read() {
             0
         } else {
-            self.wr.local.len
+            self.msg_len()
         }
+    }
+
+    /// Most payload a request packet starting at message byte `offset` may
+    /// carry: up to the end of the local element it starts in, so that a
+    /// packet (and its every retransmission) reads one range of one region.
+    pub(crate) fn segment_room(&self, offset: u32) -> u32 {
+        if self.is_read() {
+            return 0;
+        }
+        if self.wr.local.len() <= 1 {
+            return self.len.saturating_sub(offset);
+        }
+        self.wr
+            .local
+            .locate(offset)
+            .map_or(0, |(_, _, end)| end - offset)
     }
 }
 
@@ -408,6 +435,9 @@ pub(crate) struct Qp {
     pub(crate) recv_cq: CqHandle,
     pub(crate) max_send_wr: u32,
     pub(crate) max_recv_wr: u32,
+    /// Most scatter/gather elements of a send and of a receive request.
+    pub(crate) max_send_sge: u32,
+    pub(crate) max_recv_sge: u32,
     pub(crate) state: QpState,
     pub(crate) access: AccessFlags,
     pub(crate) conn: Option<ConnectionHandle>,
@@ -481,6 +511,8 @@ impl Qp {
             recv_cq,
             max_send_wr: max_send_wr.clamp(1, MSG_WINDOW),
             max_recv_wr: max_recv_wr.max(1),
+            max_send_sge: MAX_SGE as u32,
+            max_recv_sge: MAX_SGE as u32,
             state: QpState::Reset,
             access: AccessFlags::NONE,
             conn: None,
@@ -519,7 +551,7 @@ impl Qp {
 
     /// Back to the freshly created state (the `RESET` transition).
     pub(crate) fn reset(&mut self) {
-        let fresh = Qp::new(
+        let mut fresh = Qp::new(
             self.qpn,
             self.pd,
             self.send_cq,
@@ -527,6 +559,8 @@ impl Qp {
             self.max_send_wr,
             self.max_recv_wr,
         );
+        fresh.max_send_sge = self.max_send_sge;
+        fresh.max_recv_sge = self.max_recv_sge;
         *self = fresh;
     }
 
@@ -640,15 +674,16 @@ impl Qp {
         }
         self.rnr_wait_until = None;
         while let Some(&(msn, offset)) = self.resend.front() {
-            let Some((len_total, gen, opcode)) =
-                self.wqe(msn).map(|w| (w.request_len(), w.gen, w.opcode()))
-            else {
+            let Some((len_total, room, gen, opcode)) = self.wqe(msn).map(|w| {
+                let room = w.segment_room(offset);
+                (w.request_len(), room, w.gen, w.opcode())
+            }) else {
                 // Completed or flushed meanwhile.
                 self.resend.pop_front();
                 continue;
             };
             let max = limit.payload(opcode);
-            let len = len_total.saturating_sub(offset).min(max);
+            let len = room.min(max);
             let next = offset + len;
             self.last_progress = self.last_progress.max(now);
             if next >= len_total {
@@ -669,7 +704,7 @@ impl Qp {
         let offset = self.send_offset;
         let total = wqe.request_len();
         let max = limit.payload(wqe.opcode());
-        let len = (total - offset).min(max);
+        let len = wqe.segment_room(offset).min(max);
         let seg = Segment::Request {
             msn: wqe.msn,
             gen: wqe.gen,
@@ -782,7 +817,7 @@ impl Qp {
             status,
             opcode: wqe.wc_opcode(),
             byte_len: if status == WcStatus::Success {
-                wqe.wr.local.len
+                wqe.msg_len()
             } else {
                 0
             },
@@ -902,6 +937,50 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn segments_end_at_scatter_gather_element_ends() {
+        use super::super::{SgList, Sge};
+        let sge = |len| Sge {
+            lkey: 1,
+            addr: 0,
+            len,
+        };
+        // 5,000 + 0 + 100 + 4,096 bytes: the empty element is skipped.
+        let list = SgList::try_from(&[sge(5_000), sge(0), sge(100), sge(4_096)][..]).unwrap();
+        let mut q = qp();
+        q.sq.push_back(SendWqe::new(
+            SendWr::new(0, SendOp::Send, list),
+            0,
+            0,
+            None,
+            false,
+        ));
+        let limit = SegLimit::new(4096 + 60);
+        let mut got = Vec::new();
+        while let Some((Segment::Request { offset, len, .. }, _)) =
+            q.next_segment(Instant::ZERO, limit)
+        {
+            got.push((offset, len));
+        }
+        assert_eq!(
+            got,
+            vec![(0, 4096), (4096, 904), (5_000, 100), (5_100, 4_096)]
+        );
+        let w = &q.sq[0];
+        assert_eq!(w.msg_len(), 9_196);
+        assert_eq!(
+            (
+                w.segment_room(4_999),
+                w.segment_room(5_000),
+                w.segment_room(9_196)
+            ),
+            (1, 100, 0)
+        );
+        let pieces: Vec<_> = list.pieces(4_990, 120).unwrap().collect();
+        assert_eq!(pieces, vec![(1, 4_990, 10), (1, 0, 100), (1, 0, 10)]);
+        assert!(list.pieces(9_000, 197).is_none(), "past the end");
     }
 
     #[test]

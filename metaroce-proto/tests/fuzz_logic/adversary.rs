@@ -1594,7 +1594,14 @@ impl World {
                     addr: buf.addr + (s * SLOT) as u64,
                     len: SLOT as u32,
                 };
-                ep.post_recv(qpn, RecvWr { wr_id, sge }).unwrap();
+                ep.post_recv(
+                    qpn,
+                    RecvWr {
+                        wr_id,
+                        sge: sge.into(),
+                    },
+                )
+                .unwrap();
                 rq.pending.push_back((wr_id, SLOT as u32));
             }
         }
@@ -2342,7 +2349,8 @@ impl World {
                         lkey: rbuf.lkey,
                         addr: rbuf.addr,
                         len: slen,
-                    },
+                    }
+                    .into(),
                 },
             )
             .unwrap();

@@ -347,7 +347,8 @@ pub fn transfer_works(net: &mut Net, ca: ConnectionHandle, cb: ConnectionHandle,
                     lkey: rbuf.lkey,
                     addr: 0,
                     len: slen as u32,
-                },
+                }
+                .into(),
             },
         )
         .unwrap();
@@ -487,7 +488,8 @@ impl Fixture {
                                 lkey: rbuf.lkey,
                                 addr: rbuf.addr + u64::from(k) * 1024,
                                 len: 1024,
-                            },
+                            }
+                            .into(),
                         },
                     )
                     .unwrap();
@@ -534,7 +536,7 @@ impl Fixture {
                         qa,
                         RecvWr {
                             wr_id: 90 + round,
-                            sge: ask,
+                            sge: ask.into(),
                         },
                     )
                     .unwrap();
