@@ -24,6 +24,8 @@ pub enum RejectReason {
     WrongState,
     /// A CSN beyond the connection's receive window.
     CsnOutOfWindow,
+    /// A PSN `PSN_WINDOW` or more after its path's `ack_psn`.
+    PsnOutOfWindow,
     /// A packet seen before (path- or connection-level duplicate).
     Duplicate,
     /// For a QP that does not exist, belongs to another connection, or is not ready.
@@ -55,6 +57,7 @@ pub struct RejectCounters {
     pub wrong_source: u64,
     pub wrong_state: u64,
     pub csn_out_of_window: u64,
+    pub psn_out_of_window: u64,
     pub duplicate: u64,
     pub bad_qp: u64,
     pub msg_out_of_window: u64,
@@ -79,6 +82,7 @@ impl RejectCounters {
             WrongSource => self.wrong_source,
             WrongState => self.wrong_state,
             CsnOutOfWindow => self.csn_out_of_window,
+            PsnOutOfWindow => self.psn_out_of_window,
             Duplicate => self.duplicate,
             BadQp => self.bad_qp,
             MsgOutOfWindow => self.msg_out_of_window,
@@ -102,6 +106,7 @@ impl RejectCounters {
             WrongSource => &mut self.wrong_source,
             WrongState => &mut self.wrong_state,
             CsnOutOfWindow => &mut self.csn_out_of_window,
+            PsnOutOfWindow => &mut self.psn_out_of_window,
             Duplicate => &mut self.duplicate,
             BadQp => &mut self.bad_qp,
             MsgOutOfWindow => &mut self.msg_out_of_window,
@@ -125,6 +130,7 @@ impl RejectCounters {
             + self.wrong_source
             + self.wrong_state
             + self.csn_out_of_window
+            + self.psn_out_of_window
             + self.duplicate
             + self.bad_qp
             + self.msg_out_of_window

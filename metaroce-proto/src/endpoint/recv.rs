@@ -360,6 +360,9 @@ impl Endpoint {
         if !c.csn_in_window(hdr.csn) {
             return self.reject(RejectReason::CsnOutOfWindow, from);
         }
+        if !c.paths_rx[pid].psn_in_window(hdr.psn) {
+            return self.reject(RejectReason::PsnOutOfWindow, from);
+        }
         let (_, out_of_order) = c.paths_rx[pid].on_packet(hdr.psn, ecn == super::Ecn::Ce);
         c.stats.data_packets_received += 1;
         let wants_ack = hdr.flags & data_flags::ACK_REQ != 0;
@@ -528,6 +531,7 @@ impl Endpoint {
                     rnr_timer_us: rnr_us(rnr_timer),
                 };
                 if let Some(c) = self.conns[ci].as_mut() {
+                    c.mark_stream(qpn);
                     c.push_nak(nak);
                 }
                 return self.reject(RejectReason::StaleGeneration, from);
@@ -618,7 +622,8 @@ impl Endpoint {
         rnr_timer: core::time::Duration,
     ) -> Option<Accepted> {
         let q = self.qps[idx].as_ref()?;
-        let (remote_qpn, qp_access, pd, rq_base) = (q.remote_qpn, q.access, q.pd, q.rq_base_seq);
+        let (qpn, remote_qpn, qp_access, pd, rq_base) =
+            (q.qpn, q.remote_qpn, q.access, q.pd, q.rq_base_seq);
         // READs still being executed: admitted, or with response packets
         // still to send. A response sent in full but not yet acknowledged
         // stays held for retransmission without counting: the requester saw
@@ -696,6 +701,9 @@ impl Endpoint {
                         }
                     }
                     if let Some(c) = self.conns[ci].as_mut() {
+                        // With the QP's `msn_done`, which the requester
+                        // checks the NAK against (§11.5).
+                        c.mark_stream(qpn);
                         c.push_nak(nak);
                     }
                     return None;
@@ -973,7 +981,12 @@ impl Endpoint {
         kinds.clear();
         requests.clear();
         self.ack_scratch = (delivered, lost, kinds, requests);
-        // Stream progress: requests executed by the peer.
+        // Stream progress: requests executed by the peer. A QP whose entry
+        // is behind what the peer reported before (an ACK overtaken by a
+        // later one, or a peer that never executed what a forged ACK made
+        // this side complete) is noted: its RNR NAKs in this ACK speak for
+        // a state this side has left behind.
+        let mut behind: Vec<u32> = Vec::new();
         for s in ack.streams() {
             let Some(idx) = self.qp_index(Qpn(s.qpn)) else {
                 self.stats.rejects.bump(RejectReason::BadQp);
@@ -995,10 +1008,13 @@ impl Endpoint {
                 q.progressed(now);
                 let qpn = q.qpn;
                 self.complete_in_order(qpn);
+            } else if s.msn_done != q.remote_msn_done {
+                behind.push(s.qpn);
             }
         }
         for n in ack.naks() {
-            self.on_nak(now, ci, n);
+            let stale = n.code == NakCode::Rnr && behind.contains(&n.qpn);
+            self.on_nak(now, ci, n, stale);
         }
         // Time-based loss detection waits until every datagram that has
         // arrived was read (the next transmit or timer call): after a
@@ -1015,7 +1031,9 @@ impl Endpoint {
         self.touch(ci, Some(now));
     }
 
-    fn on_nak(&mut self, now: Instant, ci: usize, n: NakEntry) {
+    /// A NAK of an ACK. `behind`: the same ACK reported the QP's
+    /// `msn_done` behind what the peer reported before (PROTOCOL §11.5).
+    fn on_nak(&mut self, now: Instant, ci: usize, n: NakEntry, behind: bool) {
         if let Some(c) = self.conns[ci].as_mut() {
             c.stats.naks_received += 1;
         }
@@ -1035,7 +1053,25 @@ impl Endpoint {
         if q.wqe(n.msn).is_none() {
             return;
         }
-        q.progressed(now);
+        // An RNR NAK from a responder that has not executed requests this
+        // side already completed (its `msn_done`, in the same ACK, is
+        // behind the one it reported before) is no genuine answer to the
+        // request as this side sent it: either the ACK was overtaken (a
+        // later one, or the next probe's answer, says it again) or this
+        // side's record was forged (one forged ACK made it complete
+        // requests the peer never received). Honoured, the second is an
+        // RNR loop that never ends under `rnr_retry` 7: the peer's receives
+        // stay taken by requests that will never arrive. Refused, the
+        // request gets its progress probes and fails after `retry_cnt`.
+        if behind {
+            return self.stats.rejects.bump(RejectReason::Inconsistent);
+        }
+        // Only an answer about the oldest request is progress: an RNR loop
+        // of later requests must not keep the oldest, which may never
+        // execute, from its probes and its `retry_cnt`.
+        if n.code != NakCode::Rnr || n.msn == q.sq_base_msn {
+            q.progressed(now);
+        }
         let qpn = q.qpn;
         let rnr_retry = q.rnr_retry;
         let send_idx = q.send_idx;
