@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-const REASONS: [(RejectReason, &str); 17] = [
+const REASONS: [(RejectReason, &str); 19] = [
     (RejectReason::Truncated, "truncated"),
     (RejectReason::BadVersion, "bad_version"),
     (RejectReason::UnknownType, "unknown_type"),
@@ -30,6 +30,7 @@ const REASONS: [(RejectReason, &str); 17] = [
     (RejectReason::WrongSource, "wrong_source"),
     (RejectReason::WrongState, "wrong_state"),
     (RejectReason::CsnOutOfWindow, "csn_out_of_window"),
+    (RejectReason::PsnOutOfWindow, "psn_out_of_window"),
     (RejectReason::Duplicate, "duplicate"),
     (RejectReason::BadQp, "bad_qp"),
     (RejectReason::MsgOutOfWindow, "msg_out_of_window"),
@@ -38,6 +39,7 @@ const REASONS: [(RejectReason, &str); 17] = [
     (RejectReason::BadCookie, "bad_cookie"),
     (RejectReason::Refused, "refused"),
     (RejectReason::StaleGeneration, "stale_generation"),
+    (RejectReason::RateLimited, "rate_limited"),
 ];
 
 type Counter<S> = (IntCounterVec, fn(&S) -> u64);

@@ -42,6 +42,9 @@ pub enum RejectReason {
     Refused,
     /// A packet of a stale request generation (after an RNR retry).
     StaleGeneration,
+    /// A datagram whose stateless reply (COOKIE, VERSION_NEGOTIATION) the
+    /// endpoint's `stateless_rate` did not allow: dropped unanswered.
+    RateLimited,
 }
 
 /// Rejection counters, one per [`RejectReason`].
@@ -66,6 +69,7 @@ pub struct RejectCounters {
     pub bad_cookie: u64,
     pub refused: u64,
     pub stale_generation: u64,
+    pub rate_limited: u64,
 }
 
 impl RejectCounters {
@@ -91,6 +95,7 @@ impl RejectCounters {
             BadCookie => self.bad_cookie,
             Refused => self.refused,
             StaleGeneration => self.stale_generation,
+            RateLimited => self.rate_limited,
         }
     }
 
@@ -115,6 +120,7 @@ impl RejectCounters {
             BadCookie => &mut self.bad_cookie,
             Refused => &mut self.refused,
             StaleGeneration => &mut self.stale_generation,
+            RateLimited => &mut self.rate_limited,
         };
         *c += 1;
     }
@@ -139,6 +145,7 @@ impl RejectCounters {
             + self.bad_cookie
             + self.refused
             + self.stale_generation
+            + self.rate_limited
     }
 }
 

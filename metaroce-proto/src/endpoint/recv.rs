@@ -82,7 +82,7 @@ impl Endpoint {
                     } else {
                         from.port()
                     };
-                    self.queue_stateless(SocketAddr::new(from.ip(), port), buf, len);
+                    self.queue_stateless(now, SocketAddr::new(from.ip(), port), buf, len);
                 }
                 return self.reject(RejectReason::BadVersion, from);
             }
@@ -99,10 +99,42 @@ impl Endpoint {
         }
     }
 
-    fn queue_stateless(&mut self, dst: SocketAddr, buf: [u8; HELLO_LEN], len: usize) {
-        if self.stateless.len() < MAX_STATELESS_QUEUE {
-            self.stateless.push_back(StatelessReply { dst, buf, len });
+    /// Queues a stateless reply, if the rate (`stateless_rate`) and the
+    /// queue allow; whether it was queued. One refused is counted
+    /// (`RateLimited`).
+    fn queue_stateless(
+        &mut self,
+        now: Instant,
+        dst: SocketAddr,
+        buf: [u8; HELLO_LEN],
+        len: usize,
+    ) -> bool {
+        let rate = u64::from(self.config.stateless_rate);
+        let burst = self.config.stateless_burst;
+        if self.stateless_tokens < burst && rate > 0 {
+            let elapsed = now.saturating_since(self.stateless_filled).as_nanos();
+            let earned = (elapsed.saturating_mul(u128::from(rate)) / 1_000_000_000)
+                .min(u128::from(burst)) as u32;
+            if earned > 0 {
+                self.stateless_tokens = (self.stateless_tokens + earned).min(burst);
+                self.stateless_filled = if self.stateless_tokens == burst {
+                    now
+                } else {
+                    // Keep the fraction of a token already earned.
+                    self.stateless_filled
+                        + core::time::Duration::from_nanos(u64::from(earned) * 1_000_000_000 / rate)
+                };
+            }
+        } else if self.stateless_tokens >= burst {
+            self.stateless_filled = now;
         }
+        if self.stateless_tokens == 0 || self.stateless.len() >= MAX_STATELESS_QUEUE {
+            self.stats.rejects.bump(RejectReason::RateLimited);
+            return false;
+        }
+        self.stateless_tokens -= 1;
+        self.stateless.push_back(StatelessReply { dst, buf, len });
+        true
     }
 
     /// The connection index a packet names, if it exists and `from` is its peer.
@@ -165,8 +197,10 @@ impl Endpoint {
             };
             let mut buf = [0u8; HELLO_LEN];
             if let Ok(len) = c.emit(&mut buf) {
-                self.stats.cookies_sent += 1;
-                self.queue_stateless(SocketAddr::new(from.ip(), hello.listen_port), buf, len);
+                let to = SocketAddr::new(from.ip(), hello.listen_port);
+                if self.queue_stateless(now, to, buf, len) {
+                    self.stats.cookies_sent += 1;
+                }
             }
             return;
         }
