@@ -1095,7 +1095,10 @@ fn an_rnr_loop_started_by_a_forged_ack_does_not_last_for_ever() {
         let before = w.b.stats().datagrams_sent;
         w.act(&Action::Wait(10));
         let sent = w.b.stats().datagrams_sent - before;
-        assert!(sent <= 40, "forged stream {forged_stream}: {sent} datagrams in an idle second");
+        assert!(
+            sent <= 40,
+            "forged stream {forged_stream}: {sent} datagrams in an idle second"
+        );
     }
 }
 

@@ -172,8 +172,9 @@ fn far_ahead_psn_is_handled_in_constant_time() {
     );
 }
 
-/// Finding 5 (found by `tests/model.rs`, about one round in fifteen): a
-/// fatal NAK that overtakes an earlier READ's response flushes the READ.
+/// Finding 5 (found by `tests/model.rs`, about one round in fifteen;
+/// fixed): a fatal NAK that overtakes an earlier READ's response flushed
+/// the READ.
 ///
 /// Steps: one QP, perfect link but for the READ's one response packet,
 /// which is lost. A posts a READ of 100 bytes from a region of B that
@@ -191,11 +192,11 @@ fn far_ahead_psn_is_handled_in_constant_time() {
 /// happens in verbs.) The same race flushes SENDs and WRITEs that B
 /// executed between the READ and the failed request, whose receives at B
 /// complete `Success`.
-/// Actual (core at this commit): `[WrFlushError, RemoteInvalidRequest]`.
-/// `tests/model.rs` tolerates exactly this signature and counts it
-/// (`known_finding_5`).
+/// Actual (core at 93fcc73): `[WrFlushError, RemoteInvalidRequest]`.
+/// Fixed: a responder QP that fails keeps (and resends) the responses of
+/// the READs it executed before, and the requester keeps a fatal NAK until
+/// the requests before its message are complete (PROTOCOL §11.4, §11.5).
 #[test]
-#[ignore = "finding 5: a fatal NAK that overtakes a READ response flushes the READ"]
 fn a_fatal_nak_that_overtakes_a_read_response_does_not_flush_the_read() {
     use metaroce_proto::wire::{DataHeader, Opcode};
     let mut p = Pair::new(

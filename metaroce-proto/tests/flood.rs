@@ -145,7 +145,9 @@ fn a_million_spoofed_hellos_leave_memory_flat_and_amplify_nothing() {
             1 => {
                 // A cookie of random bytes.
                 pkt.copy_from_slice(&with_cookie);
-                pkt[20..36].copy_from_slice(&[rng.next().to_be_bytes(), rng.next().to_be_bytes()].concat());
+                pkt[20..36].copy_from_slice(
+                    &[rng.next().to_be_bytes(), rng.next().to_be_bytes()].concat(),
+                );
             }
             2 => pkt.copy_from_slice(&with_cookie),
             _ => {
@@ -191,8 +193,16 @@ fn a_million_spoofed_hellos_leave_memory_flat_and_amplify_nothing() {
     assert!(replies >= allowed.min(n) * 9 / 10, "{replies} replies");
     assert!(s.rejects.rate_limited >= n - allowed);
     let bad_cookies = s.rejects.bad_cookie - before.rejects.bad_cookie;
-    assert_eq!(bad_cookies, n / 4 + (n + 1) / 4, "forged and replayed cookies");
-    assert_eq!(server.connections().count(), 0, "a spoofed HELLO made a connection");
+    assert_eq!(
+        bad_cookies,
+        n / 4 + (n + 1) / 4,
+        "forged and replayed cookies"
+    );
+    assert_eq!(
+        server.connections().count(),
+        0,
+        "a spoofed HELLO made a connection"
+    );
 
     // Once the flood is over, the genuine client gets in.
     now = now + Duration::from_millis(1);

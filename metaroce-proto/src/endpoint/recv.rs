@@ -1101,9 +1101,10 @@ impl Endpoint {
             return self.stats.rejects.bump(RejectReason::Inconsistent);
         }
         // Only an answer about the oldest request is progress: an RNR loop
-        // of later requests must not keep the oldest, which may never
-        // execute, from its probes and its `retry_cnt`.
-        if n.code != NakCode::Rnr || n.msn == q.sq_base_msn {
+        // of later requests, or a fatal NAK waiting for the oldest, must not
+        // keep the oldest, which may never complete, from its probes and
+        // its `retry_cnt`.
+        if n.msn == q.sq_base_msn {
             q.progressed(now);
         }
         let qpn = q.qpn;
@@ -1151,6 +1152,15 @@ impl Endpoint {
             NakCode::InvalidRequest => WcStatus::RemoteInvalidRequest,
             NakCode::RemoteOperation => WcStatus::RemoteOperationError,
         };
+        if seq_lt(q.sq_base_msn, n.msn) {
+            // An earlier request is incomplete: a READ whose response the
+            // NAK overtook (the responder executed it: the NAK says so).
+            // The QP fails when this message is the oldest (PROTOCOL §11.5).
+            if q.deferred_fatal.is_none_or(|(m, _)| seq_lt(n.msn, m)) {
+                q.deferred_fatal = Some((n.msn, status));
+            }
+            return;
+        }
         tracing::debug!(
             ?qpn,
             ?status,
