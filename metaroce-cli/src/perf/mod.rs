@@ -113,6 +113,25 @@ struct SideArgs {
     /// within its route's MTU.
     #[arg(short = 'm', long, value_name = "BYTES", default_value_t = DEFAULT_MTU, value_parser = mtu_range())]
     mtu: u16,
+    /// Fault injection: the fraction of arriving datagrams this side's
+    /// driver drops (0.01: 1%), as a lossy network would.
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.0, value_parser = fraction)]
+    loss: f64,
+    /// Fault injection: the fraction of kept datagrams delivered twice.
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.0, value_parser = fraction)]
+    duplicate: f64,
+    /// Fault injection: the fraction of kept datagrams held back 200 µs
+    /// (delivered after later ones).
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.0, value_parser = fraction)]
+    reorder: f64,
+}
+
+/// A fault fraction: a number within `[0, 1]`.
+fn fraction(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
+        _ => Err(format!("`{s}`: give a fraction within 0..=1 (0.01 is 1%)")),
+    }
 }
 
 impl SideArgs {
@@ -125,7 +144,11 @@ impl SideArgs {
     }
 
     fn tuning(&self) -> Tuning {
-        Tuning::new(self.paths, self.backend, self.busy_poll_us, self.mtu)
+        Tuning::new(self.paths, self.backend, self.busy_poll_us, self.mtu).with_faults(
+            self.loss,
+            self.duplicate,
+            self.reorder,
+        )
     }
 }
 

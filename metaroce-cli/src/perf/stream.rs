@@ -3,6 +3,7 @@
 //! that checks what lands, and the drivers that carry them.
 
 use super::*;
+use metaroce_io::FaultConfig;
 use std::collections::VecDeque;
 
 /// Where each iteration goes: iteration `i` is posted on QP `i % qps`, lands
@@ -54,6 +55,9 @@ pub(super) struct Tuning {
     pub(super) busy_poll: Duration,
     /// The endpoint's MTU (`--mtu`).
     pub(super) mtu: u16,
+    /// Injected faults of arriving datagrams (`--loss`, `--duplicate`,
+    /// `--reorder`): fractions.
+    pub(super) faults: (f64, f64, f64),
 }
 
 impl Tuning {
@@ -63,6 +67,16 @@ impl Tuning {
             backend,
             busy_poll: Duration::from_micros(busy_poll_us),
             mtu,
+            faults: (0.0, 0.0, 0.0),
+        }
+    }
+
+    /// These settings with datagrams dropped, duplicated and held back at
+    /// the given rates as they arrive.
+    pub(super) fn with_faults(self, loss: f64, duplicate: f64, reorder: f64) -> Self {
+        Tuning {
+            faults: (loss, duplicate, reorder),
+            ..self
         }
     }
 }
@@ -85,8 +99,17 @@ pub(super) fn bind_mtu(
         backend,
         busy_poll,
         mtu: own_mtu,
+        faults: (drop, duplicate, reorder),
     } = t;
     let mut cfg = DriverConfig::new(listen);
+    cfg.faults = FaultConfig {
+        seed: seed ^ 0xfa17,
+        drop,
+        duplicate,
+        reorder,
+        reorder_delay: Duration::from_micros(200),
+        ..FaultConfig::default()
+    };
     cfg.backend = backend;
     cfg.busy_poll = busy_poll;
     cfg.endpoint = endpoint_config(paths);
