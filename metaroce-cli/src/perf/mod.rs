@@ -652,6 +652,9 @@ mod remote_tests {
                 backend: Backend::Portable,
                 busy_poll_us: 0,
                 mtu: DEFAULT_MTU,
+                loss: 0.0,
+                duplicate: 0.0,
+                reorder: 0.0,
             },
             all: false,
         }
@@ -824,6 +827,9 @@ mod remote_tests {
                 backend: Backend::Portable,
                 busy_poll_us: 0,
                 mtu: DEFAULT_MTU,
+                loss: 0.0,
+                duplicate: 0.0,
+                reorder: 0.0,
             },
             all: false,
         };
