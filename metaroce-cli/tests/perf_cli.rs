@@ -331,3 +331,32 @@ fn all_sizes_and_one_size_do_not_go_together() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
 }
+
+/// `--loss`, `--duplicate` and `--reorder` (what `scripts/soak.sh` runs
+/// with): the faults happen (retransmissions) and every byte still arrives
+/// intact; a fraction outside 0..=1 is refused.
+#[test]
+fn injected_loss_duplication_and_reordering_leave_every_byte_intact() {
+    let v = perf(&[
+        "--backend",
+        "portable",
+        "-D",
+        "0.5",
+        "-s",
+        "16K",
+        "--loss",
+        "0.03",
+        "--duplicate",
+        "0.03",
+        "--reorder",
+        "0.03",
+    ]);
+    check(&v, "write");
+    assert!(v["retransmits"].as_u64().unwrap() > 0, "{v}");
+    let out = Command::new(BIN)
+        .args(["perf", "--loss", "1.5"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("fraction"));
+}

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-const REASONS: [(RejectReason, &str); 19] = [
+const REASONS: [(RejectReason, &str); 21] = [
     (RejectReason::Truncated, "truncated"),
     (RejectReason::BadVersion, "bad_version"),
     (RejectReason::UnknownType, "unknown_type"),
@@ -30,6 +30,7 @@ const REASONS: [(RejectReason, &str); 19] = [
     (RejectReason::WrongSource, "wrong_source"),
     (RejectReason::WrongState, "wrong_state"),
     (RejectReason::CsnOutOfWindow, "csn_out_of_window"),
+    (RejectReason::PsnOutOfWindow, "psn_out_of_window"),
     (RejectReason::Duplicate, "duplicate"),
     (RejectReason::BadQp, "bad_qp"),
     (RejectReason::MsgOutOfWindow, "msg_out_of_window"),
@@ -40,6 +41,7 @@ const REASONS: [(RejectReason, &str); 19] = [
     (RejectReason::StaleGeneration, "stale_generation"),
     (RejectReason::BadIntegrity, "bad_integrity"),
     (RejectReason::BadKey, "bad_key"),
+    (RejectReason::RateLimited, "rate_limited"),
 ];
 
 type Counter<S> = (IntCounterVec, fn(&S) -> u64);

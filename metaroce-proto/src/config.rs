@@ -29,8 +29,34 @@ pub struct EndpointConfig {
     pub source_ports: Vec<u16>,
     /// Accept incoming connections.
     pub accept_incoming: bool,
-    /// Largest number of connections.
+    /// Largest number of connections (PROTOCOL §18): a local
+    /// [`connect`](crate::Endpoint::connect) beyond it fails
+    /// ([`TooManyConnections`](crate::verbs::VerbsError::TooManyConnections)),
+    /// a peer's HELLO is refused (`Refused`). Closed connections count until
+    /// released.
     pub max_connections: usize,
+    /// Largest number of this endpoint's own handshakes in progress
+    /// (connections in `Connecting`): a [`connect`](crate::Endpoint::connect)
+    /// beyond it fails
+    /// ([`TooManyHandshakes`](crate::verbs::VerbsError::TooManyHandshakes)).
+    /// A server keeps no handshake state (cookies, §8.2, §8.4).
+    pub max_handshakes: usize,
+    /// Largest number of queue pairs: [`create_qp`](crate::Endpoint::create_qp)
+    /// beyond it fails ([`TooManyQps`](crate::verbs::VerbsError::TooManyQps)).
+    pub max_qps: usize,
+    /// Largest number of registered memory regions (at most 2^24):
+    /// [`reg_mr`](crate::Endpoint::reg_mr) beyond it fails
+    /// ([`TooManyRegions`](crate::verbs::VerbsError::TooManyRegions)).
+    pub max_regions: usize,
+    /// Stateless replies (COOKIE, VERSION_NEGOTIATION) sent per second at
+    /// most, on average (a token bucket of
+    /// [`stateless_burst`](Self::stateless_burst)); a datagram whose reply
+    /// is over the rate gets none and is counted (`RateLimited`). Bounds what
+    /// a flood of spoofed HELLOs makes this endpoint send to the addresses
+    /// they forge.
+    pub stateless_rate: u32,
+    /// Stateless replies sent back to back at most, after a quiet time.
+    pub stateless_burst: u32,
     /// RTO before the first RTT sample.
     pub initial_rto: Duration,
     /// Lower bound of the RTO.
@@ -135,6 +161,11 @@ impl Default for EndpointConfig {
             source_ports: (49152..=49152 + 255).collect(),
             accept_incoming: true,
             max_connections: 65_536,
+            max_handshakes: 1_024,
+            max_qps: 65_536,
+            max_regions: 1 << 20,
+            stateless_rate: 10_000,
+            stateless_burst: 1_000,
             initial_rto: DEFAULT_INITIAL_RTO,
             min_rto: DEFAULT_MIN_RTO,
             max_rto: DEFAULT_MAX_RTO,
@@ -198,6 +229,17 @@ impl EndpointConfig {
         }
         if self.receive_buffer == Some(0) {
             return Err(ConfigError("receive_buffer must be at least 1 byte"));
+        }
+        if self.max_regions > crate::verbs::MAX_REGIONS {
+            return Err(ConfigError("max_regions must be at most 2^24"));
+        }
+        if self.max_qps >= 1 << 20 {
+            return Err(ConfigError("max_qps must be below 2^20"));
+        }
+        if self.stateless_rate == 0 || self.stateless_burst == 0 {
+            return Err(ConfigError(
+                "stateless_rate and stateless_burst must be at least 1",
+            ));
         }
         if self.handshake_retries == 0 {
             return Err(ConfigError("handshake_retries must be at least 1"));

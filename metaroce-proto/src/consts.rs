@@ -54,6 +54,20 @@ pub const ACK_FLAG_COALESCED: u8 = 0x01;
 /// this many sequence numbers, so the bitvector always describes all of them.
 pub const SACK_BITS: u32 = 256;
 
+/// How far after a path's `ack_psn` a PSN may lie and still be taken
+/// (`PSN_WINDOW`, PROTOCOL §9.2): one at `ack_psn + PSN_WINDOW` or later is
+/// refused (`PsnOutOfWindow`) and moves no window state.
+///
+/// A sender's PSN runs ahead of the receiver's `ack_psn` only by the span
+/// rule's `SACK_BITS` plus the PSNs it sent that never arrived while it
+/// declared them lost (a dead route probed at most once per `max_rto`): a
+/// route would have to swallow 65,280 packets in a row, hours of probing,
+/// before a genuine packet met this bound. A single forged PSN half the
+/// sequence space ahead, taken, would otherwise move the window past
+/// everything the sender has sent, and every later ACK of the path would be
+/// refused as acknowledging unsent PSNs.
+pub const PSN_WINDOW: u32 = 65_536;
+
 /// Bytes of the SACK bitvector (`SACK_BYTES`).
 pub const SACK_BYTES: usize = (SACK_BITS / 8) as usize;
 

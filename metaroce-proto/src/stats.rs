@@ -24,6 +24,8 @@ pub enum RejectReason {
     WrongState,
     /// A CSN beyond the connection's receive window.
     CsnOutOfWindow,
+    /// A PSN `PSN_WINDOW` or more after its path's `ack_psn`.
+    PsnOutOfWindow,
     /// A packet seen before (path- or connection-level duplicate).
     Duplicate,
     /// For a QP that does not exist, belongs to another connection, or is not ready.
@@ -45,6 +47,9 @@ pub enum RejectReason {
     BadIntegrity,
     /// A HELLO or ACCEPT whose key proof is missing or wrong (PROTOCOL §3.2).
     BadKey,
+    /// A datagram whose stateless reply (COOKIE, VERSION_NEGOTIATION) the
+    /// endpoint's `stateless_rate` did not allow: dropped unanswered.
+    RateLimited,
 }
 
 /// Rejection counters, one per [`RejectReason`].
@@ -60,6 +65,7 @@ pub struct RejectCounters {
     pub wrong_source: u64,
     pub wrong_state: u64,
     pub csn_out_of_window: u64,
+    pub psn_out_of_window: u64,
     pub duplicate: u64,
     pub bad_qp: u64,
     pub msg_out_of_window: u64,
@@ -70,6 +76,7 @@ pub struct RejectCounters {
     pub stale_generation: u64,
     pub bad_integrity: u64,
     pub bad_key: u64,
+    pub rate_limited: u64,
 }
 
 impl RejectCounters {
@@ -86,6 +93,7 @@ impl RejectCounters {
             WrongSource => self.wrong_source,
             WrongState => self.wrong_state,
             CsnOutOfWindow => self.csn_out_of_window,
+            PsnOutOfWindow => self.psn_out_of_window,
             Duplicate => self.duplicate,
             BadQp => self.bad_qp,
             MsgOutOfWindow => self.msg_out_of_window,
@@ -96,6 +104,7 @@ impl RejectCounters {
             StaleGeneration => self.stale_generation,
             BadIntegrity => self.bad_integrity,
             BadKey => self.bad_key,
+            RateLimited => self.rate_limited,
         }
     }
 
@@ -111,6 +120,7 @@ impl RejectCounters {
             WrongSource => &mut self.wrong_source,
             WrongState => &mut self.wrong_state,
             CsnOutOfWindow => &mut self.csn_out_of_window,
+            PsnOutOfWindow => &mut self.psn_out_of_window,
             Duplicate => &mut self.duplicate,
             BadQp => &mut self.bad_qp,
             MsgOutOfWindow => &mut self.msg_out_of_window,
@@ -121,6 +131,7 @@ impl RejectCounters {
             StaleGeneration => &mut self.stale_generation,
             BadIntegrity => &mut self.bad_integrity,
             BadKey => &mut self.bad_key,
+            RateLimited => &mut self.rate_limited,
         };
         *c += 1;
     }
@@ -136,6 +147,7 @@ impl RejectCounters {
             + self.wrong_source
             + self.wrong_state
             + self.csn_out_of_window
+            + self.psn_out_of_window
             + self.duplicate
             + self.bad_qp
             + self.msg_out_of_window
@@ -146,6 +158,7 @@ impl RejectCounters {
             + self.stale_generation
             + self.bad_integrity
             + self.bad_key
+            + self.rate_limited
     }
 }
 

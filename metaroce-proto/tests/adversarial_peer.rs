@@ -304,7 +304,6 @@ struct Worst {
     max_steps: u64,
     peak_heap_growth: isize,
     conn1_closed_or_failed: usize,
-    known_findings: [u64; 3],
 }
 
 impl Worst {
@@ -319,9 +318,6 @@ impl Worst {
         if r.conn1_state != Some(metaroce_proto::ConnectionState::Established) {
             self.conn1_closed_or_failed += 1;
         }
-        self.known_findings[0] += r.known_finding_1;
-        self.known_findings[1] += r.known_finding_2;
-        self.known_findings[2] += r.known_finding_3;
     }
 }
 
@@ -787,7 +783,7 @@ fn long_attacks_keep_state_bounded() {
 }
 
 // ---------------------------------------------------------------------------
-// Core findings (minimal reproductions; `#[ignore]`d until the core is fixed)
+// Core findings (minimal reproductions, all fixed)
 // ---------------------------------------------------------------------------
 
 /// Finding 1 (found by `random_action_sequences`): a NAK that names no
@@ -960,127 +956,150 @@ fn an_ack_with_cum_csn_half_the_space_ahead_is_refused_at_once() {
     assert_eq!(bogus, 1, "refused as bogus");
 }
 
-/// Finding 3 (found by `random_action_sequences`, as its slowest inputs):
-/// one forged DATA packet whose PSN is far ahead on one of the peer's paths
-/// (its CSN inside the window, so the victim takes it) moves the victim's
-/// receive window of that path there for good (PROTOCOL §9.2, window
-/// advance). From then on every ACK of the victim reports that path's
-/// `ack_psn` far beyond anything the peer sent, which the peer refuses
-/// (`BogusAck`, §13.1): none of the peer's packets on the path is ever
-/// acknowledged on it again (their CSNs are, through `cum_csn`). The peer
-/// declares the path failed and probes it, one NOP in flight (§9.1) - but
-/// every probe times out (its path-level ACK is refused like the rest), and
-/// each timeout fails the path again: `PathTx::fail`
-/// (`src/connection/path.rs`) resets the path's `backoff` to 0 ("a new
-/// route: its probe gets a plain timeout"), so the RTO never doubles
-/// (§13.3) and stays at the 2 ms minimum. The peer sends a NOP every 2 ms,
-/// and the victim an ACK for each, for ever, on an idle connection: 500
-/// datagrams a second each way per poisoned path (up to `paths` of them,
-/// one forged packet each).
+/// Finding 3 (found by `random_action_sequences`, as its slowest inputs;
+/// fixed): one forged DATA packet whose PSN is far ahead on one of the
+/// peer's paths (its CSN inside the window, so the victim took it) moved
+/// the victim's receive window of that path there for good (PROTOCOL §9.2,
+/// window advance). From then on every ACK of the victim reported that
+/// path's `ack_psn` far beyond anything the peer sent, which the peer
+/// refused (`BogusAck`, §13.1). The peer declared the path failed and
+/// probed it, and since each probe that timed out failed the path again
+/// with its backoff reset, the RTO never doubled: a NOP every 2 ms and an
+/// ACK for each, for ever, on an idle connection.
 ///
-/// Expected: an idle connection goes quiet: a failed path's probes back
-/// off (RTO doubling up to 500 ms), a handful per second at most.
-/// Actual (core at 97e6dbf + working tree): 500 probes a second, each
-/// answered, for as long as the connection lives (35,000 in the 70 s the
-/// input that found it ran); the path's `failures` counter counts every
-/// one.
+/// Now a PSN `PSN_WINDOW` or more after the path's `ack_psn` is refused
+/// (`PsnOutOfWindow`) and moves nothing, so the peer's path keeps being
+/// acknowledged; and a probe that times out keeps its backoff, so even a
+/// path whose ACKs a forgery inside the window did spoil (a PSN a few
+/// `SACK_BITS` ahead) is probed ever more rarely instead of every 2 ms.
 #[test]
-#[ignore = "core finding 3: a path poisoned by one forged PSN is probed every 2 ms for ever"]
 fn a_poisoned_path_does_not_keep_the_connection_busy_for_ever() {
-    let mut w = World::new(None);
-    // The peer's next 7 datagrams are lost (so that its packets on path 2
-    // time out and the path fails).
-    w.act(&Action::Drop { to_b: true, n: 7 });
-    // One forged packet for path 2, 2^30 PSNs ahead, with a CSN the peer
-    // has not used yet.
-    w.act(&Action::Data(FakeData {
-        psn: Sel::far(1 << 30),
-        csn: Sel::ahead(100),
-        ..FakeData::valid(7, 2, 0)
-    }));
-    // Both sides have something to send.
-    w.act(&Action::PeerPost(Post {
-        op: 3,
-        len: 4000,
-        at: 0,
-    }));
-    w.act(&Action::VictimPost(Post {
-        op: 1,
-        len: 16_000,
-        at: 0,
-    }));
-    // Everything is done (or failed) well within 5 s.
-    w.act(&Action::Wait(11));
-    let before = (w.a.stats().datagrams_sent, w.b.stats().datagrams_sent);
-    w.act(&Action::Wait(10));
-    let sent = (
-        w.a.stats().datagrams_sent - before.0,
-        w.b.stats().datagrams_sent - before.1,
-    );
-    assert!(
-        sent.0 <= 40 && sent.1 <= 40,
-        "in one idle second the peer sent {} datagrams and the victim {}",
-        sent.0,
-        sent.1
-    );
+    use metaroce_proto::consts::{PSN_WINDOW, SACK_BITS};
+    for (ahead, refused) in [
+        (1u32 << 30, true),
+        (PSN_WINDOW, true),
+        (PSN_WINDOW - 1, false),
+        (3 * SACK_BITS, false),
+    ] {
+        let mut w = World::new(None);
+        // The peer's next 7 datagrams are lost (so that its packets on path
+        // 2 time out and the path fails).
+        w.act(&Action::Drop { to_b: true, n: 7 });
+        // One forged packet for path 2, `ahead` PSNs after what the victim
+        // expects on it, with a CSN the peer has not used yet.
+        w.act(&Action::Data(FakeData {
+            psn: Sel::far(ahead),
+            csn: Sel::ahead(100),
+            ..FakeData::valid(7, 2, 0)
+        }));
+        assert_eq!(
+            w.b.stats().rejects.psn_out_of_window,
+            u64::from(refused),
+            "PSN {ahead} ahead"
+        );
+        // Both sides have something to send.
+        w.act(&Action::PeerPost(Post {
+            op: 3,
+            len: 4000,
+            at: 0,
+        }));
+        w.act(&Action::VictimPost(Post {
+            op: 1,
+            len: 16_000,
+            at: 0,
+        }));
+        // Everything is done (or failed) well within 5 s.
+        w.act(&Action::Wait(11));
+        let before = (w.a.stats().datagrams_sent, w.b.stats().datagrams_sent);
+        w.act(&Action::Wait(10));
+        let sent = (
+            w.a.stats().datagrams_sent - before.0,
+            w.b.stats().datagrams_sent - before.1,
+        );
+        assert!(
+            sent.0 <= 40 && sent.1 <= 40,
+            "PSN {ahead} ahead: in one idle second the peer sent {} datagrams and the victim {}",
+            sent.0,
+            sent.1
+        );
+        if refused {
+            // The victim's window never moved: no ACK of its was refused.
+            assert_eq!(w.a.stats().rejects.bogus_ack, 0, "PSN {ahead} ahead");
+        }
+    }
 }
 
 /// Finding 4 (found by the `adversarial_peer` fuzz target in a few
-/// minutes; by design rather than a slip, so reported as a question): with
-/// the default `rnr_retry` of 7 ("for ever", as in verbs), one forged ACK
-/// that acknowledges packets the peer never received puts the victim into
-/// an RNR loop that never ends, at a high packet rate.
+/// minutes; fixed): with the default `rnr_retry` of 7 ("for ever", as in
+/// verbs), one forged ACK that acknowledges packets the peer never received
+/// put the victim into an RNR loop that never ended, at about 27,000
+/// datagrams a second.
 ///
 /// Steps (the harness's application reposts a receive when one completes,
 /// and keeps 8 posted): the victim's next 4 datagrams are lost; it posts 8
-/// one-packet SENDs; a forged ACK acknowledges every CSN it sent (and
-/// reports every message executed), so the 4 lost packets are never
-/// resent. The peer's `msn_done` stays at the first lost SEND for good, so
-/// its receives are never consumed and never reposted. The victim posts 8
-/// more SENDs: they need receives 8..15, the peer has 0..7 posted, and
-/// answers each with NAK `Rnr` (PROTOCOL §11.3). The victim resends each
-/// after `min_rnr_timer` (100 µs) with the next generation, for ever
-/// (§11.5), and the NAKs count as stream progress (§11.6), so nothing ever
-/// times out.
+/// one-packet SENDs; a forged ACK acknowledges every CSN it sent (and, in
+/// the first variant, reports every message executed), so the 4 lost
+/// packets are never resent. The peer's `msn_done` stays at the first lost
+/// SEND for good, so its receives are never consumed and never reposted.
+/// The victim posts 8 more SENDs: they need receives the peer does not
+/// have, and it answers each with NAK `Rnr` (PROTOCOL §11.3), genuinely.
+/// The victim resent each after `min_rnr_timer` (100 µs), for ever, and
+/// the NAKs counted as stream progress (§11.6), so nothing timed out.
 ///
-/// Expected (a suggestion): the loop ends, or at least backs off: e.g. a
-/// default `rnr_retry` below 7, RNR waits that grow while the same
-/// receive stays missing, or a QP whose oldest request makes no progress
-/// failing it even while later requests are RNR-NAKed.
-/// Actual (core at 97e6dbf + working tree): the victim sends about 27,000
-/// datagrams a second (8 SENDs every ~300 µs), each answered by a NAK, for
-/// as long as the connection lives; with `rnr_retry` 6 it is quiet a
-/// millisecond later. (The fuzz input that found it, 2.4 KB, had the
-/// harness take 50,000 network steps in 20 ms of simulated time.)
-/// The harness itself runs with `rnr_retry` 6 ([`RNR_RETRY`]).
+/// Now (§11.5, §11.6): an RNR NAK comes with its QP's `msn_done`, and one
+/// whose `msn_done` is behind what the peer reported before (here: behind
+/// the forged report) is refused (`Inconsistent`); and only a NAK of the
+/// oldest request is progress, so the oldest (which will never execute)
+/// gets its probes and fails after `retry_cnt`, ending the loop. Genuine
+/// RNR still retries for ever (`tests/pair.rs`).
 #[test]
-#[ignore = "finding 4 (design): rnr_retry 7 + one forged ACK = an RNR loop at ~27k datagrams/s for ever"]
 fn an_rnr_loop_started_by_a_forged_ack_does_not_last_for_ever() {
-    let mut w = World::with_rnr_retry(None, 7);
-    let send = |len| Action::VictimPost(Post { op: 2, len, at: 0 });
-    w.act(&Action::Drop { to_b: false, n: 4 });
-    for _ in 0..8 {
-        w.act(&send(4000));
+    for forged_stream in [true, false] {
+        let mut w = World::with_rnr_retry(None, 7);
+        let send = |len| Action::VictimPost(Post { op: 2, len, at: 0 });
+        w.act(&Action::Drop { to_b: false, n: 4 });
+        for _ in 0..8 {
+            w.act(&send(4000));
+        }
+        // Everything the victim sent is acknowledged (and every message
+        // executed).
+        w.act(&ack(|a| {
+            a.cum = Sel::at(0);
+            if forged_stream {
+                a.streams = vec![FakeStream {
+                    qp: 0,
+                    msn: Sel::at(0),
+                }];
+            }
+        }));
+        for _ in 0..8 {
+            w.act(&send(4000));
+        }
+        w.act(&Action::Wait(8));
+        let before = w.b.stats().datagrams_sent;
+        w.act(&Action::Wait(7));
+        let sent = w.b.stats().datagrams_sent - before;
+        assert!(
+            sent <= 200,
+            "forged stream {forged_stream}: the victim sent {sent} datagrams in 10 ms, \
+             50 ms after the forged ACK"
+        );
+        // Within seconds the loop is over: the QP has failed, and the
+        // connection is quiet.
+        w.act(&Action::Wait(11));
+        assert_eq!(
+            w.victim_qp_state(),
+            Some(metaroce_proto::verbs::QpState::Error),
+            "forged stream {forged_stream}"
+        );
+        let before = w.b.stats().datagrams_sent;
+        w.act(&Action::Wait(10));
+        let sent = w.b.stats().datagrams_sent - before;
+        assert!(
+            sent <= 40,
+            "forged stream {forged_stream}: {sent} datagrams in an idle second"
+        );
     }
-    // Everything the victim sent is acknowledged, every message executed.
-    w.act(&ack(|a| {
-        a.cum = Sel::at(0);
-        a.streams = vec![FakeStream {
-            qp: 0,
-            msn: Sel::at(0),
-        }];
-    }));
-    for _ in 0..8 {
-        w.act(&send(4000));
-    }
-    w.act(&Action::Wait(8));
-    let before = w.b.stats().datagrams_sent;
-    w.act(&Action::Wait(7));
-    let sent = w.b.stats().datagrams_sent - before;
-    assert!(
-        sent <= 200,
-        "the victim sent {sent} datagrams in 10 ms, 50 ms after the forged ACK"
-    );
 }
 
 /// Seeds for the fuzzer: the hand-written sequences' shapes in its byte

@@ -172,3 +172,104 @@ fn far_ahead_psn_is_handled_in_constant_time() {
         "one DATA packet with psn + 0x6a000000 took {took:?} in handle_datagram"
     );
 }
+
+/// Finding 5 (found by `tests/model.rs`, about one round in fifteen;
+/// fixed): a fatal NAK that overtakes an earlier READ's response flushed
+/// the READ.
+///
+/// Steps: one QP, perfect link but for the READ's one response packet,
+/// which is lost. A posts a READ of 100 bytes from a region of B that
+/// allows it, then a SEND of 200 bytes into B's receive of 100. B executes
+/// the READ (its response goes, and is lost), then fails the SEND
+/// (`InvalidRequest`, with `msn_done` 1: the READ is done) and moves its QP
+/// to ERROR, which drops the READ's unacknowledged response: it is never
+/// sent again. A takes the NAK and fails its QP: the READ, executed at B,
+/// completes `WrFlushError`.
+///
+/// Expected (verbs): the READ completes `Success` (its response is sent
+/// again until acknowledged; a responder that failed a later request still
+/// answers the earlier ones), the SEND `RemoteInvalidRequest`. (A request
+/// completing `WrFlushError` before the QP's first error completion never
+/// happens in verbs.) The same race flushes SENDs and WRITEs that B
+/// executed between the READ and the failed request, whose receives at B
+/// complete `Success`.
+/// Actual (core at 93fcc73): `[WrFlushError, RemoteInvalidRequest]`.
+/// Fixed: a responder QP that fails keeps (and resends) the responses of
+/// the READs it executed before, and the requester keeps a fatal NAK until
+/// the requests before its message are complete (PROTOCOL §11.4, §11.5).
+#[test]
+fn a_fatal_nak_that_overtakes_a_read_response_does_not_flush_the_read() {
+    use metaroce_proto::wire::{DataHeader, Opcode};
+    let mut p = Pair::new(
+        EndpointConfig::default(),
+        EndpointConfig::default(),
+        5,
+        LinkConfig::perfect(),
+    );
+    p.connect();
+    let v = Verbs::setup(&mut p);
+    let src = reg(&mut p.a, v.pda, pattern(2, 200), 0, AccessFlags::NONE);
+    let rd = reg(&mut p.a, v.pda, vec![0; 100], 0, AccessFlags::LOCAL_WRITE);
+    let remote = reg(
+        &mut p.b,
+        v.pdb,
+        pattern(3, 100),
+        0,
+        AccessFlags::REMOTE_READ,
+    );
+    let rcv = reg(&mut p.b, v.pdb, vec![0; 100], 0, AccessFlags::LOCAL_WRITE);
+    let mut lost = false;
+    p.on_wire = Some(Box::new(move |to_b, bytes| {
+        let Ok((h, _)) = DataHeader::parse(bytes) else {
+            return;
+        };
+        if !to_b && h.opcode == Opcode::ReadResp && !lost {
+            lost = true;
+            bytes.clear();
+        }
+    }));
+    p.b.post_recv(
+        v.qb,
+        RecvWr {
+            wr_id: 9,
+            sge: Sge {
+                lkey: rcv.lkey,
+                addr: 0,
+                len: 100,
+            }
+            .into(),
+        },
+    )
+    .unwrap();
+    let now = p.now;
+    let read = SendWr::new(
+        1,
+        SendOp::Read(RemoteAddr {
+            rkey: remote.rkey,
+            addr: 0,
+        }),
+        Sge {
+            lkey: rd.lkey,
+            addr: 0,
+            len: 100,
+        },
+    );
+    let send = SendWr::new(
+        2,
+        SendOp::Send,
+        Sge {
+            lkey: src.lkey,
+            addr: 0,
+            len: 200,
+        },
+    );
+    p.a.post_send(now, v.qa, read).unwrap();
+    p.a.post_send(now, v.qa, send).unwrap();
+    p.run_for(Duration::from_secs(1));
+    let wcs = drain_cq(&mut p.a, v.cqa);
+    assert_eq!(
+        wcs.iter().map(|w| w.status).collect::<Vec<_>>(),
+        [WcStatus::Success, WcStatus::RemoteInvalidRequest]
+    );
+    assert_eq!(p.a.mr(rd.lkey).unwrap(), &pattern(3, 100)[..]);
+}

@@ -126,6 +126,17 @@ struct SideArgs {
     /// without it is refused.
     #[arg(long = "psk-file", value_name = "PATH", value_parser = psk_file)]
     psk: Option<metaroce_proto::Psk>,
+    /// Fault injection: the fraction of arriving datagrams this side's
+    /// driver drops (0.01: 1%), as a lossy network would.
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.0, value_parser = fraction)]
+    loss: f64,
+    /// Fault injection: the fraction of kept datagrams delivered twice.
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.0, value_parser = fraction)]
+    duplicate: f64,
+    /// Fault injection: the fraction of kept datagrams held back 200 µs
+    /// (delivered after later ones).
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.0, value_parser = fraction)]
+    reorder: f64,
 }
 
 /// `--psk-file`'s parser: the key in the file.
@@ -139,6 +150,14 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
         "on" => Ok(true),
         "off" => Ok(false),
         _ => Err(format!("`{s}`: say on or off")),
+    }
+}
+
+/// A fault fraction: a number within `[0, 1]`.
+fn fraction(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
+        _ => Err(format!("`{s}`: give a fraction within 0..=1 (0.01 is 1%)")),
     }
 }
 
@@ -167,6 +186,7 @@ impl SideArgs {
             psk: self.psk,
             ..Tuning::new(self.paths, self.backend, self.busy_poll_us, self.mtu())
         }
+        .with_faults(self.loss, self.duplicate, self.reorder)
     }
 }
 
@@ -672,6 +692,9 @@ mod remote_tests {
                 mtu: None,
                 crc: false,
                 psk: None,
+                loss: 0.0,
+                duplicate: 0.0,
+                reorder: 0.0,
             },
             all: false,
         }
@@ -846,6 +869,9 @@ mod remote_tests {
                 mtu: None,
                 crc: false,
                 psk: None,
+                loss: 0.0,
+                duplicate: 0.0,
+                reorder: 0.0,
             },
             all: false,
         };

@@ -3,6 +3,7 @@
 //! that checks what lands, and the drivers that carry them.
 
 use super::*;
+use metaroce_io::FaultConfig;
 use std::collections::VecDeque;
 
 /// Where each iteration goes: iteration `i` is posted on QP `i % qps`, lands
@@ -58,6 +59,9 @@ pub(super) struct Tuning {
     pub(super) crc32c: bool,
     /// The pre-shared key (`--psk-file`).
     pub(super) psk: Option<metaroce_proto::Psk>,
+    /// Injected faults of arriving datagrams (`--loss`, `--duplicate`,
+    /// `--reorder`): fractions.
+    pub(super) faults: (f64, f64, f64),
 }
 
 impl Tuning {
@@ -69,6 +73,16 @@ impl Tuning {
             mtu,
             crc32c: false,
             psk: None,
+            faults: (0.0, 0.0, 0.0),
+        }
+    }
+
+    /// These settings with datagrams dropped, duplicated and held back at
+    /// the given rates as they arrive.
+    pub(super) fn with_faults(self, loss: f64, duplicate: f64, reorder: f64) -> Self {
+        Tuning {
+            faults: (loss, duplicate, reorder),
+            ..self
         }
     }
 }
@@ -93,8 +107,17 @@ pub(super) fn bind_mtu(
         mtu: own_mtu,
         crc32c,
         psk,
+        faults: (drop, duplicate, reorder),
     } = t;
     let mut cfg = DriverConfig::new(listen);
+    cfg.faults = FaultConfig {
+        seed: seed ^ 0xfa17,
+        drop,
+        duplicate,
+        reorder,
+        reorder_delay: Duration::from_micros(200),
+        ..FaultConfig::default()
+    };
     cfg.backend = backend;
     cfg.busy_poll = busy_poll;
     cfg.endpoint = endpoint_config(paths);

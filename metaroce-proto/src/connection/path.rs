@@ -2,7 +2,7 @@
 //! ring, and the receiver's per-path sequence tracking.
 
 use crate::cc::SenderCc;
-use crate::consts::{SACK_BITS, SACK_BYTES};
+use crate::consts::{PSN_WINDOW, SACK_BITS, SACK_BYTES};
 use crate::reliability::{RingBitmap, RttEstimator, SeqAccept};
 use crate::time::Instant;
 use crate::wire::seq::{seq_dist, seq_lt};
@@ -372,8 +372,14 @@ impl PathTx {
         self.move_to = None;
         self.state = PathState::Probing;
         self.src_port = new_port;
-        // A new route: its probe gets a plain timeout, not the old route's backoff.
-        self.backoff = 0;
+        // A new route: its probe gets a plain timeout, not the old route's
+        // backoff. But a probe that timed out keeps doubling it (the timer
+        // raised it): a path whose every probe goes unanswered (a dead
+        // plane, or a peer whose ACKs of the path are refused) is probed
+        // ever more rarely, up to `max_rto`, not every `min_rto` for ever.
+        if self.state != PathState::Probing {
+            self.backoff = 0;
+        }
         self.late_floor = Duration::ZERO;
         self.probe_due = false;
         self.cc.reset(min_window);
@@ -807,6 +813,14 @@ impl PathRx {
             dirty: false,
             highest: None,
         }
+    }
+
+    /// Whether `psn` lies within the path's receive window: before
+    /// `ack_psn + PSN_WINDOW` (PROTOCOL §9.2). Anything before `ack_psn` is
+    /// in it (a late or duplicate packet, whose CSN decides).
+    pub(crate) fn psn_in_window(&self, psn: u32) -> bool {
+        let cum = self.seen.cum();
+        seq_lt(psn, cum) || seq_dist(cum, psn) < PSN_WINDOW
     }
 
     /// Records `psn`. Returns the outcome and whether it is out of sequence:

@@ -391,6 +391,12 @@ pub struct Endpoint {
     /// batch of datagrams being read (see `run_loss_checks`).
     loss_checks: Vec<usize>,
     stateless: VecDeque<StatelessReply>,
+    /// Stateless replies the rate allows now (`stateless_rate`), and when
+    /// the bucket was last filled.
+    stateless_tokens: u32,
+    stateless_filled: Instant,
+    /// QPs that exist.
+    qp_count: usize,
     stats: EndpointStats,
     /// Where sealed datagrams are opened (PROTOCOL §3.2): grown to the
     /// largest datagram once, reused for every one.
@@ -431,6 +437,7 @@ impl Endpoint {
             config.receive_buffer,
         );
         let cookie_key = (rng.next_u64(), rng.next_u64());
+        let stateless_burst = config.stateless_burst;
         Ok(Endpoint {
             config,
             rng,
@@ -458,6 +465,9 @@ impl Endpoint {
             ready: VecDeque::new(),
             loss_checks: Vec::new(),
             stateless: VecDeque::new(),
+            stateless_tokens: stateless_burst,
+            stateless_filled: Instant::ZERO,
+            qp_count: 0,
             stats: EndpointStats::default(),
             rx_scratch: Vec::new(),
             local_ip: None,
@@ -611,6 +621,9 @@ impl Endpoint {
         access: AccessFlags,
     ) -> Result<MrInfo, VerbsError> {
         self.check_pd(pd)?;
+        if self.mrs.len() >= self.config.max_regions {
+            return Err(VerbsError::TooManyRegions);
+        }
         let mut buf = buf.into();
         if !access.contains(AccessFlags::ON_DEMAND) {
             buf.make_resident();
@@ -770,6 +783,9 @@ impl Endpoint {
                 "max_recv_sge not in 1..=MAX_SGE",
             ));
         }
+        if self.qp_count >= self.config.max_qps {
+            return Err(VerbsError::TooManyQps);
+        }
         for cq in [init.send_cq, init.recv_cq] {
             if cq.0 as usize >= self.cqs.len() {
                 return Err(VerbsError::InvalidCq);
@@ -802,6 +818,7 @@ impl Endpoint {
         q.max_send_sge = init.max_send_sge;
         q.max_recv_sge = init.max_recv_sge;
         self.qps[idx] = Some(q);
+        self.qp_count += 1;
         Ok(qpn)
     }
 
@@ -830,6 +847,7 @@ impl Endpoint {
         let idx = self.qp_index(qpn).ok_or(VerbsError::InvalidQp(qpn))?;
         self.fail_qp(qpn, None, false);
         if let Some(qp) = self.qps[idx].take() {
+            self.qp_count -= 1;
             if let Some(c) = qp.conn {
                 if let Some(conn) = self.conns.get_mut(c.0 as usize).and_then(|c| c.as_mut()) {
                     conn.qps.retain(|&q| q != qpn);
@@ -1145,6 +1163,17 @@ impl Endpoint {
     ) -> Result<usize, VerbsError> {
         if self.by_cid.len() >= self.config.max_connections {
             return Err(VerbsError::TooManyConnections);
+        }
+        if is_client {
+            let connecting = self
+                .conns
+                .iter()
+                .flatten()
+                .filter(|c| c.state == ConnectionState::Connecting)
+                .count();
+            if connecting >= self.config.max_handshakes {
+                return Err(VerbsError::TooManyHandshakes);
+            }
         }
         let cid = loop {
             let c = self.rng.next_u32();

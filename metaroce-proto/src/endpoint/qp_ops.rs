@@ -74,6 +74,7 @@ impl Endpoint {
         q.reads_outstanding = 0;
         q.rnr_wait_until = None;
         q.incoming.clear();
+        q.deferred_fatal = None;
         q.state = QpState::Error;
         if event && !was_error {
             let status = failing.map_or(WcStatus::WrFlushError, |f| f.1);
@@ -292,6 +293,13 @@ impl Endpoint {
                 push_wc(cqs, events, q.send_cq, wc);
             }
         }
+        // A fatal NAK that waited for the requests before its message.
+        let due = q
+            .deferred_fatal
+            .filter(|&(m, _)| q.sq.front().is_none_or(|w| w.msn == m));
+        if let Some((msn, status)) = due {
+            self.fail_qp(qpn, Some((msn, status)), true);
+        }
     }
 
     /// Responder: retires complete messages in order, generating receive
@@ -429,9 +437,13 @@ impl Endpoint {
                 NakCode::RemoteAccess => WcStatus::RemoteAccessError,
                 _ => WcStatus::RemoteInvalidRequest,
             };
+            // Earlier READs were executed: their responses are still sent
+            // (again, if lost) until acknowledged.
+            let responses = std::mem::take(&mut q.read_resps);
             self.fail_qp(qpn, None, false);
             if let Some(q) = self.qps[idx].as_mut() {
                 q.fatal_nak = Some(nak);
+                q.read_resps = responses;
             }
             self.events.push_back(Event::QpError { qpn, status });
         }

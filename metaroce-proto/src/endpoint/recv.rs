@@ -84,7 +84,7 @@ impl Endpoint {
                     } else {
                         from.port()
                     };
-                    self.queue_stateless(SocketAddr::new(from.ip(), port), buf, len);
+                    self.queue_stateless(now, SocketAddr::new(from.ip(), port), buf, len);
                 }
                 return self.reject(RejectReason::BadVersion, from);
             }
@@ -151,10 +151,42 @@ impl Endpoint {
         r
     }
 
-    fn queue_stateless(&mut self, dst: SocketAddr, buf: [u8; HELLO_LEN], len: usize) {
-        if self.stateless.len() < MAX_STATELESS_QUEUE {
-            self.stateless.push_back(StatelessReply { dst, buf, len });
+    /// Queues a stateless reply, if the rate (`stateless_rate`) and the
+    /// queue allow; whether it was queued. One refused is counted
+    /// (`RateLimited`).
+    fn queue_stateless(
+        &mut self,
+        now: Instant,
+        dst: SocketAddr,
+        buf: [u8; HELLO_LEN],
+        len: usize,
+    ) -> bool {
+        let rate = u64::from(self.config.stateless_rate);
+        let burst = self.config.stateless_burst;
+        if self.stateless_tokens < burst && rate > 0 {
+            let elapsed = now.saturating_since(self.stateless_filled).as_nanos();
+            let earned = (elapsed.saturating_mul(u128::from(rate)) / 1_000_000_000)
+                .min(u128::from(burst)) as u32;
+            if earned > 0 {
+                self.stateless_tokens = (self.stateless_tokens + earned).min(burst);
+                self.stateless_filled = if self.stateless_tokens == burst {
+                    now
+                } else {
+                    // Keep the fraction of a token already earned.
+                    self.stateless_filled
+                        + core::time::Duration::from_nanos(u64::from(earned) * 1_000_000_000 / rate)
+                };
+            }
+        } else if self.stateless_tokens >= burst {
+            self.stateless_filled = now;
         }
+        if self.stateless_tokens == 0 || self.stateless.len() >= MAX_STATELESS_QUEUE {
+            self.stats.rejects.bump(RejectReason::RateLimited);
+            return false;
+        }
+        self.stateless_tokens -= 1;
+        self.stateless.push_back(StatelessReply { dst, buf, len });
+        true
     }
 
     /// The connection index a packet names, if it exists and `from` is its peer.
@@ -221,8 +253,10 @@ impl Endpoint {
             };
             let mut buf = [0u8; HELLO_LEN];
             if let Ok(len) = c.emit(&mut buf) {
-                self.stats.cookies_sent += 1;
-                self.queue_stateless(SocketAddr::new(from.ip(), hello.listen_port), buf, len);
+                let to = SocketAddr::new(from.ip(), hello.listen_port);
+                if self.queue_stateless(now, to, buf, len) {
+                    self.stats.cookies_sent += 1;
+                }
             }
             return;
         }
@@ -247,6 +281,7 @@ impl Endpoint {
                     };
                     if let Ok(len) = close.emit(&mut buf) {
                         self.queue_stateless(
+                            now,
                             SocketAddr::new(from.ip(), hello.listen_port),
                             buf,
                             len,
@@ -490,6 +525,9 @@ impl Endpoint {
         if !c.csn_in_window(hdr.csn) {
             return self.reject(RejectReason::CsnOutOfWindow, from);
         }
+        if !c.paths_rx[pid].psn_in_window(hdr.psn) {
+            return self.reject(RejectReason::PsnOutOfWindow, from);
+        }
         let (_, out_of_order) = c.paths_rx[pid].on_packet(hdr.psn, ecn == super::Ecn::Ce);
         c.stats.data_packets_received += 1;
         let wants_ack = hdr.flags & data_flags::ACK_REQ != 0;
@@ -660,6 +698,7 @@ impl Endpoint {
                     rnr_timer_us: rnr_us(rnr_timer),
                 };
                 if let Some(c) = self.conns[ci].as_mut() {
+                    c.mark_stream(qpn);
                     c.push_nak(nak);
                 }
                 return self.reject(RejectReason::StaleGeneration, from);
@@ -750,7 +789,8 @@ impl Endpoint {
         rnr_timer: core::time::Duration,
     ) -> Option<Accepted> {
         let q = self.qps[idx].as_ref()?;
-        let (remote_qpn, qp_access, pd, rq_base) = (q.remote_qpn, q.access, q.pd, q.rq_base_seq);
+        let (qpn, remote_qpn, qp_access, pd, rq_base) =
+            (q.qpn, q.remote_qpn, q.access, q.pd, q.rq_base_seq);
         // READs still being executed: admitted, or with response packets
         // still to send. A response sent in full but not yet acknowledged
         // stays held for retransmission without counting: the requester saw
@@ -828,6 +868,9 @@ impl Endpoint {
                         }
                     }
                     if let Some(c) = self.conns[ci].as_mut() {
+                        // With the QP's `msn_done`, which the requester
+                        // checks the NAK against (§11.5).
+                        c.mark_stream(qpn);
                         c.push_nak(nak);
                     }
                     return None;
@@ -1105,7 +1148,12 @@ impl Endpoint {
         kinds.clear();
         requests.clear();
         self.ack_scratch = (delivered, lost, kinds, requests);
-        // Stream progress: requests executed by the peer.
+        // Stream progress: requests executed by the peer. A QP whose entry
+        // is behind what the peer reported before (an ACK overtaken by a
+        // later one, or a peer that never executed what a forged ACK made
+        // this side complete) is noted: its RNR NAKs in this ACK speak for
+        // a state this side has left behind.
+        let mut behind: Vec<u32> = Vec::new();
         for s in ack.streams() {
             let Some(idx) = self.qp_index(Qpn(s.qpn)) else {
                 self.stats.rejects.bump(RejectReason::BadQp);
@@ -1127,10 +1175,13 @@ impl Endpoint {
                 q.progressed(now);
                 let qpn = q.qpn;
                 self.complete_in_order(qpn);
+            } else if s.msn_done != q.remote_msn_done {
+                behind.push(s.qpn);
             }
         }
         for n in ack.naks() {
-            self.on_nak(now, ci, n);
+            let stale = n.code == NakCode::Rnr && behind.contains(&n.qpn);
+            self.on_nak(now, ci, n, stale);
         }
         // Time-based loss detection waits until every datagram that has
         // arrived was read (the next transmit or timer call): after a
@@ -1147,7 +1198,9 @@ impl Endpoint {
         self.touch(ci, Some(now));
     }
 
-    fn on_nak(&mut self, now: Instant, ci: usize, n: NakEntry) {
+    /// A NAK of an ACK. `behind`: the same ACK reported the QP's
+    /// `msn_done` behind what the peer reported before (PROTOCOL §11.5).
+    fn on_nak(&mut self, now: Instant, ci: usize, n: NakEntry, behind: bool) {
         if let Some(c) = self.conns[ci].as_mut() {
             c.stats.naks_received += 1;
         }
@@ -1167,7 +1220,26 @@ impl Endpoint {
         if q.wqe(n.msn).is_none() {
             return;
         }
-        q.progressed(now);
+        // An RNR NAK from a responder that has not executed requests this
+        // side already completed (its `msn_done`, in the same ACK, is
+        // behind the one it reported before) is no genuine answer to the
+        // request as this side sent it: either the ACK was overtaken (a
+        // later one, or the next probe's answer, says it again) or this
+        // side's record was forged (one forged ACK made it complete
+        // requests the peer never received). Honoured, the second is an
+        // RNR loop that never ends under `rnr_retry` 7: the peer's receives
+        // stay taken by requests that will never arrive. Refused, the
+        // request gets its progress probes and fails after `retry_cnt`.
+        if behind {
+            return self.stats.rejects.bump(RejectReason::Inconsistent);
+        }
+        // Only an answer about the oldest request is progress: an RNR loop
+        // of later requests, or a fatal NAK waiting for the oldest, must not
+        // keep the oldest, which may never complete, from its probes and
+        // its `retry_cnt`.
+        if n.msn == q.sq_base_msn {
+            q.progressed(now);
+        }
         let qpn = q.qpn;
         let rnr_retry = q.rnr_retry;
         let send_idx = q.send_idx;
@@ -1213,6 +1285,15 @@ impl Endpoint {
             NakCode::InvalidRequest => WcStatus::RemoteInvalidRequest,
             NakCode::RemoteOperation => WcStatus::RemoteOperationError,
         };
+        if seq_lt(q.sq_base_msn, n.msn) {
+            // An earlier request is incomplete: a READ whose response the
+            // NAK overtook (the responder executed it: the NAK says so).
+            // The QP fails when this message is the oldest (PROTOCOL §11.5).
+            if q.deferred_fatal.is_none_or(|(m, _)| seq_lt(n.msn, m)) {
+                q.deferred_fatal = Some((n.msn, status));
+            }
+            return;
+        }
         tracing::debug!(
             ?qpn,
             ?status,

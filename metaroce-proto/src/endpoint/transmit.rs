@@ -918,7 +918,11 @@ impl Endpoint {
                 offset,
                 len,
             } => {
-                if let Some(q) = qp_of(qp).filter(|q| q.state.responds()) {
+                // A QP in ERROR still answers the READs it executed before
+                // the request that failed it.
+                let answering = qp_of(qp)
+                    .filter(|q| q.state.responds() || q.state == crate::verbs::QpState::Error);
+                if let Some(q) = answering {
                     if let Some(r) = q.read_resps.iter().find(|r| r.msn == msn) {
                         hdr.opcode = Opcode::ReadResp;
                         hdr.ext = OpcodeExt::ReadResp;

@@ -18,7 +18,7 @@ mod region_buf;
 
 pub(crate) use cq::CompletionQueue;
 pub use mr::MrInfo;
-pub(crate) use mr::MrTable;
+pub(crate) use mr::{MrTable, MAX_REGIONS};
 pub use qp::{QpAttrs, QpState, RcAttrs};
 pub use region_buf::RegionBuf;
 pub(crate) use region_buf::Registered;
@@ -561,10 +561,19 @@ pub enum VerbsError {
     /// The protection domain still has objects in it.
     #[error("protection domain still in use")]
     PdInUse,
-    /// Too many connections.
+    /// The endpoint holds as many connections as its `max_connections`
+    /// allows.
     #[error("connection limit reached")]
     TooManyConnections,
-    /// The endpoint holds as many memory regions as it may (16,777,216).
+    /// The endpoint has as many handshakes in progress as its
+    /// `max_handshakes` allows.
+    #[error("handshake limit reached")]
+    TooManyHandshakes,
+    /// The endpoint holds as many QPs as its `max_qps` allows.
+    #[error("queue pair limit reached")]
+    TooManyQps,
+    /// The endpoint holds as many memory regions as its `max_regions`
+    /// allows (at most 2^24).
     #[error("memory region limit reached")]
     TooManyRegions,
     /// A work request has more scatter/gather elements than its queue

@@ -319,6 +319,11 @@ impl MrTable {
     }
 
     /// Number of regions in `pd`.
+    /// Regions registered.
+    pub(crate) fn len(&self) -> usize {
+        self.keys.len() / 2
+    }
+
     pub(crate) fn count_in_pd(&self, pd: PdHandle) -> usize {
         self.slots.iter().flatten().filter(|m| m.pd == pd).count()
     }

@@ -483,6 +483,10 @@ pub(crate) struct Qp {
     pub(crate) failed_msn: Option<u32>,
     /// The NAK that moved the QP to ERROR, repeated to the requester.
     pub(crate) fatal_nak: Option<NakEntry>,
+    /// Requester: a fatal NAK (message, status) that arrived while an
+    /// earlier request (a READ whose response is on its way) was still
+    /// incomplete; the QP fails when that message is the oldest.
+    pub(crate) deferred_fatal: Option<(u32, WcStatus)>,
 
     // Progress probes (requester).
     /// Request packets sent and not yet acknowledged.
@@ -542,6 +546,7 @@ impl Qp {
             stream_dirty: false,
             failed_msn: None,
             fatal_nak: None,
+            deferred_fatal: None,
             unacked: 0,
             last_progress: Instant::ZERO,
             probes: 0,
@@ -576,8 +581,15 @@ impl Qp {
     }
 
     /// Whether the QP has a packet it could send now.
+    /// Whether the QP sends READ responses: as a responder, and in ERROR
+    /// for the READs it executed before the request that failed it (the
+    /// only ones it still holds then).
+    fn answers_reads(&self) -> bool {
+        self.state.responds() || self.state == QpState::Error
+    }
+
     pub(crate) fn has_send_work(&self, now: Instant) -> bool {
-        if self.read_resps.iter().any(|r| !r.sent_all) && self.state.responds() {
+        if self.read_resps.iter().any(|r| !r.sent_all) && self.answers_reads() {
             return true;
         }
         if !self.state.takes_send() || self.rnr_wait_until.is_some_and(|t| now < t) {
@@ -652,7 +664,7 @@ impl Qp {
         now: Instant,
         limit: SegLimit,
     ) -> Option<(Segment, bool)> {
-        if self.state.responds() {
+        if self.answers_reads() {
             if let Some(r) = self.read_resps.iter_mut().find(|r| !r.sent_all) {
                 let max = limit.payload(Opcode::ReadResp);
                 let len = (r.len - r.next_offset).min(max);

@@ -51,10 +51,9 @@
 //! second; the protected regions are still intact; and a WRITE, a READ and
 //! a SEND on connection 2 work byte-exact.
 //!
-//! Known core bugs that break these invariants are reproduced by
-//! `#[ignore]`d tests in `tests/adversarial_peer.rs`; while they are open
-//! the driver tolerates exactly their signature and counts it in the
-//! [`Report`] ([`TOLERATE_KNOWN_FINDINGS`]).
+//! Core bugs it found are reproduced, each by a test of its own, in
+//! `tests/adversarial_peer.rs` (findings 1 to 4, all fixed); the driver
+//! tolerates none of them.
 #![allow(dead_code)]
 
 use metaroce_proto::consts::{
@@ -102,7 +101,7 @@ pub const IN_FLIGHT_BOUND: u64 = PATHS as u64 * SACK_BITS as u64 * MTU as u64;
 /// packets that cause them: a generous 512). A time step may see each of
 /// these go out again on a timeout: the bound is twice their sum. (Over
 /// 300,000 random sequences, every action above it was one of finding 3,
-/// which [`TOLERATE_KNOWN_FINDINGS`] lets pass.)
+/// since fixed.)
 pub const MAX_VICTIM_DATAGRAMS_PER_ACTION: u64 = 2 * (1024 + 32 + 32 + 256 + 512);
 
 /// Network deliveries plus timer expiries one action may take (a livelock
@@ -117,38 +116,14 @@ pub const MAX_STEPS_PER_ACTION: u64 = 50_000;
 /// 1 MiB after 7,000 forged packets that open 4,500 message records.)
 pub const MAX_HEAP_GROWTH: isize = 8 << 20;
 
-/// Known core bugs (reproduced by the `#[ignore]`d tests of
-/// `tests/adversarial_peer.rs`) that the driver steers clear of while they
-/// are open, so that the fuzzer and the random tests get past them and
-/// find others; each is counted in the [`Report`]:
-///
-/// - finding 1 (an ignored NAK resets the progress probes): a QP whose
-///   connection sends [`PROBE_STORM`] probes in a second while none of its
-///   requests completes is given up by its application (moved to ERROR)
-///   instead of failing the liveness check;
-/// - finding 2 (`cum_csn` exactly 2^31 ahead loops 2^31 times): such a
-///   forgery is changed by one before it is sent;
-/// - finding 3 (a poisoned path probed every 2 ms for ever): an action or
-///   an idle second over its datagram bound while paths were declared
-///   failed [`FAILURE_CHURN`] times or more is let pass, and a probe storm
-///   with such path failures is handled as for finding 1.
-///
-/// Set to `false` once the core is fixed: the driver then checks them all.
-pub const TOLERATE_KNOWN_FINDINGS: bool = true;
-
 /// Probes (stream probes and path timeout probes, as the connection counts
 /// them) in [`STORM_WINDOW`] without a request completing that mark a
-/// probe storm (finding 1, or 3 with path failures): a healthy schedule
+/// probe storm (findings 1 and 3 were such storms): a healthy schedule
 /// backs off (stream probes and each path's timeouts double from 2 ms):
 /// 40 at most, in the first such window.
 const PROBE_STORM: u64 = 100;
 /// See [`PROBE_STORM`].
 const STORM_WINDOW: Duration = Duration::from_millis(500);
-
-/// Path failures during one action or idle second that mark a path failed
-/// again at every probe (finding 3); a probe that times out doubles the
-/// RTO, so a healthy path fails a handful of times a second at most.
-const FAILURE_CHURN: u64 = 10;
 
 /// Datagrams an endpoint may send in a second with nothing to do, starting
 /// [`QUIET_AFTER`] after its last request completed.
@@ -156,12 +131,10 @@ pub const MAX_IDLE_DATAGRAMS: u64 = 64;
 /// See [`MAX_IDLE_DATAGRAMS`].
 const QUIET_AFTER: Duration = Duration::from_secs(1);
 
-/// RNR retries of connection 1's QPs. Not 7 (for ever, the default, as in
-/// verbs): a receiver that never posts the receive a message needs then
-/// makes its sender resend every `min_rnr_timer` (100 µs) for ever, by
-/// design, and one forged ACK can bring that about (finding 4 of
-/// `tests/adversarial_peer.rs`), which would swamp every other check.
-pub const RNR_RETRY: u8 = 6;
+/// RNR retries of connection 1's QPs: 7 (for ever, the default, as in
+/// verbs). One forged ACK used to start an RNR loop that never ended under
+/// it (finding 4 of `tests/adversarial_peer.rs`).
+pub const RNR_RETRY: u8 = 7;
 
 /// Requests either side keeps outstanding on connection 1, at most.
 pub const MAX_OUTSTANDING: usize = 8;
@@ -1052,13 +1025,6 @@ pub struct Report {
     /// Simulated time at the end.
     pub sim_ns: u64,
     pub completions: u64,
-    /// Requests caught by core finding 1 (probed for ever), given up.
-    pub known_finding_1: u64,
-    /// Forgeries changed so as not to trigger core finding 2.
-    pub known_finding_2: u64,
-    /// Endpoints that kept busy when idle, probing a failed path (core
-    /// finding 3).
-    pub known_finding_3: u64,
 }
 
 /// Counters of the action being handled.
@@ -1956,8 +1922,6 @@ impl World {
                 return;
             }
         }
-        let mut bytes = bytes;
-        self.steer_clear(&mut bytes);
         self.report.injected += 1;
         self.sniff(true, &bytes, true);
         let from = SocketAddr::new(A_IP, FORGED_PORT);
@@ -1965,22 +1929,6 @@ impl World {
         self.fire_timers();
         self.flush();
         self.last_forged = Some(bytes);
-    }
-
-    /// Changes a forgery that would trigger a known core bug
-    /// ([`TOLERATE_KNOWN_FINDINGS`]). Finding 2: an ACK whose `cum_csn` is
-    /// exactly 2^31 after the victim's next CSN (its byte 8..12; a
-    /// coalesced ACK starts the datagram too) makes the victim loop 2^31
-    /// times.
-    fn steer_clear(&mut self, bytes: &mut [u8]) {
-        if !TOLERATE_KNOWN_FINDINGS || bytes.len() < 12 || bytes[1] != PacketType::Ack as u8 {
-            return;
-        }
-        let cum = u32::from_be_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
-        if cum.wrapping_sub(self.obs.b_csn) == 1 << 31 {
-            bytes[8..12].copy_from_slice(&cum.wrapping_add(1).to_be_bytes());
-            self.report.known_finding_2 += 1;
-        }
     }
 
     /// The last forged datagram again, with numbers bumped by `k`.
@@ -2125,17 +2073,13 @@ impl World {
         r.max_victim_bytes = r.max_victim_bytes.max(act.b_bytes);
         r.max_steps = r.max_steps.max(act.steps);
         if act.b_datagrams > MAX_VICTIM_DATAGRAMS_PER_ACTION {
-            // Finding 3: a failed path probed (and failed again) every 2 ms,
-            // each probe answered.
             let failures = self.path_failures() - act.path_failures;
-            assert!(
-                TOLERATE_KNOWN_FINDINGS && failures >= FAILURE_CHURN,
+            panic!(
                 "the victim sent {} datagrams in one action (paths declared failed \
                  meanwhile: {failures}; victim's connection 1: {:?})",
                 act.b_datagrams,
                 self.b.connection_stats(self.ids.conn_b1)
             );
-            self.report.known_finding_3 += 1;
         }
         assert!(act.steps <= MAX_STEPS_PER_ACTION);
         self.check_protected();
@@ -2227,31 +2171,12 @@ impl World {
                     continue;
                 }
                 let who = if victim { "victim" } else { "peer" };
-                let churn = failures.saturating_sub(f0) >= FAILURE_CHURN;
-                if !TOLERATE_KNOWN_FINDINGS {
-                    panic!(
-                        "the {who} probes for ever without completing its requests: {} probes \
-                         and {} path failures in 500 ms (core finding {})",
-                        probes.saturating_sub(p0),
-                        failures.saturating_sub(f0),
-                        if churn { 3 } else { 1 }
-                    );
-                }
-                // Finding 1 (an ignored NAK resets the probes), or finding 3
-                // (a failed path probed every 2 ms) when paths fail
-                // meanwhile. The application gives up on the QP: its
-                // requests are flushed.
-                if churn {
-                    self.report.known_finding_3 += 1;
-                } else {
-                    self.report.known_finding_1 += 1;
-                }
-                let (ep, qpn) = if victim {
-                    (&mut self.b, self.ids.qb1)
-                } else {
-                    (&mut self.a, self.ids.qa1)
-                };
-                let _ = ep.modify_qp(qpn, QpState::Error, QpAttrs::default());
+                panic!(
+                    "the {who} probes for ever without completing its requests: {} probes \
+                     and {} path failures in 500 ms",
+                    probes.saturating_sub(p0),
+                    failures.saturating_sub(f0),
+                );
             }
             since = self.now;
             marks = [mark(self, false), mark(self, true)];
@@ -2306,19 +2231,20 @@ impl World {
             if sent <= MAX_IDLE_DATAGRAMS {
                 continue;
             }
-            // Finding 3: a path the peer's window poisoned, probed (and
-            // failed again) every 2 ms; the victim answers each probe.
             let failures = self.path_failures() - failures;
-            assert!(
-                TOLERATE_KNOWN_FINDINGS && failures >= FAILURE_CHURN,
+            panic!(
                 "the {who} sent {sent} datagrams in one idle second (paths declared failed \
                  meanwhile: {failures})"
             );
-            self.report.known_finding_3 += 1;
         }
     }
 
     /// Times the paths of connection 1, either side, were declared failed.
+    /// The state of the victim's QP on the attacked connection.
+    pub fn victim_qp_state(&self) -> Option<QpState> {
+        self.b.qp_state(self.ids.qb1)
+    }
+
     fn path_failures(&self) -> u64 {
         [(&self.a, self.ids.conn_a1), (&self.b, self.ids.conn_b1)]
             .into_iter()
