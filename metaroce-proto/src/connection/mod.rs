@@ -707,7 +707,14 @@ impl Connection {
         let p = &mut self.paths_tx[path];
         p.record_send(csn, now, size as u32, retransmit);
         let path_id = p.id;
-        self.last_data_tx = Some(now);
+        // A NOP (a probe, a route check) is no request or response: it does
+        // not make the ACKs this side owes wait for DATA to ride on (§12).
+        if !self
+            .record_mut(csn)
+            .is_some_and(|r| matches!(r.kind, CsnKind::Nop))
+        {
+            self.last_data_tx = Some(now);
+        }
         self.in_flight += size as u64;
         self.pacer.sent(now, size as u64 + self.datagram_overhead);
         self.stats.data_packets_sent += 1;

@@ -258,9 +258,9 @@ impl PathTx {
         self.state == PathState::Active && self.move_to.is_none() && self.consecutive_lost == 0
     }
 
-    /// An ACK went out on this path at `now`. A path that carries ACKs but
-    /// has sent no DATA for `interval` (or has lost its last packet and sent
-    /// nothing for `suspect_interval`) gets a route check: one NOP.
+    /// An ACK went out on this path at `now`. A path that carried
+    /// `ACK_PATH_CHECK_ACKS` ACKs and no DATA for `interval` (or lost its
+    /// last packet and sent nothing for an RTO) gets a route check: one NOP.
     pub(crate) fn carried_ack(&mut self, now: Instant) {
         self.acks_carried = self.acks_carried.saturating_add(1);
         if self.last_data_at.is_none() {
@@ -279,7 +279,7 @@ impl PathTx {
             return;
         }
         let suspect = self.consecutive_lost > 0;
-        if self.acks_carried == 0 && !suspect {
+        if self.acks_carried < crate::consts::ACK_PATH_CHECK_ACKS && !suspect {
             return;
         }
         let interval = if suspect {
@@ -1252,6 +1252,11 @@ mod tests {
         t.schedule_check(ms(110), interval);
         assert!(!t.check_due, "the interval starts with the first ACK");
         t.carried_ack(ms(116));
+        t.schedule_check(ms(116), interval);
+        assert!(!t.check_due, "too few ACKs to be worth a check");
+        for _ in 0..crate::consts::ACK_PATH_CHECK_ACKS {
+            t.carried_ack(ms(116));
+        }
         t.schedule_check(ms(116), interval);
         assert!(t.check_due);
         // The check goes out as a DATA packet (a NOP): the interval restarts.
