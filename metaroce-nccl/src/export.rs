@@ -213,7 +213,7 @@ unsafe extern "C" fn accept(
 }
 
 unsafe extern "C" fn reg_mr(
-    _comm: *mut c_void,
+    comm: *mut c_void,
     data: *mut c_void,
     size: usize,
     kind: c_int,
@@ -225,7 +225,15 @@ unsafe extern "C" fn reg_mr(
                 "regMr of memory type {kind}: only host memory (NCCL_PTR_HOST)"
             )));
         }
-        let r = Box::new(AppRegion::register(data as *mut u8, size)?);
+        if comm.is_null() {
+            return Err(null_arg("comm"));
+        }
+        // SAFETY: a send or receive comm NCCL has not closed.
+        let head = unsafe { net::comm_head(comm) };
+        // SAFETY: NCCL's buffer, registered under NCCL's contract: valid
+        // until deregMr returned, untouched by NCCL while requests on it
+        // are outstanding (see `memory`).
+        let r = Box::new(unsafe { head.reg_mr(data as *mut u8, size)? });
         // SAFETY: NCCL passes where the handle goes.
         unsafe { put(mhandle, Box::into_raw(r) as *mut c_void, "mhandle") }
     })
@@ -233,11 +241,13 @@ unsafe extern "C" fn reg_mr(
 
 unsafe extern "C" fn dereg_mr(_comm: *mut c_void, mhandle: *mut c_void) -> NcclResult {
     ffi("deregMr", || {
-        if !mhandle.is_null() {
-            // SAFETY: a handle regMr made, deregistered once.
-            drop(unsafe { Box::from_raw(mhandle as *mut AppRegion) });
+        if mhandle.is_null() {
+            return Ok(());
         }
-        Ok(())
+        // SAFETY: a handle regMr made, deregistered once.
+        let r = unsafe { Box::from_raw(mhandle as *mut AppRegion) };
+        // Returns once the endpoint no longer reaches the memory.
+        r.dereg()
     })
 }
 

@@ -17,18 +17,22 @@
 //!   direction), set up on a thread while NCCL keeps polling
 //!   (`connect`/`accept` return a NULL comm until it is ready), the QP
 //!   numbers exchanged over TCP as NCCL's IB transport does;
-//! - `isend`/`irecv`/`test`: SEND with the tag as immediate data, grouped
-//!   receives matched by tag, the actual size of each message reported;
+//! - `isend`/`irecv`/`test`: `irecv` announces its buffers to the peer
+//!   (clear-to-send), `isend` WRITEs the message straight into the
+//!   announced buffer of its tag, with the buffer's index as immediate
+//!   data; grouped receives, the actual size of each message reported;
 //!   `iflush` has nothing to do for host memory.
 //!
 //! # Memory
 //!
-//! NCCL registers its own buffers with `regMr`. The data path reaches them
-//! through one internal module (`memory`): today it copies between the
-//! application's buffer and bounce regions the plugin registers (one copy
-//! per side, far below what memcpy sustains); when metaroce-io can
-//! register application memory in place, that module alone changes and
-//! the copies go away.
+//! NCCL registers its own buffers with `regMr`, and the plugin registers
+//! them in place with the comm's protection domain (metaroce-io's
+//! `reg_mr_raw`, as `ibv_reg_mr` does): a message goes from NCCL's send
+//! buffer to NCCL's receive buffer with no copy on either side. The
+//! internal `memory` module holds the one `unsafe` registration and why
+//! NCCL's contract makes it sound (NCCL does not touch a buffer between
+//! `isend`/`irecv` and the `test` that reports it done, and frees it only
+//! after `deregMr`, which returns once the transport no longer reaches it).
 //!
 //! # The C ABI
 //!

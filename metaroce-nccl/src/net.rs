@@ -17,22 +17,30 @@
 //!
 //! # Messages
 //!
-//! `isend` is a SEND with immediate data, the tag; the receiver learns the
-//! size from the completion. `irecv` posts one receive per buffer of the
-//! group; messages are matched to buffers by tag, in posting order, as they
-//! complete (a message that arrives before the `irecv` it belongs to waits
-//! in its bounce region). Every receive of a group can hold the largest
-//! buffer of the group, so a group's messages may come in any order; a
-//! message longer than the receive it lands in fails the comm (NCCL's
-//! sizes per step are uniform, so this does not happen under NCCL).
-//! A SEND that finds no receive posted is retried by the transport
-//! (receiver-not-ready, without limit).
+//! Receiver-driven, as NCCL's IB transport: `irecv` posts one empty
+//! receive per buffer of the group, then SENDs the peer a *clear-to-send*
+//! naming the group (an id) and, per buffer, its tag, remote key, address
+//! and size. The send comm keeps a ring of receives for these messages.
+//! `isend` takes the oldest announced buffer with its tag that is still
+//! empty and RDMA-WRITEs the message from NCCL's registered buffer into
+//! it, with immediate data naming the group and the buffer; that WRITE
+//! consumes one of the receiver's empty receives, whose completion gives
+//! the buffer and the message's size. No byte is copied on either side
+//! (see `memory`). An `isend` whose buffer the peer has not announced yet
+//! returns a NULL request, and NCCL calls it again; a group's messages may
+//! come in any order. A message longer than its buffer is refused by the
+//! sender. The clear-to-send bytes come from the peer and are checked
+//! (size, counts, id) before use; a WRITE can only reach the regions this
+//! side registered for receiving, inside their bounds.
 
 use crate::abi::NCCL_NET_MAX_REQUESTS;
 use crate::config::{Config, DeviceSpec};
 use crate::error::NetError;
-use crate::memory::{block_on, poll_now, AppRegion, Bounce, Prefetch, Staging};
-use metaroce_io::{CompletionQueue, Connection, Device, QpCaps, QueuePair, RcAttrs, WorkRequest};
+use crate::memory::{block_on, poll_now, AppRegion, EMPTY_SGE};
+use metaroce_io::{
+    AccessFlags, CompletionQueue, Connection, Device, MemoryRegion, ProtectionDomain, QpCaps,
+    QueuePair, RcAttrs, RegionBuf, RemoteAddr, WorkRequest,
+};
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
@@ -263,31 +271,72 @@ fn fresh_nonce() -> u64 {
     h.finish() | 1
 }
 
-/// The QP side of one comm; fields drop in order (QP, CQ, staging, ...).
-/// The connection and the endpoint are shared with the device's other comms.
+/// The QP side of one comm; fields drop in order (QP, CQ, ...). The
+/// connection and the endpoint are shared with the device's other comms.
 struct Link {
     qp: QueuePair,
     _cq: CompletionQueue,
-    staging: Arc<Mutex<Staging>>,
     conn: Connection,
     _node: Arc<Node>,
 }
 
 impl Link {
     /// A PD, CQ and QP on the device's endpoint, not yet connected.
-    fn open(node: &Node) -> Result<(Staging, CompletionQueue, QueuePair), NetError> {
+    fn open(node: &Node) -> Result<(ProtectionDomain, CompletionQueue, QueuePair), NetError> {
         let dev = &node.dev;
         let pd = block_on(dev.alloc_pd())?;
         let depth = (NCCL_NET_MAX_REQUESTS * MAX_RECVS) as u32;
-        let cq = block_on(dev.create_cq(depth as usize))?;
+        let cq = block_on(dev.create_cq(2 * depth as usize))?;
         let caps = QpCaps {
             max_send_wr: depth,
             max_recv_wr: depth,
             ..QpCaps::default()
         };
         let qp = block_on(pd.create_qp_with(&cq, &cq, caps))?;
-        Ok((Staging::new(pd), cq, qp))
+        Ok((pd, cq, qp))
     }
+}
+
+/// Which comm a `regMr` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// A send comm: its regions are only read, by this side.
+    Send,
+    /// A receive comm: the peer WRITEs into its regions.
+    Recv,
+}
+
+/// What both comms start with (both are `#[repr(C)]`), so that `regMr`,
+/// given either as a `void *`, finds the protection domain.
+#[repr(C)]
+pub(crate) struct CommHead {
+    side: Side,
+    pd: ProtectionDomain,
+}
+
+impl CommHead {
+    /// Registers NCCL's `len` bytes at `data` with the comm, in place.
+    ///
+    /// # Safety
+    /// NCCL's buffer under NCCL's contract ([`AppRegion::register`]).
+    pub(crate) unsafe fn reg_mr(&self, data: *mut u8, len: usize) -> Result<AppRegion, NetError> {
+        let access = match self.side {
+            Side::Send => AccessFlags::NONE,
+            Side::Recv => AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        };
+        // SAFETY: the caller's promise.
+        unsafe { AppRegion::register(&self.pd, data, len, access) }
+    }
+}
+
+/// The comm head of a send or receive comm.
+///
+/// # Safety
+/// `comm` is a send comm `connect` made or a receive comm `accept` made,
+/// not closed.
+pub(crate) unsafe fn comm_head<'a>(comm: *mut std::ffi::c_void) -> &'a CommHead {
+    // SAFETY: both comms are `#[repr(C)]` with a `CommHead` first.
+    unsafe { &*(comm as *const CommHead) }
 }
 
 fn rc_attrs() -> RcAttrs {
@@ -406,7 +455,7 @@ pub(crate) fn listen(
         s.set_read_timeout(Some(timeout))?;
         s.set_nodelay(true)?;
         let (peer_qpn, peer) = read_hello(&mut s, h.nonce)?;
-        let (staging, cq, qp) = Link::open(&node)?;
+        let (pd, cq, qp) = Link::open(&node)?;
         s.write_all(&hello(h.nonce, qp.qpn().0, node.dev.local_addr()))?;
         // The peer opens (or reuses) its connection to us, then says so.
         let mut ready = [0u8; 1];
@@ -414,13 +463,15 @@ pub(crate) fn listen(
         let conn = node.incoming(peer, Instant::now() + timeout)?;
         block_on(qp.connect_with(&conn, metaroce_io::Qpn(peer_qpn), rc_attrs()))?;
         s.write_all(&[1])?;
-        Ok(RecvComm::new(Link {
-            qp,
-            _cq: cq,
-            staging: Arc::new(Mutex::new(staging)),
-            conn,
-            _node: node,
-        }))
+        RecvComm::new(
+            pd,
+            Link {
+                qp,
+                _cq: cq,
+                conn,
+                _node: node,
+            },
+        )
     })?;
     Ok(Box::new(ListenComm { stop, pending }))
 }
@@ -479,7 +530,7 @@ pub(crate) fn connect(
         let id = fresh_nonce();
         let timeout = p.cfg.connect_timeout;
         let pending = Pending::spawn("metaroce-connect", move || {
-            let (staging, cq, qp) = Link::open(&node)?;
+            let (pd, cq, qp) = Link::open(&node)?;
             let mut s = TcpStream::connect_timeout(&h.tcp, timeout)?;
             s.set_read_timeout(Some(timeout))?;
             s.set_nodelay(true)?;
@@ -491,13 +542,15 @@ pub(crate) fn connect(
             // The peer's QP is connected too: sends may start.
             let mut ready = [0u8; 1];
             s.read_exact(&mut ready)?;
-            Ok(SendComm::new(Link {
-                qp,
-                _cq: cq,
-                staging: Arc::new(Mutex::new(staging)),
-                conn,
-                _node: node,
-            }))
+            SendComm::new(
+                pd,
+                Link {
+                    qp,
+                    _cq: cq,
+                    conn,
+                    _node: node,
+                },
+            )
         })?;
         map.insert(id, pending);
         handle[HANDLE_STATE..HANDLE_STATE + 8].copy_from_slice(&id.to_le_bytes());
@@ -517,18 +570,114 @@ pub(crate) fn connect(
     }
 }
 
+/// Clear-to-send messages in flight per comm: a ring of this many slots on
+/// each side (at most `NCCL_NET_MAX_REQUESTS` receives are outstanding).
+const CTS_RING: usize = 2 * NCCL_NET_MAX_REQUESTS;
+/// A clear-to-send message: group id (4), buffer count (1), 3 bytes of
+/// padding, then per buffer its tag (4), remote key (4), address (8) and
+/// size (8).
+const CTS_HEAD: usize = 8;
+const CTS_ENTRY: usize = 24;
+const CTS_BYTES: usize = CTS_HEAD + MAX_RECVS * CTS_ENTRY;
+/// A group id fits in the immediate data beside the buffer's index.
+const ID_MASK: u32 = u32::MAX >> 3;
+
+/// One buffer of a receive the peer posted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct CtsSlot {
+    tag: i32,
+    rkey: u32,
+    addr: u64,
+    size: u64,
+    used: bool,
+}
+
+/// A receive (group) the peer posted and announced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Cts {
+    id: u32,
+    slots: Vec<CtsSlot>,
+    left: usize,
+}
+
+impl Cts {
+    fn encode(&self, b: &mut [u8; CTS_BYTES]) -> usize {
+        b[0..4].copy_from_slice(&self.id.to_le_bytes());
+        b[4] = self.slots.len() as u8;
+        for (i, s) in self.slots.iter().enumerate() {
+            let e = &mut b[CTS_HEAD + i * CTS_ENTRY..CTS_HEAD + (i + 1) * CTS_ENTRY];
+            e[0..4].copy_from_slice(&s.tag.to_le_bytes());
+            e[4..8].copy_from_slice(&s.rkey.to_le_bytes());
+            e[8..16].copy_from_slice(&s.addr.to_le_bytes());
+            e[16..24].copy_from_slice(&s.size.to_le_bytes());
+        }
+        CTS_HEAD + self.slots.len() * CTS_ENTRY
+    }
+
+    /// Decodes a message from the peer (untrusted: refused unless well
+    /// formed).
+    fn decode(b: &[u8]) -> Result<Cts, NetError> {
+        let bad = || NetError::Remote(format!("a malformed clear-to-send of {} bytes", b.len()));
+        if b.len() < CTS_HEAD {
+            return Err(bad());
+        }
+        let id = u32::from_le_bytes(b[0..4].try_into().map_err(|_| bad())?);
+        let n = usize::from(b[4]);
+        if id > ID_MASK || n == 0 || n > MAX_RECVS || b.len() != CTS_HEAD + n * CTS_ENTRY {
+            return Err(bad());
+        }
+        let le4 = |x: &[u8]| <[u8; 4]>::try_from(x).map_err(|_| bad());
+        let le8 = |x: &[u8]| <[u8; 8]>::try_from(x).map_err(|_| bad());
+        let mut slots = Vec::with_capacity(n);
+        for e in b[CTS_HEAD..].chunks_exact(CTS_ENTRY) {
+            slots.push(CtsSlot {
+                tag: i32::from_le_bytes(le4(&e[0..4])?),
+                rkey: u32::from_le_bytes(le4(&e[4..8])?),
+                addr: u64::from_le_bytes(le8(&e[8..16])?),
+                size: u64::from_le_bytes(le8(&e[16..24])?),
+                used: false,
+            });
+        }
+        Ok(Cts { id, slots, left: n })
+    }
+}
+
 /// A send comm.
+#[repr(C)]
 pub(crate) struct SendComm {
+    head: CommHead,
     link: Link,
     outstanding: Arc<AtomicU64>,
+    /// Where the peer's clear-to-send messages land, `CTS_RING` slots.
+    fifo: MemoryRegion,
+    /// The receives posted into `fifo`, oldest first, with their slot.
+    fifo_posted: VecDeque<(WorkRequest, usize)>,
+    /// Receives the peer announced that still have buffers to fill.
+    ready: VecDeque<Cts>,
 }
 
 impl SendComm {
-    fn new(link: Link) -> SendComm {
-        SendComm {
+    fn new(pd: ProtectionDomain, link: Link) -> Result<SendComm, NetError> {
+        let fifo = block_on(pd.reg_mr(
+            RegionBuf::zeroed(CTS_RING * CTS_BYTES),
+            AccessFlags::LOCAL_WRITE,
+        ))?;
+        let mut fifo_posted = VecDeque::with_capacity(CTS_RING);
+        for slot in 0..CTS_RING {
+            let sge = fifo.sge((slot * CTS_BYTES) as u64, CTS_BYTES as u32)?;
+            fifo_posted.push_back((link.qp.recv(sge), slot));
+        }
+        Ok(SendComm {
+            head: CommHead {
+                side: Side::Send,
+                pd,
+            },
             link,
             outstanding: Arc::new(AtomicU64::new(0)),
-        }
+            fifo,
+            fifo_posted,
+            ready: VecDeque::new(),
+        })
     }
 
     /// A log line with the counters of the comm's connection (shared with
@@ -548,7 +697,32 @@ impl SendComm {
         }
     }
 
-    /// `isend`: `None` when NCCL should try again later.
+    /// Takes the clear-to-send messages that came in, in order, and posts
+    /// their receives again.
+    fn take_cts(&mut self) -> Result<(), NetError> {
+        while let Some((wr, _)) = self.fifo_posted.front_mut() {
+            let Some(r) = poll_now(wr) else { break };
+            let (_, slot) = self
+                .fifo_posted
+                .pop_front()
+                .unwrap_or_else(|| unreachable!());
+            let wc = r?;
+            let off = slot * CTS_BYTES;
+            let len = (wc.byte_len as usize).min(CTS_BYTES);
+            // SAFETY: the receive into this slot completed, so its bytes
+            // are final, and no transfer uses them until the receive is
+            // posted again below, after they are decoded.
+            let bytes = unsafe { std::slice::from_raw_parts(self.fifo.as_ptr().add(off), len) };
+            let cts = Cts::decode(bytes)?;
+            self.ready.push_back(cts);
+            let sge = self.fifo.sge(off as u64, CTS_BYTES as u32)?;
+            self.fifo_posted.push_back((self.link.qp.recv(sge), slot));
+        }
+        Ok(())
+    }
+
+    /// `isend`: `None` when NCCL should try again later (the peer has not
+    /// posted the receive yet, or too many sends are in flight).
     pub(crate) fn isend(
         &mut self,
         data: *const u8,
@@ -559,32 +733,44 @@ impl SendComm {
         if size > MAX_MESSAGE {
             return Err(NetError::InvalidArgument(format!("isend of {size} bytes")));
         }
-        mr.check(data, size)?;
+        let local = mr.sge(data, size)?;
         if self.outstanding.load(Ordering::Relaxed) >= NCCL_NET_MAX_REQUESTS as u64 {
             return Ok(None);
         }
-        let mut bounce = self
-            .link
-            .staging
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take(size)?;
-        let src: &[u8] = if size == 0 {
-            &[]
-        } else {
-            // SAFETY: NCCL hands `size` bytes at `data`, inside the region it
-            // registered (checked above), which it does not change until
-            // this request completes.
-            unsafe { std::slice::from_raw_parts(data, size) }
+        self.take_cts()?;
+        // The oldest announced buffer with this tag.
+        let found = self.ready.iter().enumerate().find_map(|(ci, c)| {
+            c.slots
+                .iter()
+                .position(|s| !s.used && s.tag == tag)
+                .map(|si| (ci, si))
+        });
+        let Some((ci, si)) = found else {
+            return Ok(None);
         };
-        bounce.fill(src)?;
-        let wr = self.link.qp.send_imm(bounce.sge(size)?, tag as u32);
+        let c = &mut self.ready[ci];
+        let s = &mut c.slots[si];
+        if size as u64 > s.size {
+            return Err(NetError::InvalidArgument(format!(
+                "isend of {size} bytes for tag {tag}: the peer's buffer holds {}",
+                s.size
+            )));
+        }
+        s.used = true;
+        let remote = RemoteAddr {
+            rkey: s.rkey,
+            addr: s.addr,
+        };
+        let imm = c.id << 3 | si as u32;
+        c.left -= 1;
+        if c.left == 0 {
+            self.ready.remove(ci);
+        }
+        let wr = self.link.qp.write_imm(local, remote, imm);
         self.outstanding.fetch_add(1, Ordering::Relaxed);
         Ok(Some(Box::new(Request::Send(SendReq {
             wr,
-            bounce: Some(bounce),
             size,
-            staging: self.link.staging.clone(),
             outstanding: self.outstanding.clone(),
         }))))
     }
@@ -593,9 +779,7 @@ impl SendComm {
 /// A send in flight.
 pub(crate) struct SendReq {
     wr: WorkRequest,
-    bounce: Option<Bounce>,
     size: usize,
-    staging: Arc<Mutex<Staging>>,
     outstanding: Arc<AtomicU64>,
 }
 
@@ -605,128 +789,100 @@ impl Drop for SendReq {
     }
 }
 
-/// A message that completed into a bounce region and awaits its buffer.
-struct Arrived {
-    tag: i32,
-    len: usize,
-    bounce: Bounce,
-    pre: Prefetch,
-}
-
 struct Slot {
-    ptr: usize,
     cap: usize,
-    tag: i32,
     got: Option<usize>,
 }
 
 struct Group {
-    id: u64,
+    id: u32,
     slots: Vec<Slot>,
     remaining: usize,
 }
 
-/// The receive side of one comm: receives posted, groups waiting, messages
-/// waiting for their group.
+/// The receive side of one comm: the receives each message's WRITE with
+/// immediate consumes, groups waiting, the clear-to-send messages sent.
 struct RecvEngine {
-    posted: VecDeque<(WorkRequest, Bounce)>,
+    posted: VecDeque<WorkRequest>,
     groups: VecDeque<Group>,
-    unexpected: VecDeque<Arrived>,
-    done: HashMap<u64, Vec<usize>>,
+    done: HashMap<u32, Vec<usize>>,
     failed: Option<(crate::abi::NcclResult, String)>,
-    next_id: u64,
+    next_id: u32,
+    /// Where clear-to-send messages are sent from, `CTS_RING` slots.
+    cts: MemoryRegion,
+    /// The SEND of each slot's last message.
+    cts_sent: Vec<Option<WorkRequest>>,
 }
 
 impl RecvEngine {
-    /// Places `a` into the oldest waiting buffer with its tag, or keeps it.
-    fn deliver(&mut self, staging: &Mutex<Staging>, mut a: Arrived) -> Result<(), NetError> {
-        let found = self.groups.iter_mut().enumerate().find_map(|(gi, g)| {
-            g.slots
-                .iter()
-                .position(|s| s.tag == a.tag && s.got.is_none())
-                .map(|si| (gi, si))
-        });
-        let Some((gi, si)) = found else {
-            self.unexpected.push_back(a);
-            return Ok(());
-        };
-        let g = &mut self.groups[gi];
-        let slot = &mut g.slots[si];
-        if a.len > slot.cap {
-            return Err(NetError::Remote(format!(
-                "a message of {} bytes for tag {} and a buffer of {}",
-                a.len, a.tag, slot.cap
-            )));
-        }
-        if a.len > 0 {
-            // SAFETY: the buffer NCCL posted with irecv: `cap` bytes at
-            // `ptr` inside its registered region (checked at irecv), which
-            // NCCL does not touch until the request completes.
-            let dst = unsafe { std::slice::from_raw_parts_mut(slot.ptr as *mut u8, a.len) };
-            a.bounce.drain(a.pre, dst)?;
-        }
-        staging
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .give(a.bounce);
-        slot.got = Some(a.len);
-        g.remaining -= 1;
-        // Groups finish in any order; keep the finished ones for `test`.
-        if g.remaining == 0 {
-            let g = self.groups.remove(gi).unwrap_or_else(|| unreachable!());
-            self.done
-                .insert(g.id, g.slots.iter().map(|s| s.got.unwrap_or(0)).collect());
-        }
-        Ok(())
-    }
-
-    /// Takes the completions that are in, in posting order.
-    fn progress(&mut self, staging: &Mutex<Staging>) -> Result<(), NetError> {
-        // Every completion that is in first, their copies started together.
-        let mut batch = Vec::new();
-        while let Some((wr, _)) = self.posted.front_mut() {
+    /// Takes the messages that are in: each one's immediate data names its
+    /// group and buffer, its length is what it placed there.
+    fn progress(&mut self) -> Result<(), NetError> {
+        while let Some(wr) = self.posted.front_mut() {
             let Some(r) = poll_now(wr) else { break };
-            let (_, bounce) = self.posted.pop_front().unwrap_or_else(|| unreachable!());
+            self.posted.pop_front();
             let wc = r?;
-            let tag = wc
+            let imm = wc
                 .imm
-                .ok_or_else(|| NetError::Remote("a message without a tag".into()))?
-                as i32;
+                .ok_or_else(|| NetError::Remote("a message without immediate data".into()))?;
+            let (id, si) = (imm >> 3, (imm & 7) as usize);
             let len = wc.byte_len as usize;
-            let pre = bounce.prefetch(len);
-            batch.push(Arrived {
-                tag,
-                len,
-                bounce,
-                pre,
-            });
-        }
-        for a in batch {
-            self.deliver(staging, a)?;
+            let gi =
+                self.groups.iter().position(|g| g.id == id).ok_or_else(|| {
+                    NetError::Remote(format!("a message for no receive ({imm:#x})"))
+                })?;
+            let g = &mut self.groups[gi];
+            let slot = g
+                .slots
+                .get_mut(si)
+                .filter(|s| s.got.is_none())
+                .ok_or_else(|| NetError::Remote(format!("a message for no buffer ({imm:#x})")))?;
+            if len > slot.cap {
+                return Err(NetError::Remote(format!(
+                    "a message of {len} bytes for a buffer of {}",
+                    slot.cap
+                )));
+            }
+            slot.got = Some(len);
+            g.remaining -= 1;
+            // Groups finish in any order; keep the finished ones for `test`.
+            if g.remaining == 0 {
+                let g = self.groups.remove(gi).unwrap_or_else(|| unreachable!());
+                self.done
+                    .insert(g.id, g.slots.iter().map(|s| s.got.unwrap_or(0)).collect());
+            }
         }
         Ok(())
     }
 }
 
 /// A receive comm.
+#[repr(C)]
 pub(crate) struct RecvComm {
+    head: CommHead,
     link: Link,
     engine: Arc<Mutex<RecvEngine>>,
 }
 
 impl RecvComm {
-    fn new(link: Link) -> RecvComm {
-        RecvComm {
+    fn new(pd: ProtectionDomain, link: Link) -> Result<RecvComm, NetError> {
+        let cts = block_on(pd.reg_mr(RegionBuf::zeroed(CTS_RING * CTS_BYTES), AccessFlags::NONE))?;
+        Ok(RecvComm {
+            head: CommHead {
+                side: Side::Recv,
+                pd,
+            },
             link,
             engine: Arc::new(Mutex::new(RecvEngine {
                 posted: VecDeque::new(),
                 groups: VecDeque::new(),
-                unexpected: VecDeque::new(),
                 done: HashMap::new(),
                 failed: None,
-                next_id: 1,
+                next_id: 0,
+                cts,
+                cts_sent: (0..CTS_RING).map(|_| None).collect(),
             })),
-        }
+        })
     }
 
     /// `irecv` of `bufs` (pointer, size, tag, region): `None` when NCCL
@@ -741,50 +897,63 @@ impl RecvComm {
                 bufs.len()
             )));
         }
-        for &(ptr, size, _, mr) in bufs {
+        let mut slots = Vec::with_capacity(bufs.len());
+        for &(ptr, size, tag, mr) in bufs {
             if size > MAX_MESSAGE {
                 return Err(NetError::InvalidArgument(format!("irecv of {size} bytes")));
             }
-            mr.check(ptr, size)?;
+            let (rkey, addr) = mr.remote(ptr, size)?;
+            slots.push(CtsSlot {
+                tag,
+                rkey,
+                addr,
+                size: size as u64,
+                used: false,
+            });
         }
         let mut eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
         if eng.groups.len() + eng.done.len() >= NCCL_NET_MAX_REQUESTS {
             return Ok(None);
         }
-        let cap = bufs.iter().map(|b| b.1).max().unwrap_or(0);
-        let mut posted = Vec::with_capacity(bufs.len());
-        {
-            let mut st = self.link.staging.lock().unwrap_or_else(|e| e.into_inner());
-            for _ in bufs {
-                let b = st.take(cap)?;
-                let len = b.capacity();
-                posted.push((self.link.qp.recv(b.sge(len)?), b));
-            }
-        }
-        eng.posted.extend(posted);
         let id = eng.next_id;
-        eng.next_id += 1;
+        eng.next_id = (id + 1) & ID_MASK;
+        // A receive for each message's WRITE with immediate, posted before
+        // the peer may send it.
+        for _ in bufs {
+            let wr = self.link.qp.recv(EMPTY_SGE);
+            eng.posted.push_back(wr);
+        }
+        // The clear-to-send, out of its ring slot once that slot's last
+        // message is through (long ago: 2 * NCCL_NET_MAX_REQUESTS receives).
+        let ring = id as usize % CTS_RING;
+        if let Some(prev) = eng.cts_sent[ring].take() {
+            block_on(prev)?;
+        }
+        let mut msg = [0u8; CTS_BYTES];
+        let n = Cts {
+            id,
+            slots,
+            left: bufs.len(),
+        }
+        .encode(&mut msg);
+        let off = ring * CTS_BYTES;
+        // SAFETY: the slot's bytes are in the region; the SEND that last
+        // read them completed above, and no other transfer uses them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(msg.as_ptr(), eng.cts.as_mut_ptr().add(off), n);
+        }
+        let sge = eng.cts.sge(off as u64, n as u32)?;
+        eng.cts_sent[ring] = Some(self.link.qp.send(sge));
         eng.groups.push_back(Group {
             id,
             slots: bufs
                 .iter()
-                .map(|&(ptr, cap, tag, _)| Slot {
-                    ptr: ptr as usize,
-                    cap,
-                    tag,
-                    got: None,
-                })
+                .map(|&(_, cap, _, _)| Slot { cap, got: None })
                 .collect(),
             remaining: bufs.len(),
         });
-        // Messages that came before this group was posted.
-        let waiting: Vec<Arrived> = eng.unexpected.drain(..).collect();
-        for a in waiting {
-            eng.deliver(&self.link.staging, a)?;
-        }
         Ok(Some(Box::new(Request::Recv(RecvReq {
             engine: self.engine.clone(),
-            staging: self.link.staging.clone(),
             id,
             n: bufs.len(),
         }))))
@@ -794,8 +963,7 @@ impl RecvComm {
 /// A (grouped) receive in flight.
 pub(crate) struct RecvReq {
     engine: Arc<Mutex<RecvEngine>>,
-    staging: Arc<Mutex<Staging>>,
-    id: u64,
+    id: u32,
     n: usize,
 }
 
@@ -815,9 +983,6 @@ impl Request {
                 None => Ok(None),
                 Some(r) => {
                     r?;
-                    if let Some(b) = s.bounce.take() {
-                        s.staging.lock().unwrap_or_else(|e| e.into_inner()).give(b);
-                    }
                     Ok(Some(vec![s.size]))
                 }
             },
@@ -828,7 +993,7 @@ impl Request {
                         "receive comm failed earlier ({code}): {msg}"
                     )));
                 }
-                if let Err(e) = eng.progress(&r.staging) {
+                if let Err(e) = eng.progress() {
                     eng.failed = Some((e.code(), e.to_string()));
                     return Err(e);
                 }
@@ -888,5 +1053,45 @@ mod tests {
         assert_eq!(read_hello(&mut s, 7).unwrap(), (42, ep));
         c.write_all(&hello(8, 42, ep)).unwrap();
         assert!(matches!(read_hello(&mut s, 7), Err(NetError::Remote(_))));
+    }
+
+    #[test]
+    fn clear_to_send_round_trips_and_refuses_malformed_bytes() {
+        let c = Cts {
+            id: ID_MASK,
+            slots: (0..MAX_RECVS as i32)
+                .map(|i| CtsSlot {
+                    tag: -i,
+                    rkey: 0xabcd_0000 + i as u32,
+                    addr: 0x7f00_0000_0000 + i as u64 * 4096,
+                    size: 1 << 30,
+                    used: false,
+                })
+                .collect(),
+            left: MAX_RECVS,
+        };
+        let mut b = [0u8; CTS_BYTES];
+        let n = c.encode(&mut b);
+        assert_eq!(n, CTS_BYTES);
+        assert_eq!(Cts::decode(&b[..n]).unwrap(), c);
+        // Short, long, no buffers, too many, an id past the mask.
+        assert!(Cts::decode(&b[..n - 1]).is_err());
+        assert!(Cts::decode(&b[..4]).is_err());
+        let mut x = b;
+        x[4] = 0;
+        assert!(Cts::decode(&x[..CTS_HEAD]).is_err());
+        x[4] = MAX_RECVS as u8 + 1;
+        assert!(Cts::decode(&x).is_err());
+        let mut x = b;
+        x[3] = 0xff;
+        assert!(Cts::decode(&x).is_err());
+        let one = Cts {
+            id: 3,
+            slots: c.slots[..1].to_vec(),
+            left: 1,
+        };
+        let n = one.encode(&mut b);
+        assert_eq!(n, CTS_HEAD + CTS_ENTRY);
+        assert_eq!(Cts::decode(&b[..n]).unwrap(), one);
     }
 }

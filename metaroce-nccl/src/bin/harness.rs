@@ -1029,7 +1029,7 @@ fn bench(c: &Comms, a: &Args, b: &mut Bufs) -> Result<(), String> {
         } else {
             ((64usize << 20) / size).clamp(5, 200)
         };
-        // Warm up (registers the bounce regions), then time.
+        // Warm up (connections, first packets), then time.
         run_size(c, a.rank, chunk, (chunks * 2, a.window), b, false)?;
         let t0 = Instant::now();
         run_size(c, a.rank, chunk, (chunks * iters, a.window), b, false)?;
