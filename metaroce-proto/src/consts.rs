@@ -244,8 +244,10 @@ pub const ACK_PATH_CHECK_RTTS: u32 = 16;
 /// ...and once it carried at least this many ACKs since its last DATA
 /// packet (`ACK_PATH_CHECK_ACKS`): a check costs a NOP and the peer's ACK of
 /// it, at most one per 64 ACKs. (The peer's ACK crosses the link the
-/// receiver's grants fill exactly; one check per 16 RTTs per path overran
-/// an incast receiver's link by 0.4% in the simulator.)
+/// receiver's grants fill exactly: one check per 16 RTTs per path overran
+/// an incast receiver's link by 0.4% in the simulator, its queue 88 KB ->
+/// 530 KB; one per 16 ACKs left 189 KB and cost 4% of a 16-host run's
+/// goodput at 10% loss; one per 64 ACKs leaves 88 KB.)
 pub const ACK_PATH_CHECK_ACKS: u32 = 64;
 
 /// Length of an epoch of the RTT peak filter, in smoothed RTTs

@@ -951,24 +951,14 @@ fn run() -> Result<(), String> {
 
 /// NCCL keeps at most NCCL_NET_MAX_REQUESTS requests per comm; a plugin
 /// may refuse more by returning a NULL request ("not now"). Posts that many
-/// sends and receives (the peer does the same), checks that one more of
-/// each is refused, then completes them all.
+/// receives (the peer does the same) and checks that one more is refused;
+/// then that many sends, each retried while it is refused (a send waits,
+/// NULL, until the peer has announced a buffer for it, as NCCL retries),
+/// and checks that one more is refused; then completes them all.
 fn request_limit(c: &Comms, b: &mut Bufs) -> Result<(), String> {
     let t = c.t;
     let (sp, rp) = (b.sbuf.as_mut_ptr(), b.rbuf.as_mut_ptr());
     let mut reqs = Vec::new();
-    for _ in 0..NCCL_NET_MAX_REQUESTS {
-        reqs.push((
-            t.isend(c.send, sp, 0, 9, b.smh)?
-                .ok_or("isend refused below the limit")?,
-            1,
-        ));
-    }
-    if t.isend(c.send, sp, 0, 9, b.smh)?.is_some() {
-        return Err(format!(
-            "isend accepted beyond {NCCL_NET_MAX_REQUESTS} outstanding"
-        ));
-    }
     for i in 0..NCCL_NET_MAX_REQUESTS {
         let p = rp.wrapping_add(i);
         reqs.push((
@@ -980,6 +970,24 @@ fn request_limit(c: &Comms, b: &mut Bufs) -> Result<(), String> {
     if t.irecv(c.recv, &[(rp, 1, 9)], b.rmh)?.is_some() {
         return Err(format!(
             "irecv accepted beyond {NCCL_NET_MAX_REQUESTS} outstanding"
+        ));
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    for _ in 0..NCCL_NET_MAX_REQUESTS {
+        let r = loop {
+            if let Some(r) = t.isend(c.send, sp, 0, 9, b.smh)? {
+                break r;
+            }
+            if std::time::Instant::now() > deadline {
+                return Err("isend refused below the limit for 20 s".into());
+            }
+            std::thread::yield_now();
+        };
+        reqs.push((r, 1));
+    }
+    if t.isend(c.send, sp, 0, 9, b.smh)?.is_some() {
+        return Err(format!(
+            "isend accepted beyond {NCCL_NET_MAX_REQUESTS} outstanding"
         ));
     }
     while !reqs.is_empty() {
