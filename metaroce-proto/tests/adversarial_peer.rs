@@ -16,65 +16,11 @@ mod adversary;
 mod common;
 
 use adversary::*;
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 
-// ---------------------------------------------------------------------------
-// Live heap bytes of the current thread
-// ---------------------------------------------------------------------------
-
-struct Counting;
-
-thread_local! {
-    static LIVE: Cell<isize> = const { Cell::new(0) };
-}
-
-fn count(delta: isize) {
-    // Never panics, never allocates (a const-initialised cell without a
-    // destructor); silently skipped while a thread is being torn down.
-    let _ = LIVE.try_with(|c| c.set(c.get() + delta));
-}
-
-// SAFETY: every call is forwarded to the system allocator unchanged; the
-// counting touches only a thread-local integer.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract, forwarded.
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            count(l.size() as isize);
-        }
-        p
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract, forwarded.
-        let p = unsafe { System.alloc_zeroed(l) };
-        if !p.is_null() {
-            count(l.size() as isize);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: the caller's contract, forwarded.
-        unsafe { System.dealloc(p, l) };
-        count(-(l.size() as isize));
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        // SAFETY: the caller's contract, forwarded.
-        let q = unsafe { System.realloc(p, l, new) };
-        if !q.is_null() {
-            count(new as isize - l.size() as isize);
-        }
-        q
-    }
-}
-
-#[global_allocator]
-static ALLOC: Counting = Counting;
-
-fn live_heap() -> isize {
-    LIVE.with(|c| c.get())
-}
+// Live heap bytes of the current thread.
+#[path = "common/heap.rs"]
+mod heap;
+use heap::live_heap;
 
 const HEAP: Option<HeapProbe> = Some(live_heap as HeapProbe);
 
