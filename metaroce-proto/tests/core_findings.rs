@@ -10,17 +10,6 @@ use metaroce_proto::verbs::*;
 use metaroce_proto::{EndpointConfig, Instant};
 use std::time::Duration;
 
-fn reg(
-    ep: &mut metaroce_proto::Endpoint,
-    pd: PdHandle,
-    data: Vec<u8>,
-    addr: u64,
-    access: AccessFlags,
-) -> MrInfo {
-    ep.reg_mr(pd, data.into_boxed_slice(), addr, access)
-        .unwrap()
-}
-
 /// Found by `reliability_props` (case seed 0x1119f56505ce7acd, late receives).
 ///
 /// Steps: one QP, perfect link. Post SEND #0 of 100 bytes and SEND #1 of

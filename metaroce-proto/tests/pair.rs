@@ -30,34 +30,6 @@ fn gso8() -> EndpointConfig {
     }
 }
 
-fn wait_cq(
-    p: &mut Pair,
-    side_a: bool,
-    cq: CqHandle,
-    n: usize,
-    within: Duration,
-) -> Vec<WorkCompletion> {
-    let deadline = p.now + within;
-    let mut got = Vec::new();
-    p.run_until(deadline, |p| {
-        let ep = if side_a { &mut p.a } else { &mut p.b };
-        got.extend(drain_cq(ep, cq));
-        got.len() >= n
-    });
-    got
-}
-
-fn reg(
-    ep: &mut metaroce_proto::Endpoint,
-    pd: PdHandle,
-    data: Vec<u8>,
-    addr: u64,
-    access: AccessFlags,
-) -> MrInfo {
-    ep.reg_mr(pd, data.into_boxed_slice(), addr, access)
-        .unwrap()
-}
-
 /// A WRITE of the first `len` bytes of `src` to the start of `win`.
 fn write_whole(wr_id: u64, src: &MrInfo, win: &MrInfo, len: usize) -> SendWr {
     SendWr::new(

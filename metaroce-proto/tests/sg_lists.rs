@@ -39,34 +39,6 @@ fn pair_with(cfg: EndpointConfig, seed: u64, loss: f64, gather: Option<usize>) -
     (p, v)
 }
 
-fn wait_cq(
-    p: &mut Pair,
-    side_a: bool,
-    cq: CqHandle,
-    n: usize,
-    within: Duration,
-) -> Vec<WorkCompletion> {
-    let deadline = p.now + within;
-    let mut got = Vec::new();
-    p.run_until(deadline, |p| {
-        let ep = if side_a { &mut p.a } else { &mut p.b };
-        got.extend(drain_cq(ep, cq));
-        got.len() >= n
-    });
-    got
-}
-
-fn reg(
-    ep: &mut metaroce_proto::Endpoint,
-    pd: PdHandle,
-    data: Vec<u8>,
-    addr: u64,
-    access: AccessFlags,
-) -> MrInfo {
-    ep.reg_mr(pd, data.into_boxed_slice(), addr, access)
-        .unwrap()
-}
-
 fn sge(mr: &MrInfo, offset: u64, len: u32) -> Sge {
     Sge {
         lkey: mr.lkey,

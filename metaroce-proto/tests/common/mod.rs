@@ -522,3 +522,34 @@ impl OneWrite {
         );
     }
 }
+
+/// Runs the pair until `n` completions arrived on `cq` of side A (`side_a`)
+/// or B, or `within` passed; returns what arrived.
+pub fn wait_cq(
+    p: &mut Pair,
+    side_a: bool,
+    cq: CqHandle,
+    n: usize,
+    within: Duration,
+) -> Vec<WorkCompletion> {
+    let deadline = p.now + within;
+    let mut got = Vec::new();
+    p.run_until(deadline, |p| {
+        let ep = if side_a { &mut p.a } else { &mut p.b };
+        got.extend(drain_cq(ep, cq));
+        got.len() >= n
+    });
+    got
+}
+
+/// Registers `data` as a region at `addr` of `pd`.
+pub fn reg(
+    ep: &mut metaroce_proto::Endpoint,
+    pd: PdHandle,
+    data: Vec<u8>,
+    addr: u64,
+    access: AccessFlags,
+) -> MrInfo {
+    ep.reg_mr(pd, data.into_boxed_slice(), addr, access)
+        .unwrap()
+}
