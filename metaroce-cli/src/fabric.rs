@@ -112,7 +112,8 @@ enum FabricCmd {
         /// Spine index.
         k: u8,
     },
-    /// Drop PCT percent of packets at random on spine links (0 removes the loss).
+    /// Drop PCT percent of packets at random on spine links (0 removes the
+    /// loss; 100 on one spine is a silent blackhole: its routes stay up).
     Loss {
         /// Percent, 0 to 100.
         pct: f64,
@@ -457,7 +458,12 @@ fn loss(f: &Names, pct: f64, link: &str) -> anyhow::Result<()> {
         // numgen random mod 10000 < pct*100: drop that fraction, per spine,
         // as packets leave each router.
         let per10k = (pct * 100.0).round() as u32;
-        let rule = format!("numgen random mod 10000 < {per10k} drop");
+        // 100%: a silent blackhole (routes stay, everything is dropped).
+        let rule = if per10k >= 10_000 {
+            "drop".to_string()
+        } else {
+            format!("numgen random mod 10000 < {per10k} drop")
+        };
         nft_per_spine(
             f,
             "mr_loss",
