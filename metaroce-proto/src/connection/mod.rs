@@ -707,12 +707,21 @@ impl Connection {
         let p = &mut self.paths_tx[path];
         p.record_send(csn, now, size as u32, retransmit);
         let path_id = p.id;
-        // A NOP (a probe, a route check) is no request or response: it does
-        // not make the ACKs this side owes wait for DATA to ride on (§12).
-        if !self
-            .record_mut(csn)
-            .is_some_and(|r| matches!(r.kind, CsnKind::Nop))
-        {
+        // One look-up of the CSN's record serves both: its last path and
+        // transmissions, and its kind. A NOP (a probe, a route check) is no
+        // request or response: it does not make the ACKs this side owes
+        // wait for DATA to ride on (§12).
+        let nop = match self.record_mut(csn) {
+            Some(r) => {
+                if !recorded {
+                    r.last_path = path_id;
+                    r.transmissions = r.transmissions.saturating_add(1);
+                }
+                matches!(r.kind, CsnKind::Nop)
+            }
+            None => false,
+        };
+        if !nop {
             self.last_data_tx = Some(now);
         }
         self.in_flight += size as u64;
@@ -720,12 +729,6 @@ impl Connection {
         self.stats.data_packets_sent += 1;
         if !retransmit {
             self.stats.payload_bytes_sent += payload as u64;
-        }
-        if !recorded {
-            if let Some(r) = self.record_mut(csn) {
-                r.last_path = path_id;
-                r.transmissions = r.transmissions.saturating_add(1);
-            }
         }
     }
 
