@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{assert_success, bounded, BIN};
+use common::{assert_success, bounded, is_root, BIN};
 use std::process::Command;
 use std::time::Duration;
 
@@ -14,13 +14,6 @@ fn script() -> String {
         "{}/../scripts/compare-fabric.sh",
         env!("CARGO_MANIFEST_DIR")
     )
-}
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
 }
 
 #[test]

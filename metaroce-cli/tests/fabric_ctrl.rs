@@ -11,45 +11,9 @@
 
 mod common;
 
-use common::{bounded, start_server, BIN};
-use std::process::{Command, Output};
+use common::{bounded, is_root, start_server, TestFabric, BIN};
+use std::process::Command;
 use std::time::Duration;
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-}
-
-/// This test's namespace prefix.
-fn prefix() -> String {
-    format!("mrc{}", std::process::id())
-}
-
-/// This test's namespace `role` (`h1`, `h2`, `r1`, `r2`).
-fn ns(role: &str) -> String {
-    format!("{}-{role}", prefix())
-}
-
-/// `metaroce ARGS`, with this test's fabric prefix in the environment.
-fn metaroce(args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .env("METAROCE_FABRIC_PREFIX", prefix())
-        .output()
-        .expect("run metaroce")
-}
-
-/// Tears the fabric down when dropped.
-struct FabricGuard;
-
-impl Drop for FabricGuard {
-    fn drop(&mut self) {
-        let out = metaroce(&["fabric", "down"]);
-        assert!(out.status.success() || std::thread::panicking());
-    }
-}
 
 /// Retries the clients log as they happen (`METAROCE_LOG=info`).
 const RETRY: &str = "trying again from a new source port";
@@ -60,8 +24,8 @@ fn clients_reach_the_server_past_a_blackholed_spine() {
         println!("skipped: needs root (network namespaces, nftables)");
         return;
     }
-    let _fabric = FabricGuard;
-    let up = metaroce(&["fabric", "up", "--spines", "4"]);
+    let fab = TestFabric::new("mrc");
+    let up = fab.metaroce(&["fabric", "up", "--spines", "4"]);
     if !up.status.success() {
         let err = String::from_utf8_lossy(&up.stderr);
         if err.contains("netns") || err.contains("Operation not permitted") {
@@ -72,7 +36,7 @@ fn clients_reach_the_server_past_a_blackholed_spine() {
     }
     // Spine 0 drops everything, both ways, silently (`loss 100`: an nft
     // drop rule; the routes stay up).
-    let out = metaroce(&["fabric", "loss", "100", "--link", "0"]);
+    let out = fab.metaroce(&["fabric", "loss", "100", "--link", "0"]);
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
         if err.contains("no way to drop packets") {
@@ -84,7 +48,7 @@ fn clients_reach_the_server_past_a_blackholed_spine() {
 
     let mut server = Command::new("ip");
     server
-        .args(["netns", "exec", &ns("h2"), BIN, "perf", "server"])
+        .args(["netns", "exec", &fab.ns("h2"), BIN, "perf", "server"])
         .args(["--bind", "10.77.2.1:0"]);
     let (_srv, addr) = start_server(server);
 
@@ -94,7 +58,7 @@ fn clients_reach_the_server_past_a_blackholed_spine() {
     let mut retries = Vec::new();
     for _ in 0..8 {
         let mut cli = Command::new("ip");
-        cli.args(["netns", "exec", &ns("h1"), BIN, "perf", "client", &addr])
+        cli.args(["netns", "exec", &fab.ns("h1"), BIN, "perf", "client", &addr])
             .args(["-D", "0.3", "--json", "--connect-timeout", "60"])
             .env("METAROCE_LOG", "info");
         let out = bounded(cli, Duration::from_secs(120));

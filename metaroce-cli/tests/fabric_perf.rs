@@ -8,56 +8,12 @@
 
 mod common;
 
-use common::{assert_success, bounded, server_exit, start_server, Guard as ChildGuard, BIN};
-use std::process::{Command, Output};
+use common::{
+    assert_success, bounded, is_root, netns_list, server_exit, start_server, Guard as ChildGuard,
+    TestFabric, BIN,
+};
+use std::process::Command;
 use std::time::{Duration, Instant};
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-}
-
-/// This test's namespace prefix.
-fn prefix() -> String {
-    format!("mrt{}", std::process::id())
-}
-
-/// This test's namespace `role` (`h1`, `h2`, `r1`, `r2`).
-fn ns(role: &str) -> String {
-    format!("{}-{role}", prefix())
-}
-
-/// `metaroce ARGS`, with this test's fabric prefix in the environment.
-fn metaroce(args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .env("METAROCE_FABRIC_PREFIX", prefix())
-        .output()
-        .expect("run metaroce")
-}
-
-/// The namespaces that exist now.
-fn netns_list() -> String {
-    let out = Command::new("ip").args(["netns", "list"]).output().unwrap();
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Tears the fabric down when dropped.
-struct FabricGuard;
-
-impl Drop for FabricGuard {
-    fn drop(&mut self) {
-        let out = metaroce(&["fabric", "down"]);
-        assert!(out.status.success() || std::thread::panicking());
-        let left = netns_list();
-        assert!(
-            !left.contains(&prefix()) || std::thread::panicking(),
-            "fabric down left {left}"
-        );
-    }
-}
 
 #[test]
 fn perf_across_a_two_spine_fabric() {
@@ -65,8 +21,8 @@ fn perf_across_a_two_spine_fabric() {
         println!("skipped: needs root");
         return;
     }
-    let _fabric = FabricGuard;
-    let up = metaroce(&["fabric", "up", "--spines", "2"]);
+    let fab = TestFabric::new("mrt");
+    let up = fab.metaroce(&["fabric", "up", "--spines", "2"]);
     if !up.status.success() {
         let err = String::from_utf8_lossy(&up.stderr);
         // Root inside a container without CAP_SYS_ADMIN or veth support.
@@ -76,32 +32,36 @@ fn perf_across_a_two_spine_fabric() {
         }
         panic!("fabric up failed: {err}");
     }
-    let status = metaroce(&["fabric", "status"]);
+    let status = fab.metaroce(&["fabric", "status"]);
     assert!(String::from_utf8_lossy(&status.stdout).contains("sp1"));
     let list = netns_list();
     for role in ["h1", "h2", "r1", "r2"] {
-        assert!(list.contains(&ns(role)), "no {} in {list}", ns(role));
+        assert!(
+            list.contains(&fab.ns(role)),
+            "no {} in {list}",
+            fab.ns(role)
+        );
     }
     // A fabric under another prefix is another fabric: its `down` leaves
     // this one alone, and `--prefix` wins over the environment.
     let other = Command::new(BIN)
-        .args(["fabric", "down", "--prefix", &format!("{}x", prefix())])
-        .env("METAROCE_FABRIC_PREFIX", prefix())
+        .args(["fabric", "down", "--prefix", &format!("{}x", fab.prefix())])
+        .env("METAROCE_FABRIC_PREFIX", fab.prefix())
         .output()
         .unwrap();
     assert!(other.status.success());
     assert!(
-        netns_list().contains(&ns("r1")),
+        netns_list().contains(&fab.ns("r1")),
         "another prefix's down removed ours"
     );
 
     // (The host stack itself may drop a few datagrams: no loss configured
     // does not mean no retransmits.)
-    let v = perf_across();
+    let v = perf_across(&fab);
 
     // 1% random loss on every spine (nftables in the routers): every byte
     // still arrives intact, recovered by retransmission.
-    let loss = metaroce(&["fabric", "loss", "1"]);
+    let loss = fab.metaroce(&["fabric", "loss", "1"]);
     if !loss.status.success() {
         let err = String::from_utf8_lossy(&loss.stderr);
         if err.contains("no way to drop packets") {
@@ -110,7 +70,7 @@ fn perf_across_a_two_spine_fabric() {
         }
         panic!("fabric loss failed: {err}");
     }
-    let lossy = perf_across();
+    let lossy = perf_across(&fab);
     // Packets declared lost that never arrived: deep tbf queues make some
     // declarations premature (`spurious`) with or without loss, so the
     // retransmit counts alone do not tell the runs apart; real losses do.
@@ -137,9 +97,9 @@ fn perf_across_a_two_spine_fabric() {
 
     // CE marks on 20% of the ECN-capable packets: the sender sees them
     // echoed on its paths (and still gets every byte through).
-    let ecn = metaroce(&["fabric", "ecn", "20"]);
+    let ecn = fab.metaroce(&["fabric", "ecn", "20"]);
     assert_success(&ecn, "fabric ecn failed: ");
-    let marked = perf_across();
+    let marked = perf_across(&fab);
     let marks = sum_over_paths(&marked, "ecn_marks");
     let packets = sum_over_paths(&marked, "packets");
     println!("ECN 20%: {marks} of {packets} packets marked");
@@ -150,11 +110,13 @@ fn perf_across_a_two_spine_fabric() {
 
     // A spine cut in the middle of a run: no byte lost or corrupted, and
     // the traffic it carried moves to the other spine at once.
-    assert!(metaroce(&["fabric", "ecn", "0"]).status.success());
-    assert!(metaroce(&["fabric", "loss", "0"]).status.success());
-    let sampler = std::thread::spawn(cut_spine_mid_run);
-    let cut_run = perf_across_for("3");
-    let moved_ms = sampler.join().expect("sampler");
+    assert!(fab.metaroce(&["fabric", "ecn", "0"]).status.success());
+    assert!(fab.metaroce(&["fabric", "loss", "0"]).status.success());
+    let (cut_run, moved_ms) = std::thread::scope(|s| {
+        let sampler = s.spawn(|| cut_spine_mid_run(&fab));
+        let cut_run = perf_across_for(&fab, "3");
+        (cut_run, sampler.join().expect("sampler"))
+    });
     println!(
         "spine 1 cut mid-run: {:.3} Gbit/s over the run, traffic back within {moved_ms} ms",
         cut_run["gbps"].as_f64().unwrap()
@@ -192,10 +154,10 @@ fn spine_tx(pid: u32) -> [u64; 2] {
 /// Samples the spines every 10 ms, cuts spine 1 about a second into the run,
 /// and returns how many ms passed from the cut until the remaining spine
 /// carried at least half the rate both carried before it.
-fn cut_spine_mid_run() -> u64 {
+fn cut_spine_mid_run(fab: &TestFabric) -> u64 {
     let probe = ChildGuard(
         Command::new("ip")
-            .args(["netns", "exec", &ns("r1"), "sleep", "30"])
+            .args(["netns", "exec", &fab.ns("r1"), "sleep", "30"])
             .spawn()
             .expect("probe process"),
     );
@@ -213,7 +175,7 @@ fn cut_spine_mid_run() -> u64 {
     let rate_before = before.iter().sum::<u64>() / before.len() as u64;
     assert!(rate_before > 0, "no traffic on the spines before the cut");
     let cut_at = Instant::now();
-    assert!(metaroce(&["fabric", "cut", "1"]).status.success());
+    assert!(fab.metaroce(&["fabric", "cut", "1"]).status.success());
     let mut last = spine_tx(pid);
     let mut last_t = Instant::now();
     loop {
@@ -236,20 +198,20 @@ fn cut_spine_mid_run() -> u64 {
 
 /// Runs one `perf server --once` in h2 and one client in h1, checks
 /// every byte and returns the client's JSON report.
-fn perf_across() -> serde_json::Value {
-    perf_across_for("1")
+fn perf_across(fab: &TestFabric) -> serde_json::Value {
+    perf_across_for(fab, "1")
 }
 
 /// [`perf_across`] for `secs` seconds.
-fn perf_across_for(secs: &str) -> serde_json::Value {
+fn perf_across_for(fab: &TestFabric, secs: &str) -> serde_json::Value {
     let mut server = Command::new("ip");
     server
-        .args(["netns", "exec", &ns("h2"), BIN, "perf", "server"])
+        .args(["netns", "exec", &fab.ns("h2"), BIN, "perf", "server"])
         .args(["--bind", "10.77.2.1:0", "--once"]);
     let (srv, addr) = start_server(server);
 
     let mut cli = Command::new("ip");
-    cli.args(["netns", "exec", &ns("h1"), BIN, "perf", "client", &addr])
+    cli.args(["netns", "exec", &fab.ns("h1"), BIN, "perf", "client", &addr])
         .args(["-D", secs, "-q", "2", "--json"]);
     let out = bounded(cli, Duration::from_secs(60));
     assert_success(&out, "client failed: ");

@@ -853,28 +853,7 @@ mod remote_tests {
         let lo: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let mut drv = bind(lo, Tuning::new(1, Backend::Portable, 0, DEFAULT_MTU), 1).unwrap();
         let (srv, cli) = Link::pair();
-        let opts = RunOpts {
-            op: Op::Write,
-            size: 1024,
-            duration: 0.1,
-            depth: 4,
-            qps: 1,
-            no_verify: false,
-            bidir: false,
-            json: true,
-            side: SideArgs {
-                paths: 1,
-                backend: Backend::Portable,
-                busy_poll_us: 0,
-                mtu: None,
-                crc: false,
-                psk: None,
-                loss: 0.0,
-                duplicate: 0.0,
-                reorder: 0.0,
-            },
-            all: false,
-        };
+        let opts = short_opts();
         cli.send(Msg::Hello {
             version: VERSION + 1,
             params: opts.params(),

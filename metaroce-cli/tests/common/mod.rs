@@ -1,5 +1,6 @@
 //! What the `metaroce` process tests share: the binary, children that die
-//! with the test, bounded runs, and `perf server` start-up.
+//! with the test, bounded runs, `perf server` start-up, and a namespace
+//! fabric of a test's own.
 
 #![allow(dead_code)] // each test file uses its own part
 
@@ -105,4 +106,66 @@ pub fn server_exit(mut g: Guard, limit: Duration) -> bool {
         std::thread::sleep(Duration::from_millis(20));
     }
     panic!("the --once server did not exit within {limit:?}");
+}
+
+/// Whether the test runs as root (namespace fabrics need it).
+pub fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+/// The network namespaces that exist now.
+pub fn netns_list() -> String {
+    let out = Command::new("ip").args(["netns", "list"]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A `metaroce fabric` of a test's own: namespace prefix `TAG<pid>`, so it
+/// never touches a fabric someone else brought up. Dropped, it runs
+/// `metaroce fabric down` and checks that no namespace of it is left (a
+/// test that already panicked is not failed again). Make one only as root.
+pub struct TestFabric {
+    prefix: String,
+}
+
+impl TestFabric {
+    /// The fabric of prefix `tag` followed by this process's id (not up yet).
+    pub fn new(tag: &str) -> Self {
+        TestFabric {
+            prefix: format!("{tag}{}", std::process::id()),
+        }
+    }
+
+    /// The namespace prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The namespace of `role` (`h1`, `h2`, `r1`, `r2`).
+    pub fn ns(&self, role: &str) -> String {
+        format!("{}-{role}", self.prefix)
+    }
+
+    /// `metaroce ARGS`, with this fabric's prefix in the environment.
+    pub fn metaroce(&self, args: &[&str]) -> Output {
+        Command::new(BIN)
+            .args(args)
+            .env("METAROCE_FABRIC_PREFIX", &self.prefix)
+            .output()
+            .expect("run metaroce")
+    }
+}
+
+impl Drop for TestFabric {
+    fn drop(&mut self) {
+        let out = self.metaroce(&["fabric", "down"]);
+        assert!(out.status.success() || std::thread::panicking());
+        let left = netns_list();
+        assert!(
+            !left.contains(&self.prefix) || std::thread::panicking(),
+            "fabric down left {left}"
+        );
+    }
 }
