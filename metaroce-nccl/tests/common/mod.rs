@@ -17,15 +17,24 @@ pub fn artifacts() -> PathBuf {
         .to_path_buf()
 }
 
-/// The cdylib cargo built for this crate.
+/// The cdylib cargo built for this crate. Cargo always leaves it in
+/// `deps/` (its name carries no hash, so it is this build's); it copies it
+/// up to `target/<profile>` only when the library itself was a requested
+/// target, which a test-only build (`cargo test -p metaroce-nccl --test
+/// c_abi`) is not.
 pub fn cdylib() -> PathBuf {
-    let p = artifacts().join("libmetaroce_nccl.so");
-    assert!(
-        p.exists(),
-        "{} missing: cargo builds it with the crate",
-        p.display()
-    );
-    p
+    let name = "libmetaroce_nccl.so";
+    let candidates = [artifacts().join("deps").join(name), artifacts().join(name)];
+    candidates
+        .iter()
+        .find(|p| p.exists())
+        .cloned()
+        .unwrap_or_else(|| {
+            panic!(
+                "{name} missing in {} and its deps/: cargo builds it with the crate",
+                artifacts().display()
+            )
+        })
 }
 
 /// A fresh scratch directory.
