@@ -28,7 +28,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Measure throughput and latency (loopback by default).
-    Perf(perf::PerfArgs),
+    Perf(Box<perf::PerfArgs>),
     /// A multipath testbed in network namespaces (root only).
     Fabric(fabric::FabricArgs),
     /// Simulate a data-centre fabric running metaroce or a baseline transport.
@@ -45,7 +45,7 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Perf(a) => perf::run(a),
+        Command::Perf(a) => perf::run(*a),
         Command::Sim(a) => sim::run(*a),
         Command::Fabric(a) => fabric::run(a),
     };

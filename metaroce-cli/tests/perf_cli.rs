@@ -32,6 +32,23 @@ fn check(v: &serde_json::Value, op: &str) {
     assert!(v["lat_p50_us"].as_f64().unwrap() > 0.0);
     assert!(v["lat_p99_us"].as_f64().unwrap() >= v["lat_p50_us"].as_f64().unwrap());
     assert!(!v["paths"].as_array().unwrap().is_empty());
+    // The interval rates (the client's own stream) cover the run and add
+    // up to the bytes it moved.
+    let iv = v["intervals"].as_array().unwrap();
+    assert!(!iv.is_empty(), "{v}");
+    let bits: f64 = iv
+        .iter()
+        .map(|i| {
+            let secs = i["end_s"].as_f64().unwrap() - i["start_s"].as_f64().unwrap();
+            i["gbps"].as_f64().unwrap() * 1e9 * secs
+        })
+        .sum();
+    let own = if v["bidir"] == true { &v["tx"] } else { v };
+    let bytes = own["bytes"].as_u64().unwrap() as f64;
+    assert!(
+        (bits / 8.0 - bytes).abs() <= bytes * 1e-6 + 1.0,
+        "{bits} bits, {bytes} bytes: {v}"
+    );
 }
 
 #[test]

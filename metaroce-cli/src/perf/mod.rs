@@ -252,6 +252,12 @@ struct RunOpts {
     /// Print one JSON object instead of the report.
     #[arg(long)]
     json: bool,
+    /// Interval rates, iperf3's `-i`: the goodput of the client's own
+    /// stream in each interval of this many seconds (rounded to 0.1 s),
+    /// a line each in the report; `--json` has them in `intervals`
+    /// always, every second unless this says otherwise.
+    #[arg(short = 'i', long, value_name = "SECS")]
+    interval: Option<f64>,
     #[command(flatten)]
     side: SideArgs,
     /// Every message size from 2 bytes to 8 MiB, powers of two, one run
@@ -300,6 +306,13 @@ impl RunOpts {
     /// Refuses flags no run could take, before any runs.
     fn check(&self) -> anyhow::Result<()> {
         self.side.check()?;
+        if let Some(i) = self.interval {
+            if !(i >= 0.1 && i.is_finite()) {
+                return Err(
+                    PerfError::BadFlags(format!("--interval {i}: at least 0.1 seconds")).into(),
+                );
+            }
+        }
         let sizes = self.sizes();
         // `--all` with a queue too deep for even its smallest size: what
         // that size says is wrong.
@@ -685,6 +698,7 @@ mod remote_tests {
             no_verify: false,
             bidir: false,
             json: true,
+            interval: None,
             side: SideArgs {
                 paths: 1,
                 backend: Backend::Portable,

@@ -136,7 +136,60 @@ pub(super) struct Report {
     pub(super) tx: Option<Direction>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) rx: Option<Direction>,
+    /// The client's own stream's goodput in each `--interval` (1 s unless
+    /// given) from the start of the data phase: the bytes of the messages
+    /// that completed in it (acknowledged WRITEs and SENDs, checked READs).
+    pub(super) intervals: Vec<Interval>,
+    /// Whether `--interval` was given: the report then prints them.
+    #[serde(skip)]
+    pub(super) interval_given: bool,
     pub(super) paths: Vec<PathReport>,
+}
+
+/// One interval's goodput.
+#[derive(Debug, Serialize, Clone, Copy, PartialEq)]
+pub(super) struct Interval {
+    pub(super) start_s: f64,
+    pub(super) end_s: f64,
+    pub(super) gbps: f64,
+}
+
+/// Cuts a timeline (bytes completed per `step` seconds) into intervals of
+/// `every` seconds (rounded to whole steps, at least one) up to `elapsed`;
+/// a remainder shorter than half an interval joins the one before it.
+pub(super) fn intervals(timeline: &[u64], step: f64, every: f64, elapsed: f64) -> Vec<Interval> {
+    let per = ((every / step).round() as usize).max(1);
+    let steps = ((elapsed / step).ceil() as usize).max(timeline.len());
+    let mut bounds: Vec<(usize, usize)> = (0..steps)
+        .step_by(per)
+        .map(|first| (first, (first + per).min(steps)))
+        .collect();
+    if let [.., (_, end), (first, last)] = bounds[..] {
+        if 2 * (last - first) < per {
+            bounds.truncate(bounds.len() - 2);
+            bounds.push((end - per, last));
+        }
+    }
+    bounds
+        .into_iter()
+        .map(|(first, last)| {
+            let bytes: u64 = timeline
+                .get(first.min(timeline.len())..last.min(timeline.len()))
+                .map_or(0, |b| b.iter().sum());
+            let start_s = first as f64 * step;
+            let end_s = (last as f64 * step).min(elapsed.max(start_s));
+            let secs = end_s - start_s;
+            Interval {
+                start_s,
+                end_s,
+                gbps: if secs > 0.0 {
+                    bytes as f64 * 8.0 / secs / 1e9
+                } else {
+                    0.0
+                },
+            }
+        })
+        .collect()
 }
 
 /// What the server saw.
@@ -237,6 +290,13 @@ pub(super) fn print_rows(r: &Report) {
 fn print_footer(r: &Report) {
     let line = line();
     println!("{line}");
+    if r.interval_given {
+        println!(" interval [sec]      goodput [Gb/sec]");
+        for i in &r.intervals {
+            println!(" {:>6.1} - {:<6.1}     {:.3}", i.start_s, i.end_s, i.gbps);
+        }
+        println!("{line}");
+    }
     println!(
         " latency [usec]  t_min {:.1}  t_typical {:.1}  t_avg {:.1}  p99 {:.1}  p99.9 {:.1}",
         r.lat_min_us, r.lat_p50_us, r.lat_avg_us, r.lat_p99_us, r.lat_p999_us
@@ -273,4 +333,37 @@ pub(super) fn print_totals(sizes: usize, verified: u64, corrupt: u64) {
     println!("{}", line());
     println!(" {sizes} sizes, verified bytes {verified}   corrupt bytes {corrupt}");
     println!("{}", line());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn intervals_sum_their_steps_and_cut_the_last_short() {
+        // 100 ms steps: 1.25 MB in each of the first 10 (100 Mbit/s), none
+        // in the next 10, 2.5 MB in each of the last 5; the run lasted 2.5 s.
+        let mut t = vec![1_250_000u64; 10];
+        t.extend([0; 10]);
+        t.extend([2_500_000; 5]);
+        let iv = intervals(&t, 0.1, 1.0, 2.5);
+        let rates: Vec<f64> = iv
+            .iter()
+            .map(|i| (i.gbps * 1000.0).round() / 1000.0)
+            .collect();
+        assert_eq!(rates, vec![0.1, 0.0, 0.2]);
+        assert_eq!((iv[2].start_s, iv[2].end_s), (2.0, 2.5));
+        // Half-second intervals; a timeline that ends before the run did
+        // (nothing completed at the end) still covers the whole run, and
+        // the last 0.1 s joins the interval before it.
+        let iv = intervals(&t[..10], 0.1, 0.5, 1.6);
+        assert_eq!(iv.len(), 3);
+        assert_eq!(iv[2].gbps, 0.0);
+        assert!((iv[2].start_s - 1.0).abs() < 1e-9);
+        assert!((iv[2].end_s - 1.6).abs() < 1e-9);
+        // What the merged remainder carried counts.
+        let iv = intervals(&[1_250_000; 11], 0.1, 1.0, 1.1);
+        assert_eq!(iv.len(), 1);
+        assert!((iv[0].gbps - 0.1).abs() < 1e-9);
+    }
 }

@@ -430,6 +430,13 @@ pub(super) fn client_measure(
         corrupt_bytes: both(|d| d.corrupt_bytes),
         tx: p.bidir.then_some(tx),
         rx,
+        intervals: intervals(
+            &req.timeline,
+            TIMELINE_STEP,
+            opts.interval.unwrap_or(1.0),
+            elapsed,
+        ),
+        interval_given: opts.interval.is_some(),
         paths: cs
             .paths
             .iter()

@@ -334,7 +334,13 @@ pub(super) struct Requester {
     pub(super) reads: VecDeque<Arrived>,
     /// Bytes of the next request's message filled so far.
     pub(super) filled: u64,
+    /// Bytes of the messages completed in each [`TIMELINE_STEP`] of the
+    /// run, from its start: the interval rates of the report.
+    pub(super) timeline: Vec<u64>,
 }
+
+/// The resolution of a requester's timeline: 100 ms.
+pub(super) const TIMELINE_STEP: f64 = 0.1;
 
 impl Requester {
     /// Registers the local buffer; `cq` is the QPs' send CQ.
@@ -376,6 +382,7 @@ impl Requester {
             wcs: Vec::new(),
             reads: Default::default(),
             filled: 0,
+            timeline: Vec::new(),
         })
     }
 
@@ -508,6 +515,11 @@ impl Requester {
     /// Iteration `iter` is over: its slot and its place in the depth are free.
     fn retire(&mut self, iter: u64) {
         self.completed += 1;
+        let step = (self.t0.elapsed().as_secs_f64() / TIMELINE_STEP) as usize;
+        if self.timeline.len() <= step {
+            self.timeline.resize(step + 1, 0);
+        }
+        self.timeline[step] += self.p.size;
         self.outstanding -= 1;
         self.qp_out[self.lay.qp_of(iter)] -= 1;
     }
