@@ -5,18 +5,25 @@
 //! `LocalProtectionError` for a SEND from an invalid local buffer).
 //!
 //! ```sh
-//! cargo run --release --example device_echo -- [--rounds N] [--seconds S] [--size BYTES] [--verify-mib M] [--backend B] [--json]
+//! cargo run --release --example device_echo -- [--rounds N] [--seconds S] [--size BYTES] [--turns T] [--busy-poll US] [--verify-mib M] [--backend B] [--json]
 //! ```
 //!
 //! Runs `--rounds` round trips (1,000,000) or for `--seconds` (60),
 //! whichever ends first, then 1,000 flushed posts and 200 protection
-//! errors, and prints p50/p99/p99.9/max of each. Then it verifies a
+//! errors, and prints p50/p99/p99.9/max of each. The round trips are
+//! split into `--turns` (4) turns, each followed by as many round trips of
+//! the same echo written on the driver API ([`metaroce_io::Driver`], one
+//! thread per side, each sleeping in `Driver::poll` as the Device's
+//! endpoint threads do): the baseline the Device's figures are compared
+//! with, measured in the same run. Then it verifies a
 //! registered region of `--verify-mib` MiB (120; 0 skips) against the
 //! expected bytes, in place through `MemoryRegion::lend` and by copy
 //! through `MemoryRegion::read`, beside a plain `memcmp` of two buffers
 //! (the best of 5 each).
 
-use metaroce_io::{connect_qp_pair, AccessFlags, ApiError, Device, DriverConfig, WcStatus};
+use metaroce_io::{
+    connect_pair, connect_qp_pair, AccessFlags, ApiError, Device, Driver, DriverConfig, WcStatus,
+};
 use std::time::{Duration, Instant};
 
 struct Args {
@@ -24,6 +31,8 @@ struct Args {
     seconds: u64,
     size: u32,
     verify_mib: usize,
+    turns: usize,
+    busy_poll: Duration,
     backend: metaroce_io::Backend,
     json: bool,
 }
@@ -34,6 +43,8 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
         seconds: 60,
         size: 4096,
         verify_mib: 120,
+        turns: 4,
+        busy_poll: Duration::ZERO,
         backend: metaroce_io::Backend::Auto,
         json: false,
     };
@@ -44,6 +55,10 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
             "--rounds" => a.rounds = it.next().ok_or("--rounds N")?.parse()?,
             "--seconds" => a.seconds = it.next().ok_or("--seconds S")?.parse()?,
             "--size" => a.size = it.next().ok_or("--size BYTES")?.parse()?,
+            "--turns" => a.turns = it.next().ok_or("--turns T")?.parse::<usize>()?.max(1),
+            "--busy-poll" => {
+                a.busy_poll = Duration::from_micros(it.next().ok_or("--busy-poll US")?.parse()?)
+            }
             "--verify-mib" => a.verify_mib = it.next().ok_or("--verify-mib M")?.parse()?,
             "--backend" => {
                 a.backend = it
@@ -67,10 +82,11 @@ fn percentiles(t: &mut [Duration]) -> [f64; 4] {
     [at(0.50), at(0.99), at(0.999), at(1.0)]
 }
 
-async fn device(backend: metaroce_io::Backend) -> Result<Device, ApiError> {
+fn config(args: &Args) -> DriverConfig {
     let mut cfg = DriverConfig::new("127.0.0.1:0".parse().expect("address"));
-    cfg.backend = backend;
-    Device::open(cfg).await
+    cfg.backend = args.backend;
+    cfg.busy_poll = args.busy_poll;
+    cfg
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -82,59 +98,42 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    let (client, server) = (device(args.backend).await?, device(args.backend).await?);
-    let (qc, qs) = connect_qp_pair(&client, &server).await?;
-    let size = args.size;
-    let (pdc, pds) = (&qc.pd, &qs.pd);
-    let mc = pdc
-        .reg_mr(vec![7u8; 2 * size as usize], AccessFlags::LOCAL_WRITE)
-        .await?;
-    let ms = pds
-        .reg_mr(vec![0u8; 2 * size as usize], AccessFlags::LOCAL_WRITE)
-        .await?;
-
-    // The server echoes every message from the buffer it landed in, with
-    // the next receive posted first (into the other buffer).
-    let rounds = args.rounds;
-    let echo = tokio::spawn(async move {
-        let server_qp = &qs.qp;
-        let buf = |i: usize| ms.sge((i % 2) as u64 * u64::from(size), size);
-        let mut next = server_qp.recv(buf(0)?);
-        for i in 0..rounds {
-            let wc = match next.await {
-                Ok(wc) => wc,
-                // The client stopped early (the time limit): its QP went.
-                Err(_) if i > 0 => break,
-                Err(e) => return Err(e),
-            };
-            next = server_qp.recv(buf(i + 1)?);
-            let out = ms.sge((i % 2) as u64 * u64::from(size), wc.byte_len)?;
-            if server_qp.send(out).await.is_err() {
-                break;
-            }
-        }
-        Ok::<_, ApiError>(())
-    });
-
-    let (req, resp) = (mc.sge(0, size)?, mc.sge(u64::from(size), size)?);
-    let mut rtt = Vec::with_capacity(rounds.min(10_000_000));
+    let client = Device::open(config(&args)).await?;
+    let server = Device::open(config(&args)).await?;
     let deadline = Instant::now() + Duration::from_secs(args.seconds);
-    for _ in 0..rounds {
-        let got = qc.qp.recv(resp);
-        let t0 = Instant::now();
-        let sent = qc.qp.send(req);
-        got.await?;
-        rtt.push(t0.elapsed());
-        sent.await?;
+    let per_turn = args.rounds.div_ceil(args.turns);
+    let mut rtt = Vec::with_capacity(args.rounds.min(10_000_000));
+    let mut base = Vec::with_capacity(args.rounds.min(10_000_000));
+    let mut turn_p50 = Vec::new();
+    for _ in 0..args.turns {
+        // Half of each turn's share of `--seconds` for each of the two.
+        let share = Duration::from_secs_f64(args.seconds as f64 / (2 * args.turns) as f64);
+        let started = Instant::now();
+        let mut dev = device_turn(
+            &client,
+            &server,
+            per_turn,
+            args.size,
+            (started + share).min(deadline),
+        )
+        .await?;
+        // The baseline runs as long as the Device's turn took, at most as
+        // many round trips.
+        let until = Instant::now() + started.elapsed();
+        let mut drv = tokio::task::spawn_blocking({
+            let cfg = config(&args);
+            move || driver_turn(cfg, per_turn, args.size, until)
+        })
+        .await??;
+        turn_p50.push((percentiles(&mut dev)[0], percentiles(&mut drv)[0]));
+        rtt.append(&mut dev);
+        base.append(&mut drv);
         if Instant::now() >= deadline {
             break;
         }
     }
     let done = rtt.len();
-    // Closing the connection moves the server's QP to ERROR: its pending
-    // receive completes flushed and the echo loop ends.
-    qc.conn.close().await?;
-    let _ = echo.await;
+    let size = args.size;
 
     // Local errors: protection (a fresh pair each, as the error moves the
     // QP to ERROR) and, on that QP, flushed posts.
@@ -168,6 +167,16 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         .iter()
         .filter(|t| **t > Duration::from_millis(1))
         .count();
+    let [b50, b99, b999, bmax] = percentiles(&mut base);
+    let base_over_1ms = base
+        .iter()
+        .filter(|t| **t > Duration::from_millis(1))
+        .count();
+    let ratio = p50 / b50;
+    let turns: Vec<String> = turn_p50
+        .iter()
+        .map(|(d, b)| format!("{:.2}", d / b))
+        .collect();
     let [f50, f99, f999, fmax] = percentiles(&mut flush);
     let [l50, l99, l999, lmax] = percentiles(&mut prot);
     if args.json {
@@ -175,10 +184,14 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             "{{\"backend\":\"{}\",\"size\":{size},\"round_trips\":{done},\
              \"rtt_us\":{{\"p50\":{p50:.1},\"p99\":{p99:.1},\"p99_9\":{p999:.1},\"max\":{max:.1}}},\
              \"over_1ms\":{over_1ms},\
+             \"driver_rtt_us\":{{\"n\":{},\"p50\":{b50:.1},\"p99\":{b99:.1},\"p99_9\":{b999:.1},\"max\":{bmax:.1}}},\"driver_over_1ms\":{base_over_1ms},\
+             \"p50_vs_driver\":{ratio:.3},\"p50_vs_driver_by_turn\":[{}],\
              \"flush_us\":{{\"n\":{},\"p50\":{f50:.1},\"p99\":{f99:.1},\"p99_9\":{f999:.1},\"max\":{fmax:.1}}},\
              \"protection_us\":{{\"n\":{},\"p50\":{l50:.1},\"p99\":{l99:.1},\"p99_9\":{l999:.1},\"max\":{lmax:.1}}},\
              \"verify_ms\":{{\"mib\":{},\"memcmp\":{memcmp_ms:.2},\"in_place\":{lend_ms:.2},\"by_copy\":{copy_ms:.2}}}}}",
             client.backend(),
+            base.len(),
+            turns.join(","),
             flush.len(),
             prot.len(),
             args.verify_mib
@@ -189,6 +202,11 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             client.backend()
         );
         println!("round trip   p50 {p50:8.1} us  p99 {p99:8.1}  p99.9 {p999:8.1}  max {max:9.1}  (over 1 ms: {over_1ms})");
+        println!("driver API   p50 {b50:8.1} us  p99 {b99:8.1}  p99.9 {b999:8.1}  max {bmax:9.1}  (over 1 ms: {base_over_1ms}, n={})", base.len());
+        println!(
+            "Device p50 / driver API p50: {ratio:.2} (by turn: {})",
+            turns.join(", ")
+        );
         println!("flush error  p50 {f50:8.1} us  p99 {f99:8.1}  p99.9 {f999:8.1}  max {fmax:9.1}  (n={})", flush.len());
         println!("protection   p50 {l50:8.1} us  p99 {l99:8.1}  p99.9 {l999:8.1}  max {lmax:9.1}  (n={})", prot.len());
         if args.verify_mib > 0 {
@@ -230,6 +248,191 @@ async fn verify(dev: &Device, len: usize) -> Result<[f64; 3], Box<dyn std::error
         }
     }
     Ok(best)
+}
+
+/// One turn of the Device echo: `rounds` round trips (fewer if `deadline`
+/// passes) on a fresh QP pair; the server echoes every message from the
+/// buffer it landed in, with its next receive posted first.
+async fn device_turn(
+    client: &Device,
+    server: &Device,
+    rounds: usize,
+    size: u32,
+    deadline: Instant,
+) -> Result<Vec<Duration>, Box<dyn std::error::Error>> {
+    let (qc, qs) = connect_qp_pair(client, server).await?;
+    let mc = qc
+        .pd
+        .reg_mr(vec![7u8; 2 * size as usize], AccessFlags::LOCAL_WRITE)
+        .await?;
+    let ms = qs
+        .pd
+        .reg_mr(vec![0u8; 2 * size as usize], AccessFlags::LOCAL_WRITE)
+        .await?;
+    let echo = tokio::spawn(async move {
+        let server_qp = &qs.qp;
+        let buf = |i: usize| ms.sge((i % 2) as u64 * u64::from(size), size);
+        let mut next = server_qp.recv(buf(0)?);
+        for i in 0..rounds {
+            let wc = match next.await {
+                Ok(wc) => wc,
+                // The client stopped early (the time limit): its QP went.
+                Err(_) if i > 0 => break,
+                Err(e) => return Err(e),
+            };
+            next = server_qp.recv(buf(i + 1)?);
+            let out = ms.sge((i % 2) as u64 * u64::from(size), wc.byte_len)?;
+            if server_qp.send(out).await.is_err() {
+                break;
+            }
+        }
+        Ok::<_, ApiError>(())
+    });
+    let (req, resp) = (mc.sge(0, size)?, mc.sge(u64::from(size), size)?);
+    let mut rtt = Vec::with_capacity(rounds.min(10_000_000));
+    for _ in 0..rounds {
+        let got = qc.qp.recv(resp);
+        let t0 = Instant::now();
+        let sent = qc.qp.send(req);
+        got.await?;
+        rtt.push(t0.elapsed());
+        sent.await?;
+        if Instant::now() >= deadline {
+            break;
+        }
+    }
+    // Closing the connection moves the server's QP to ERROR: its pending
+    // receive completes flushed and the echo loop ends.
+    qc.conn.close().await?;
+    echo.await??;
+    Ok(rtt)
+}
+
+/// The same echo on the driver API: each side's [`Driver`] on a thread of
+/// its own, sleeping in `poll` when idle (as a Device's endpoint thread
+/// does), the client timing from its SEND's post to the echo's
+/// completion. At most `rounds` round trips, until `until`.
+fn driver_turn(
+    cfg: DriverConfig,
+    rounds: usize,
+    size: u32,
+    until: Instant,
+) -> Result<Vec<Duration>, String> {
+    use metaroce_io::proto::verbs::{
+        CqHandle, MrInfo, QpInit, Qpn, RecvWr, RegionBuf, SendOp, SendWr, Sge, WcOpcode,
+    };
+    type Side = (Driver, Qpn, CqHandle, MrInfo);
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    let mut a = Driver::bind(cfg.clone()).map_err(|e| err(&e))?;
+    let mut b = Driver::bind(cfg).map_err(|e| err(&e))?;
+    let (ca, cb) = connect_pair(&mut a, &mut b, Duration::from_secs(10)).map_err(|e| err(&e))?;
+    let side = |d: &mut Driver| -> Result<(Qpn, CqHandle, MrInfo), String> {
+        let e = d.endpoint();
+        let pd = e.alloc_pd();
+        let cq = e.create_cq(64);
+        let mr = e
+            .reg_mr(
+                pd,
+                RegionBuf::zeroed(2 * size as usize),
+                0,
+                AccessFlags::LOCAL_WRITE,
+            )
+            .map_err(|e| err(&e))?;
+        let qp = e.create_qp(QpInit::new(pd, cq, cq)).map_err(|e| err(&e))?;
+        Ok((qp, cq, mr))
+    };
+    let (qa, cqa, mra) = side(&mut a)?;
+    let (qb, cqb, mrb) = side(&mut b)?;
+    a.endpoint().connect_qp(qa, ca, qb).map_err(|e| err(&e))?;
+    b.endpoint().connect_qp(qb, cb, qa).map_err(|e| err(&e))?;
+    let recv = move |mr: &MrInfo| {
+        RecvWr::new(
+            0,
+            Sge {
+                lkey: mr.lkey,
+                addr: u64::from(size),
+                len: size,
+            },
+        )
+    };
+    let send = move |mr: &MrInfo| {
+        SendWr::new(
+            0,
+            SendOp::Send,
+            Sge {
+                lkey: mr.lkey,
+                addr: 0,
+                len: size,
+            },
+        )
+    };
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // The server: echoes every message, its next receive posted first.
+    let server = std::thread::spawn({
+        let stop = stop.clone();
+        move || -> Result<(), String> {
+            let (mut d, q, cq, mr): Side = (b, qb, cqb, mrb);
+            d.endpoint().post_recv(q, recv(&mr)).map_err(|e| err(&e))?;
+            let mut wcs = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                d.poll(Duration::from_millis(10)).map_err(|e| err(&e))?;
+                wcs.clear();
+                d.endpoint()
+                    .poll_cq(cq, 16, &mut wcs)
+                    .map_err(|e| err(&e))?;
+                for wc in &wcs {
+                    if wc.opcode == WcOpcode::Recv {
+                        let now = d.now();
+                        d.endpoint().post_recv(q, recv(&mr)).map_err(|e| err(&e))?;
+                        d.endpoint()
+                            .post_send(now, q, send(&mr))
+                            .map_err(|e| err(&e))?;
+                    }
+                }
+            }
+            Ok(())
+        }
+    });
+    let (mut d, q, cq, mr): Side = (a, qa, cqa, mra);
+    let mut rtt = Vec::with_capacity(rounds.min(10_000_000));
+    let mut wcs = Vec::new();
+    let mut run = || -> Result<(), String> {
+        for _ in 0..rounds {
+            d.endpoint().post_recv(q, recv(&mr)).map_err(|e| err(&e))?;
+            let t0 = Instant::now();
+            let now = d.now();
+            d.endpoint()
+                .post_send(now, q, send(&mr))
+                .map_err(|e| err(&e))?;
+            let (mut echoed, mut sent) = (false, false);
+            while !(echoed && sent) {
+                d.poll(Duration::from_millis(100)).map_err(|e| err(&e))?;
+                wcs.clear();
+                d.endpoint()
+                    .poll_cq(cq, 16, &mut wcs)
+                    .map_err(|e| err(&e))?;
+                for wc in &wcs {
+                    match wc.opcode {
+                        WcOpcode::Recv if !echoed => {
+                            echoed = true;
+                            rtt.push(t0.elapsed());
+                        }
+                        _ => sent = true,
+                    }
+                }
+            }
+            if Instant::now() >= until {
+                break;
+            }
+        }
+        Ok(())
+    };
+    let res = run();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    server
+        .join()
+        .map_err(|_| "the echo thread panicked".to_string())??;
+    res.map(|()| rtt)
 }
 
 fn expect_status(
