@@ -10,20 +10,47 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 /// A small deterministic generator for the link (tests must not depend on the core's).
+///
+/// [`TestRng::with_tape`] makes one whose numbers come from given bytes
+/// first (a fuzzer's input: each `next_u64` takes the next 8, so the
+/// fuzzer steers every choice drawn from it), then from the seed.
 #[derive(Debug, Clone)]
-pub struct TestRng(u64);
+pub struct TestRng {
+    state: u64,
+    tape: Vec<u8>,
+    pos: usize,
+}
 
 impl TestRng {
     pub fn new(seed: u64) -> Self {
-        TestRng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+        TestRng {
+            state: seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1,
+            tape: Vec::new(),
+            pos: 0,
+        }
+    }
+    /// Numbers from `tape` (8 bytes each, little-endian, the last one
+    /// padded with zeros), then from `seed` as [`new`](Self::new) would.
+    pub fn with_tape(seed: u64, tape: &[u8]) -> Self {
+        TestRng {
+            tape: tape.to_vec(),
+            ..TestRng::new(seed)
+        }
     }
     pub fn next_u64(&mut self) -> u64 {
+        if self.pos < self.tape.len() {
+            let end = (self.pos + 8).min(self.tape.len());
+            let mut b = [0u8; 8];
+            b[..end - self.pos].copy_from_slice(&self.tape[self.pos..end]);
+            self.pos = end;
+            return u64::from_le_bytes(b);
+        }
         // xorshift64*
-        let mut x = self.0;
+        let mut x = self.state;
         x ^= x >> 12;
         x ^= x << 25;
         x ^= x >> 27;
-        self.0 = x;
+        self.state = x;
         x.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
     pub fn unit(&mut self) -> f64 {
