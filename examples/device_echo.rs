@@ -5,7 +5,7 @@
 //! `LocalProtectionError` for a SEND from an invalid local buffer).
 //!
 //! ```sh
-//! cargo run --release --example device_echo -- [--rounds N] [--seconds S] [--size BYTES] [--turns T] [--busy-poll US] [--verify-mib M] [--backend B] [--json]
+//! cargo run --release --example device_echo -- [--rounds N] [--seconds S] [--size BYTES] [--turns T] [--busy-poll US] [--on-runtime] [--verify-mib M] [--backend B] [--json]
 //! ```
 //!
 //! Runs `--rounds` round trips (1,000,000) or for `--seconds` (60),
@@ -15,7 +15,9 @@
 //! the same echo written on the driver API ([`metaroce_io::Driver`], one
 //! thread per side, each sleeping in `Driver::poll` as the Device's
 //! endpoint threads do): the baseline the Device's figures are compared
-//! with, measured in the same run. Then it verifies a
+//! with, measured in the same run. `--on-runtime` opens both devices with
+//! [`Device::open_on_runtime`] (their endpoints as tasks of this program's
+//! current-thread runtime) instead of a thread each. Then it verifies a
 //! registered region of `--verify-mib` MiB (120; 0 skips) against the
 //! expected bytes, in place through `MemoryRegion::lend` and by copy
 //! through `MemoryRegion::read`, beside a plain `memcmp` of two buffers
@@ -33,6 +35,7 @@ struct Args {
     verify_mib: usize,
     turns: usize,
     busy_poll: Duration,
+    on_runtime: bool,
     backend: metaroce_io::Backend,
     json: bool,
 }
@@ -45,6 +48,7 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
         verify_mib: 120,
         turns: 4,
         busy_poll: Duration::ZERO,
+        on_runtime: false,
         backend: metaroce_io::Backend::Auto,
         json: false,
     };
@@ -52,6 +56,7 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
     while let Some(k) = it.next() {
         match k.as_str() {
             "--json" => a.json = true,
+            "--on-runtime" => a.on_runtime = true,
             "--rounds" => a.rounds = it.next().ok_or("--rounds N")?.parse()?,
             "--seconds" => a.seconds = it.next().ok_or("--seconds S")?.parse()?,
             "--size" => a.size = it.next().ok_or("--size BYTES")?.parse()?,
@@ -98,8 +103,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    let client = Device::open(config(&args)).await?;
-    let server = Device::open(config(&args)).await?;
+    let (client, server) = if args.on_runtime {
+        (
+            Device::open_on_runtime(config(&args)).await?,
+            Device::open_on_runtime(config(&args)).await?,
+        )
+    } else {
+        (
+            Device::open(config(&args)).await?,
+            Device::open(config(&args)).await?,
+        )
+    };
     let deadline = Instant::now() + Duration::from_secs(args.seconds);
     let per_turn = args.rounds.div_ceil(args.turns);
     let mut rtt = Vec::with_capacity(args.rounds.min(10_000_000));
@@ -181,7 +195,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let [l50, l99, l999, lmax] = percentiles(&mut prot);
     if args.json {
         println!(
-            "{{\"backend\":\"{}\",\"size\":{size},\"round_trips\":{done},\
+            "{{\"backend\":\"{}\",\"on_runtime\":{},\"size\":{size},\"round_trips\":{done},\
              \"rtt_us\":{{\"p50\":{p50:.1},\"p99\":{p99:.1},\"p99_9\":{p999:.1},\"max\":{max:.1}}},\
              \"over_1ms\":{over_1ms},\
              \"driver_rtt_us\":{{\"n\":{},\"p50\":{b50:.1},\"p99\":{b99:.1},\"p99_9\":{b999:.1},\"max\":{bmax:.1}}},\"driver_over_1ms\":{base_over_1ms},\
@@ -190,6 +204,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
              \"protection_us\":{{\"n\":{},\"p50\":{l50:.1},\"p99\":{l99:.1},\"p99_9\":{l999:.1},\"max\":{lmax:.1}}},\
              \"verify_ms\":{{\"mib\":{},\"memcmp\":{memcmp_ms:.2},\"in_place\":{lend_ms:.2},\"by_copy\":{copy_ms:.2}}}}}",
             client.backend(),
+            args.on_runtime,
             base.len(),
             turns.join(","),
             flush.len(),

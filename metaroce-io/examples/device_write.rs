@@ -4,7 +4,7 @@
 //! the crate sees against what the `perf` tool gets.
 //!
 //! ```text
-//! cargo run --release -p metaroce-io --example device_write -- [--size 64M] [--depth 2] [--seconds 4] [--backend auto|io_uring|portable] [--busy-poll US] [--no-verify]
+//! cargo run --release -p metaroce-io --example device_write -- [--size 64M] [--depth 2] [--seconds 4] [--backend auto|io_uring|portable] [--busy-poll US] [--on-runtime] [--no-verify]
 //! metaroce perf --op write -s 64M -t 2 -D 4 --json   # the baseline
 //! ```
 //!
@@ -15,6 +15,9 @@
 //! fixed pseudo-random pattern), and a destination slot reused only after
 //! the receiver said (a SEND of 8 bytes) that it checked it. Prints one JSON
 //! object: bytes moved, seconds, Gbit/s, messages, messages checked.
+//! `--on-runtime` runs both endpoints as tasks of this program's
+//! current-thread runtime ([`Device::open_on_runtime`]): everything on one
+//! thread.
 
 use metaroce_io::{connect_qp_pair, AccessFlags, Backend, Device, DriverConfig, SgList};
 use std::collections::VecDeque;
@@ -50,8 +53,21 @@ fn pattern(len: usize) -> Vec<u8> {
         .collect()
 }
 
-async fn run(cfg: DriverConfig, len: usize, depth: usize, secs: f64, verify: bool) {
-    let open = || Device::open(cfg.clone());
+async fn run(
+    cfg: DriverConfig,
+    len: usize,
+    depth: usize,
+    secs: f64,
+    verify: bool,
+    on_runtime: bool,
+) {
+    let open = || async {
+        if on_runtime {
+            Device::open_on_runtime(cfg.clone()).await
+        } else {
+            Device::open(cfg.clone()).await
+        }
+    };
     let (a, b) = (
         open().await.expect("client device"),
         open().await.expect("server device"),
@@ -185,7 +201,7 @@ async fn run(cfg: DriverConfig, len: usize, depth: usize, secs: f64, verify: boo
     let bytes = done * len as u64;
     println!(
         "{{\"backend\":\"{}\",\"size\":{len},\"depth\":{depth},\"messages\":{done},\
-         \"busy_poll_us\":{},\"checked\":{checked},\"corrupt\":{bad},\"seconds\":{elapsed:.3},\"gbit_s\":{:.3}}}",
+         \"on_runtime\":{on_runtime},\"busy_poll_us\":{},\"checked\":{checked},\"corrupt\":{bad},\"seconds\":{elapsed:.3},\"gbit_s\":{:.3}}}",
         a.backend(),
         cfg.busy_poll.as_micros(),
         bytes as f64 * 8.0 / elapsed / 1e9
@@ -198,6 +214,7 @@ fn main() {
     let depth: usize = arg("--depth").map_or(2, |s| s.parse().expect("--depth N"));
     let secs: f64 = arg("--seconds").map_or(4.0, |s| s.parse().expect("--seconds S"));
     let verify = !std::env::args().any(|a| a == "--no-verify");
+    let on_runtime = std::env::args().any(|a| a == "--on-runtime");
     let mut cfg = DriverConfig::new("127.0.0.1:0".parse().expect("address"));
     cfg.backend = arg("--backend").map_or(Backend::Auto, |s| s.parse().expect("--backend"));
     cfg.busy_poll =
@@ -206,5 +223,5 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
-    rt.block_on(run(cfg, len, depth.max(1), secs, verify));
+    rt.block_on(run(cfg, len, depth.max(1), secs, verify, on_runtime));
 }

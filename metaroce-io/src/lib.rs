@@ -291,6 +291,25 @@ impl Driver {
         each!(self, d => IoDriver::stats(d))
     }
 
+    /// One turn that never sleeps, for a caller (the Device on a runtime)
+    /// that waits between turns itself: on [`wait_fds`](Self::wait_fds)
+    /// becoming readable, for at most [`idle_wait`](Self::idle_wait).
+    /// Whether the turn did anything (then another should follow at once).
+    pub(crate) fn turn(&mut self) -> Result<bool, DriverError> {
+        each!(self, d => d.turn())
+    }
+
+    /// How long such a caller may wait before the next turn (the core's
+    /// next timer; `Duration::MAX` if none); `None`: a turn is due now.
+    pub(crate) fn idle_wait(&mut self) -> Option<Duration> {
+        each!(self, d => d.idle_wait())
+    }
+
+    /// The descriptors such a caller waits on (readable: a turn has work).
+    pub(crate) fn wait_fds(&self) -> Vec<std::os::fd::RawFd> {
+        each!(self, d => d.wait_fds())
+    }
+
     /// Replaces the fault injection (see [`IoDriver::set_faults`]).
     pub fn set_faults(&mut self, faults: FaultConfig) {
         each!(self, d => IoDriver::set_faults(d, faults))

@@ -162,6 +162,12 @@ impl PortableDriver {
     /// received, no completion or event made), waits for a datagram or a
     /// wake for at most `max_wait` or until the core's next timer.
     pub fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError> {
+        self.poll_turn(max_wait).map(|_| ())
+    }
+
+    /// [`poll`](Self::poll), saying whether the turn did anything (sent or
+    /// received a datagram, ran a timer, made a completion or an event).
+    fn poll_turn(&mut self, max_wait: Duration) -> Result<bool, DriverError> {
         let unpolled = self.ep.unpolled();
         let sent = self.flush()?;
         let got = self.receive()? | self.release();
@@ -194,11 +200,40 @@ impl PortableDriver {
             }
         }
         let now = self.clock.now();
+        let mut timers = false;
         if self.ep.poll_timeout().is_some_and(|t| t <= now) {
             self.ep.handle_timeout(now);
+            timers = true;
         }
-        self.flush()?;
-        Ok(())
+        let sent_after = self.flush()?;
+        Ok(sent || got || made || timers || sent_after)
+    }
+
+    /// One turn that never sleeps, for a caller that waits between turns
+    /// itself (on [`wait_fds`](Self::wait_fds), for at most
+    /// [`idle_wait`](Self::idle_wait)); whether it did anything.
+    pub(crate) fn turn(&mut self) -> Result<bool, DriverError> {
+        self.poll_turn(Duration::ZERO)
+    }
+
+    /// How long a caller that runs [`turn`](Self::turn)s itself may wait
+    /// for [`wait_fds`](Self::wait_fds) before the next turn: until the
+    /// core's next timer (`Duration::MAX` if none); `None` if one is due.
+    pub(crate) fn idle_wait(&mut self) -> Option<Duration> {
+        let mut wait = Duration::MAX;
+        if let Some(t) = self.ep.poll_timeout() {
+            wait = wait.min(self.clock.until(t));
+        }
+        if let Some(t) = self.faults.as_ref().and_then(|f| f.next_due()) {
+            wait = wait.min(self.clock.until(t));
+        }
+        (!wait.is_zero()).then_some(wait)
+    }
+
+    /// What a caller waiting between [`turn`](Self::turn)s waits on: each
+    /// plane's receive socket.
+    pub(crate) fn wait_fds(&self) -> Vec<std::os::fd::RawFd> {
+        self.recv.iter().map(|r| r.sock.as_raw_fd()).collect()
     }
 
     /// Sends what the core has, up to the turn's budget of bytes

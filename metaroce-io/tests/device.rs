@@ -4,7 +4,9 @@
 //! the error statuses a user can provoke, completion-queue posting, and a
 //! transfer through 1% and 10% injected loss. Where io_uring is unavailable
 //! the io_uring variants print `skipped: io_uring unavailable: <reason>`
-//! and pass.
+//! and pass. The `*_on_runtime_*` variants run the same tests with every
+//! device opened by `Device::open_on_runtime` (its endpoint a task of the
+//! test's runtime, not a thread).
 
 use metaroce_io::{
     AccessFlags, ApiError, Backend, CompletionQueue, Connection, Device, DriverConfig, FaultConfig,
@@ -28,6 +30,32 @@ fn config(backend: Backend, faults: FaultConfig) -> DriverConfig {
     c.backend = backend;
     c.faults = faults;
     c
+}
+
+thread_local! {
+    /// Whether this test's devices run on its runtime (`Device::open_on_runtime`).
+    static ON_RUNTIME: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Opens a device as this test runs them: on a thread, or on the runtime.
+async fn open(cfg: DriverConfig) -> Result<Device, ApiError> {
+    if ON_RUNTIME.with(|r| r.get()) {
+        Device::open_on_runtime(cfg).await
+    } else {
+        Device::open(cfg).await
+    }
+}
+
+/// [`run`], with every device the test opens running as a task of its
+/// runtime.
+fn run_on_runtime<F, Fut>(backend: Backend, f: F)
+where
+    F: FnOnce(Backend) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    ON_RUNTIME.with(|r| r.set(true));
+    run(backend, f);
+    ON_RUNTIME.with(|r| r.set(false));
 }
 
 /// Runs `f` on a fresh runtime with `backend`, unless it cannot run here.
@@ -64,8 +92,8 @@ struct Side {
 }
 
 async fn pair(backend: Backend, faults: FaultConfig) -> (Side, Side) {
-    let a = Device::open(config(backend, faults.clone())).await.unwrap();
-    let b = Device::open(config(backend, faults)).await.unwrap();
+    let a = open(config(backend, faults.clone())).await.unwrap();
+    let b = open(config(backend, faults)).await.unwrap();
     assert_eq!(a.backend(), backend);
     let (ca, cb) = tokio::join!(a.connect(b.local_addr()), b.accept());
     let (ca, cb) = (ca.unwrap(), cb.unwrap());
@@ -438,8 +466,8 @@ async fn two_plane_devices(backend: Backend) {
         c.planes = vec![extra.parse().unwrap()];
         c
     };
-    let a = Device::open(cfg("127.0.0.5:0", "127.0.0.6")).await.unwrap();
-    let b = Device::open(cfg("127.0.0.7:0", "127.0.0.8")).await.unwrap();
+    let a = open(cfg("127.0.0.5:0", "127.0.0.6")).await.unwrap();
+    let b = open(cfg("127.0.0.7:0", "127.0.0.8")).await.unwrap();
     let (ca, cb) = tokio::join!(a.connect(b.local_addr()), b.accept());
     let (ca, cb) = (ca.unwrap(), cb.unwrap());
     let (pda, pdb) = (a.alloc_pd().await.unwrap(), b.alloc_pd().await.unwrap());
@@ -1032,9 +1060,7 @@ fn receive_chains_io_uring() {
 /// executor: a 1 ms ticker on the same single-threaded runtime keeps
 /// ticking while 256 MiB (about 100 ms of mapping) is registered.
 async fn reg_mr_does_not_block_the_executor(backend: Backend) {
-    let dev = Device::open(config(backend, FaultConfig::default()))
-        .await
-        .unwrap();
+    let dev = open(config(backend, FaultConfig::default())).await.unwrap();
     let pd = dev.alloc_pd().await.unwrap();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let ticker = tokio::spawn({
@@ -1343,4 +1369,87 @@ fn scatter_gather_lists_portable() {
 #[test]
 fn scatter_gather_lists_io_uring() {
     run(Backend::Uring, scatter_gather_lists);
+}
+
+/// The tests above with every device's endpoint a task of the test's
+/// runtime (`Device::open_on_runtime`), on each backend.
+macro_rules! on_runtime {
+    ($($name:ident: $f:expr;)*) => {
+        mod on_runtime {
+            use super::*;
+            $(
+                #[test]
+                fn $name() {
+                    run_on_runtime(Backend::Portable, $f);
+                    run_on_runtime(Backend::Uring, $f);
+                }
+            )*
+        }
+    };
+}
+
+on_runtime! {
+    every_operation_both_backends: every_operation;
+    completion_queue_posting_both_backends: completion_queue_posting;
+    error_statuses_both_backends: error_statuses;
+    write_through_loss_both_backends: |b| async move {
+        write_through_loss(b, 0.01).await;
+        write_through_loss(b, 0.10).await;
+    };
+    two_plane_devices_both_backends: two_plane_devices;
+    no_round_trip_stalls_both_backends: no_round_trip_stalls;
+    local_errors_complete_at_once_both_backends: local_errors_complete_at_once;
+    qp_capacities_and_foreign_handles_both_backends: qp_capacities_and_foreign_handles;
+    rnr_retry_zero_both_backends: rnr_retry_zero_fails_a_send_without_a_receive;
+    retry_cnt_and_timeout_both_backends: retry_cnt_and_timeout_bound_retry_exceeded;
+    regions_lent_in_place_both_backends: regions_lent_in_place;
+    batched_and_unsignaled_posts_both_backends: batched_and_unsignaled_posts;
+    receive_chains_both_backends: receive_chains;
+    reg_mr_does_not_block_the_executor_both_backends: reg_mr_does_not_block_the_executor;
+    scatter_gather_lists_both_backends: scatter_gather_lists;
+}
+
+/// On a multi-thread runtime the endpoint task moves between the
+/// runtime's threads (the io_uring receive is armed again by whichever
+/// runs it): every operation still completes, byte-exact.
+#[test]
+fn on_a_multi_thread_runtime_every_operation_works() {
+    for backend in [Backend::Portable, Backend::Uring] {
+        if backend == Backend::Uring && metaroce_io::uring_probe().is_err() {
+            println!("skipped: io_uring unavailable");
+            continue;
+        }
+        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        // Every thread of the runtime opens its devices on the runtime.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .on_thread_start(|| ON_RUNTIME.with(|r| r.set(true)))
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            // Spawned: the test's own future runs on the worker threads too.
+            let h = tokio::spawn(every_operation(backend));
+            tokio::time::timeout(LIMIT, h)
+                .await
+                .expect("test timed out")
+                .expect("the test task");
+        });
+    }
+}
+
+/// Without a runtime that has I/O enabled there is no reactor for the
+/// endpoint task: a typed error, not a panic or a hang.
+#[test]
+fn open_on_runtime_without_io_says_so() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let e = rt
+        .block_on(Device::open_on_runtime(config(
+            Backend::Portable,
+            FaultConfig::default(),
+        )))
+        .unwrap_err();
+    assert!(matches!(e, ApiError::NoRuntime), "{e}");
 }

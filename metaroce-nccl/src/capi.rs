@@ -159,7 +159,7 @@ fn api_code(e: &ApiError) -> c_int {
         ApiError::Verbs(_) | ApiError::BatchRefused { .. } | ApiError::OutOfBounds { .. } => {
             METAROCE_EVERBS
         }
-        ApiError::Driver(_) => METAROCE_EIO,
+        ApiError::Driver(_) | ApiError::NoRuntime => METAROCE_EIO,
         ApiError::Connection(_) | ApiError::Failed(_) => METAROCE_ECONN,
         ApiError::Closed => METAROCE_ECLOSED,
     }

@@ -2,7 +2,13 @@
 //!
 //! A [`Device`] is one endpoint on its own thread (the *endpoint thread*),
 //! which owns the [`Driver`](crate::Driver), the core and every registered
-//! buffer. The handles ([`ProtectionDomain`], [`MemoryRegion`],
+//! buffer; or, opened with [`Device::open_on_runtime`], a task of the
+//! caller's tokio runtime that does the same between the runtime's other
+//! tasks. The thread gives the endpoint a core of its own for bulk
+//! transfers; the task saves the hand-over between threads that each
+//! request and each completion otherwise costs (on a current-thread
+//! runtime a round trip then involves no thread switch; see
+//! `docs/BENCHMARKS.md`). The handles ([`ProtectionDomain`], [`MemoryRegion`],
 //! [`CompletionQueue`], [`QueuePair`], [`Connection`]) send it commands
 //! through one queue, in order, and wake it if it sleeps; what it answers
 //! comes back through `tokio::sync` channels, so any async runtime (or
@@ -150,9 +156,14 @@ pub enum ApiError {
         /// Why it was refused.
         error: VerbsError,
     },
-    /// The endpoint thread has stopped (a driver error, logged).
+    /// The endpoint thread has stopped (a driver error, logged), or the
+    /// runtime an endpoint task ran on shut down.
     #[error("the endpoint thread has stopped")]
     Closed,
+    /// [`Device::open_on_runtime`] was called outside a tokio runtime, or
+    /// in one without I/O enabled.
+    #[error("open_on_runtime needs a tokio runtime with I/O enabled (enable_io or enable_all)")]
+    NoRuntime,
 }
 
 /// A connection a peer opened to us, as the endpoint thread reports it.
@@ -162,11 +173,28 @@ struct Incoming {
     peer: SocketAddr,
 }
 
+/// How a command queued for the endpoint gets it looking.
+enum Wake {
+    /// The endpoint thread sleeps in its driver's poll.
+    Thread(Waker),
+    /// The endpoint task waits on the runtime.
+    Task(Arc<Notify>),
+}
+
+impl Wake {
+    fn wake(&self) {
+        match self {
+            Wake::Thread(w) => w.wake(),
+            Wake::Task(n) => n.notify_one(),
+        }
+    }
+}
+
 struct Shared {
     tx: mpsc::Sender<Command>,
     /// The `wr_id` of the next awaited work request.
     next_wr_id: std::sync::atomic::AtomicU64,
-    waker: Waker,
+    waker: Wake,
     local: SocketAddr,
     backend: Backend,
     incoming: tokio::sync::Mutex<tmpsc::UnboundedReceiver<Incoming>>,
@@ -174,7 +202,8 @@ struct Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        // The queue's sender goes with us: the thread sees it closed and ends.
+        // The queue's sender goes with us: the thread (or task) sees it
+        // closed and ends.
         self.waker.wake();
     }
 }
@@ -246,9 +275,71 @@ impl Device {
             shared: Arc::new(Shared {
                 tx,
                 next_wr_id: std::sync::atomic::AtomicU64::new(1),
-                waker: started.waker,
+                waker: Wake::Thread(started.waker),
                 local: started.local,
                 backend: started.backend,
+                incoming: tokio::sync::Mutex::new(in_rx),
+            }),
+        })
+    }
+
+    /// Like [`open`](Self::open), but the endpoint runs as a task of the
+    /// calling tokio runtime instead of on a thread of its own, as a quinn
+    /// endpoint does: no thread hands requests and completions over, so a
+    /// request posted from a task goes out when that task yields, and a
+    /// completion wakes its task without waking another thread. On a
+    /// current-thread runtime, a round trip between two such devices has no
+    /// thread switch at all.
+    ///
+    /// The endpoint's work (receiving, placing data, sending) then takes
+    /// the runtime's time: use it where latency matters more than a core of
+    /// its own for bulk transfers. Between its turns the task waits on the
+    /// driver's descriptors (the io_uring ring or the receive sockets), a
+    /// command, or the core's next timer (a `timerfd`, to the
+    /// microsecond); it never blocks the runtime. The driver is bound on
+    /// the calling thread (a few system calls).
+    ///
+    /// Must be called within a tokio runtime with I/O enabled
+    /// (`enable_io`, or `enable_all`; else [`ApiError::NoRuntime`]); the
+    /// task ends when the last handle of the device is dropped, or when the
+    /// runtime shuts down (later calls then fail with [`ApiError::Closed`]). The
+    /// driver's `busy_poll` is not used: the task never spins.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::{Device, DriverConfig};
+    /// let dev = Device::open_on_runtime(DriverConfig::new("127.0.0.1:0".parse().unwrap())).await?;
+    /// println!("listening on {} ({})", dev.local_addr(), dev.backend());
+    /// # Ok(()) }
+    /// ```
+    pub async fn open_on_runtime(cfg: DriverConfig) -> Result<Device, ApiError> {
+        Self::start_on_runtime(cfg, None)
+    }
+
+    /// [`open_on_runtime`](Self::open_on_runtime), keeping `metrics` up to
+    /// date as [`open_with_metrics`](Self::open_with_metrics) does.
+    pub async fn open_on_runtime_with_metrics(
+        cfg: DriverConfig,
+        metrics: Metrics,
+    ) -> Result<Device, ApiError> {
+        Self::start_on_runtime(cfg, Some(metrics))
+    }
+
+    fn start_on_runtime(cfg: DriverConfig, metrics: Option<Metrics>) -> Result<Device, ApiError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(ApiError::NoRuntime);
+        }
+        let (tx, rx) = mpsc::channel();
+        let (in_tx, in_rx) = tmpsc::unbounded_channel();
+        let notify = Arc::new(Notify::new());
+        let (local, backend) = worker::start_on_runtime(cfg, metrics, rx, in_tx, notify.clone())?;
+        Ok(Device {
+            shared: Arc::new(Shared {
+                tx,
+                next_wr_id: std::sync::atomic::AtomicU64::new(1),
+                waker: Wake::Task(notify),
+                local,
+                backend,
                 incoming: tokio::sync::Mutex::new(in_rx),
             }),
         })

@@ -10,10 +10,16 @@ use metaroce_proto::{
     ConnectionError, ConnectionState, ConnectionStats, Endpoint, EndpointStats, Event,
 };
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::mpsc::{self, TryRecvError};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::sync::Notify as TaskNotify;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
 /// A reply channel.
@@ -136,6 +142,8 @@ pub(super) struct Worker {
     scratch: Vec<WorkCompletion>,
     /// Completions on their way to a CQ sink (reused: no allocation per batch).
     to_sink: Vec<WorkCompletion>,
+    /// When the metrics were last brought up to date.
+    last_metrics: std::time::Instant,
 }
 
 /// What the endpoint thread tells `open` once it is up.
@@ -175,26 +183,178 @@ pub(super) fn run(
     if started.send(Ok(info)).is_err() {
         return;
     }
-    let mut w = Worker {
-        drv,
-        rx,
-        incoming,
-        metrics,
-        cqs: HashMap::new(),
-        pending: HashMap::new(),
-        next_wr: 1,
-        unsignaled: HashMap::new(),
-        connecting: HashMap::new(),
-        zombies_mr: Vec::new(),
-        deregs: Vec::new(),
-        lends: Vec::new(),
-        zombies_pd: Vec::new(),
-        scratch: Vec::new(),
-        to_sink: Vec::new(),
-    };
+    let mut w = Worker::new(drv, metrics, rx, incoming);
     if let Err(e) = w.run() {
         tracing::error!(error = %e, "metaroce endpoint thread stopped on a driver error");
     }
+}
+
+/// Binds the driver on the calling thread and runs the endpoint as a task
+/// of the current tokio runtime (see [`Device::open_on_runtime`]): its
+/// turns never block, and between them the task waits for the driver's
+/// descriptors, a command (a [`tokio::sync::Notify`]) or the core's next timer (a
+/// `timerfd`: tokio's own timers count in milliseconds, the core's in
+/// microseconds).
+///
+/// [`Device::open_on_runtime`]: super::Device::open_on_runtime
+pub(super) fn start_on_runtime(
+    cfg: DriverConfig,
+    metrics: Option<Metrics>,
+    rx: mpsc::Receiver<Command>,
+    incoming: tmpsc::UnboundedSender<Incoming>,
+    notify: Arc<TaskNotify>,
+) -> Result<(SocketAddr, crate::Backend), ApiError> {
+    let drv = Driver::bind(cfg)?;
+    let (local, backend) = (drv.local_addr(), drv.backend());
+    let mut waits = Vec::new();
+    // A runtime without I/O enabled panics on registration: that is
+    // `NoRuntime` to the caller.
+    for fd in drv.wait_fds() {
+        // SAFETY: the descriptor is the driver's (its ring or a receive
+        // socket), open for the driver's life; `run_task` drops these
+        // watches before the driver.
+        let a = std::panic::catch_unwind(|| unsafe {
+            AsyncFd::register_with_interest(RawFdRef(fd), Interest::READABLE)
+        })
+        .map_err(|_| ApiError::NoRuntime)?;
+        waits.push(a.map_err(|e| DriverError::Io(e.into_parts().1))?);
+    }
+    let timer = TimerFd::new().map_err(DriverError::Io)?;
+    let w = Worker::new(drv, metrics, rx, incoming);
+    tokio::spawn(run_task(w, waits, timer, notify));
+    Ok((local, backend))
+}
+
+/// A descriptor the driver owns, watched by the runtime's reactor (the
+/// `AsyncFd`s are dropped before the driver that owns the descriptors).
+struct RawFdRef(RawFd);
+
+impl AsRawFd for RawFdRef {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+/// A one-shot monotonic `timerfd` (microsecond deadlines), readable when it fires.
+struct TimerFd(AsyncFd<OwnedFd>);
+
+impl TimerFd {
+    fn new() -> std::io::Result<TimerFd> {
+        // SAFETY: plain system call; its result is checked.
+        let fd = unsafe {
+            libc::timerfd_create(
+                libc::CLOCK_MONOTONIC,
+                libc::TFD_NONBLOCK | libc::TFD_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a new descriptor that nothing else owns.
+        let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: the `AsyncFd` owns the descriptor, which stays open until
+        // it is dropped.
+        let a = unsafe { AsyncFd::register_with_interest(owned, Interest::READABLE) };
+        Ok(TimerFd(a.map_err(|e| e.into_parts().1)?))
+    }
+
+    /// Fires `after` from now (at least a nanosecond: zero would disarm).
+    fn arm(&self, after: Duration) -> std::io::Result<()> {
+        let after = after.max(Duration::from_nanos(1));
+        let spec = libc::itimerspec {
+            it_interval: libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
+            it_value: libc::timespec {
+                tv_sec: after.as_secs().min(i64::MAX as u64) as libc::time_t,
+                tv_nsec: libc::c_long::from(after.subsec_nanos() as i32),
+            },
+        };
+        // SAFETY: the descriptor is a timerfd we own; `spec` is a valid
+        // itimerspec and the old value is not asked for.
+        let r =
+            unsafe { libc::timerfd_settime(self.0.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Consumes an expiry, if any.
+    fn drain(&self) {
+        let mut b = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into `b` from a descriptor we own.
+        let _ = unsafe { libc::read(self.0.as_raw_fd(), b.as_mut_ptr().cast(), b.len()) };
+    }
+}
+
+/// The endpoint as a task: turns until one finds nothing to do, then waits
+/// for a descriptor of the driver, a command or the next timer.
+async fn run_task(
+    mut w: Worker,
+    waits: Vec<AsyncFd<RawFdRef>>,
+    timer: TimerFd,
+    notify: Arc<TaskNotify>,
+) {
+    let mut armed: Option<Duration> = None;
+    loop {
+        let progress = match w.turn_once() {
+            Ok(Some(p)) => p,
+            Ok(None) => break,
+            Err(e) => {
+                tracing::error!(error = %e, "metaroce endpoint task stopped on a driver error");
+                break;
+            }
+        };
+        let wait = if progress { None } else { w.drv.idle_wait() };
+        let Some(wait) = wait else {
+            // More to do: after the runtime's other tasks had their turn.
+            tokio::task::yield_now().await;
+            continue;
+        };
+        // Metrics keep their cadence; and no wait is longer than 100 ms,
+        // as on the thread.
+        let wait = wait.min(Duration::from_millis(100));
+        if armed != Some(wait) {
+            if let Err(e) = timer.arm(wait) {
+                tracing::error!(error = %e, "metaroce endpoint task: timer failed");
+                break;
+            }
+            armed = Some(wait);
+        }
+        let mut notified = std::pin::pin!(notify.notified());
+        std::future::poll_fn(|cx| {
+            let mut woke = notified.as_mut().poll(cx).is_ready();
+            for a in &waits {
+                if let Poll::Ready(r) = a.poll_read_ready(cx) {
+                    // Cleared before the turn that reads: what comes after
+                    // this sets it again.
+                    if let Ok(mut g) = r {
+                        g.clear_ready();
+                    }
+                    woke = true;
+                }
+            }
+            if let Poll::Ready(r) = timer.0.poll_read_ready(cx) {
+                if let Ok(mut g) = r {
+                    g.clear_ready();
+                }
+                timer.drain();
+                armed = None;
+                woke = true;
+            }
+            if woke {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+        .await;
+    }
+    // The descriptors' watches go before the driver that owns them.
+    drop(waits);
+    drop(w);
 }
 
 impl Drop for Worker {
@@ -206,8 +366,78 @@ impl Drop for Worker {
 }
 
 impl Worker {
+    fn new(
+        drv: Driver,
+        metrics: Option<Metrics>,
+        rx: mpsc::Receiver<Command>,
+        incoming: tmpsc::UnboundedSender<Incoming>,
+    ) -> Worker {
+        Worker {
+            drv,
+            rx,
+            incoming,
+            metrics,
+            cqs: HashMap::new(),
+            pending: HashMap::new(),
+            next_wr: 1,
+            unsignaled: HashMap::new(),
+            connecting: HashMap::new(),
+            zombies_mr: Vec::new(),
+            deregs: Vec::new(),
+            lends: Vec::new(),
+            zombies_pd: Vec::new(),
+            scratch: Vec::new(),
+            to_sink: Vec::new(),
+            last_metrics: std::time::Instant::now(),
+        }
+    }
+
+    /// One turn of the task ([`run_task`]): the commands queued so far, a
+    /// driver turn that never sleeps, and what they made handed on.
+    /// `None` once every handle is gone; else whether the turn did
+    /// anything (commands count).
+    fn turn_once(&mut self) -> Result<Option<bool>, DriverError> {
+        let mut progress = false;
+        loop {
+            match self.rx.try_recv() {
+                Ok(c) => {
+                    self.command(c);
+                    progress = true;
+                }
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => return Ok(None),
+            }
+        }
+        self.events();
+        self.completions();
+        progress |= self.drv.turn()?;
+        self.after_turn();
+        Ok(Some(progress))
+    }
+
+    /// What follows each driver turn: events and completions handed on,
+    /// regions and PDs whose last use ended freed, metrics refreshed on
+    /// their cadence.
+    fn after_turn(&mut self) {
+        self.events();
+        self.completions();
+        if !self.zombies_mr.is_empty()
+            || !self.zombies_pd.is_empty()
+            || !self.deregs.is_empty()
+            || !self.lends.is_empty()
+        {
+            self.reap_zombies();
+        }
+        if let Some(m) = &mut self.metrics {
+            if self.last_metrics.elapsed() >= Duration::from_millis(250) {
+                self.last_metrics = std::time::Instant::now();
+                m.update(self.drv.endpoint());
+                m.update_driver(&self.drv.stats());
+            }
+        }
+    }
+
     fn run(&mut self) -> Result<(), DriverError> {
-        let mut last_metrics = std::time::Instant::now();
         loop {
             // Every command queued so far, in order, before the next turn.
             loop {
@@ -224,22 +454,7 @@ impl Worker {
             self.completions();
             // Nothing to do: sleep until a datagram, a timer or a command.
             self.drv.poll(Duration::from_millis(100))?;
-            self.events();
-            self.completions();
-            if !self.zombies_mr.is_empty()
-                || !self.zombies_pd.is_empty()
-                || !self.deregs.is_empty()
-                || !self.lends.is_empty()
-            {
-                self.reap_zombies();
-            }
-            if let Some(m) = &mut self.metrics {
-                if last_metrics.elapsed() >= Duration::from_millis(250) {
-                    last_metrics = std::time::Instant::now();
-                    m.update(self.drv.endpoint());
-                    m.update_driver(&self.drv.stats());
-                }
-            }
+            self.after_turn();
         }
     }
 

@@ -369,6 +369,13 @@ impl UringDriver {
     /// wait enters the kernel only if it holds completions for us
     /// ([`DriverStats::idle_turns`] counts those that did not).
     pub fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError> {
+        self.poll_turn(max_wait).map(|_| ())
+    }
+
+    /// [`poll`](Self::poll), saying whether the turn did anything (took a
+    /// datagram or a send completion, ran a timer, queued a send, made a
+    /// completion or an event).
+    fn poll_turn(&mut self, max_wait: Duration) -> Result<bool, DriverError> {
         // Completions the kernel holds as task work (a datagram that came
         // while this thread was busy) or on its overflow list: an enter
         // posts them, for this turn.
@@ -393,7 +400,7 @@ impl UringDriver {
             if !wait.is_zero() {
                 let deadline = now + wait;
                 if self.busy_poll(wait)? {
-                    return Ok(());
+                    return Ok(true);
                 }
                 // What the busy poll spent counts against the wait, and a
                 // turn without a timer armed must not wait at all.
@@ -407,15 +414,56 @@ impl UringDriver {
             // Nothing to hand the kernel, nothing to wait for and nothing
             // it holds for us: no system call.
             self.stats.idle_turns += 1;
-            return Ok(());
+            return Ok(progress);
         }
         self.ring.submit(want)?;
         self.stats.submits += 1;
-        if want > 0 && self.work()? && self.ring.queued() {
-            self.ring.submit(0)?;
-            self.stats.submits += 1;
+        let mut woke = false;
+        if want > 0 {
+            woke = self.work()?;
+            if woke && self.ring.queued() {
+                self.ring.submit(0)?;
+                self.stats.submits += 1;
+            }
         }
-        Ok(())
+        Ok(progress || woke)
+    }
+
+    /// One turn that never sleeps, for a caller that waits between turns
+    /// itself (on [`wait_fds`](Self::wait_fds), for at most
+    /// [`idle_wait`](Self::idle_wait)); whether it did anything.
+    pub(crate) fn turn(&mut self) -> Result<bool, DriverError> {
+        self.poll_turn(Duration::ZERO)
+    }
+
+    /// How long a caller that runs [`turn`](Self::turn)s itself may wait
+    /// for [`wait_fds`](Self::wait_fds) before the next turn: until the
+    /// core's next timer (`Duration::MAX` if none); `None` if a turn must
+    /// come now (completions wait in the ring or the kernel, or sends wait
+    /// for room in the submission queue).
+    pub(crate) fn idle_wait(&mut self) -> Option<Duration> {
+        if self.backlog
+            || self.ring.queued()
+            || self.ring.completions_ready()
+            || self.ring.kernel_holds_completions()
+        {
+            return None;
+        }
+        let now = self.clock.now();
+        let mut wait = Duration::MAX;
+        if let Some(t) = self.ep.poll_timeout() {
+            wait = wait.min(t.saturating_since(now));
+        }
+        if let Some(t) = self.faults.as_ref().and_then(|f| f.next_due()) {
+            wait = wait.min(t.saturating_since(now));
+        }
+        (!wait.is_zero()).then_some(wait)
+    }
+
+    /// What a caller waiting between [`turn`](Self::turn)s waits on: the
+    /// ring, readable when it holds completions.
+    pub(crate) fn wait_fds(&self) -> Vec<RawFd> {
+        vec![self.ring.fd()]
     }
 
     /// Before a turn sleeps ([`DriverConfig::busy_poll`]): watches the

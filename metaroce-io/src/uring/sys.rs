@@ -36,7 +36,7 @@ use std::alloc::{self, Layout};
 use std::collections::VecDeque;
 use std::io;
 use std::mem::ManuallyDrop;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::Duration;
@@ -520,6 +520,12 @@ pub(super) const RECV_CONTROL_LEN: usize = 128;
 const RECVMSG_OUT_LEN: usize = 16;
 
 impl Ring {
+    /// The ring's descriptor: readable (`poll`, `epoll`) while completions
+    /// wait in it.
+    pub(super) fn fd(&self) -> RawFd {
+        self.ring.as_raw_fd()
+    }
+
     /// Creates the ring, registers the buffer ring and allocates the send slots.
     pub(super) fn new(
         entries: u32,
