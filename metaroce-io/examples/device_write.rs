@@ -40,16 +40,11 @@ fn size(s: &str) -> usize {
     num.parse::<usize>().expect("--size N[K|M|G]") * mul
 }
 
-/// The fixed pseudo-random bytes every message carries after its index.
+/// The fixed pseudo-random bytes every message carries after its index
+/// (the top byte of a multiplicative hash of each offset).
 fn pattern(len: usize) -> Vec<u8> {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
+    (0..len as u64)
+        .map(|i| ((i ^ 0x5bd1_e995).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8)
         .collect()
 }
 
