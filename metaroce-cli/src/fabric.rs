@@ -5,8 +5,11 @@
 //! "spine" links `sp0..spN-1` (10.77.{10+k}.1 ↔ .2) with an ECMP route over
 //! all of them, hashed on the L4 5-tuple (`fib_multipath_hash_policy=1`),
 //! so each metaroce path (UDP source port) picks a spine as in a real
-//! leaf-spine fabric. Optional per-spine rate limits (tc `tbf` at both
-//! ends), link cuts (`ip link set down`), random loss (nftables
+//! leaf-spine fabric. The hosts send wire-sized packets (`gso_max_segs
+//! 1`: their stacks segment GSO and TSO batches, as a NIC would, so that
+//! every loss and mark is of one datagram or segment). Optional per-spine
+//! rate limits (tc `tbf` at both ends), link cuts (`ip link set down`),
+//! random loss (nftables
 //! `numgen random`, else `netem`, whichever the system has) and random ECN
 //! CE marking of ECN-capable packets (nftables `ip ecn set ce`).
 //!
@@ -271,6 +274,14 @@ fn build(f: &Names, n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
         // must not be fragmented (a fragment has no UDP port to hash on).
         ip(h, &["link", "set", "eth0", "mtu", JUMBO_MTU])?;
         ip(r, &["link", "set", &leg, "mtu", JUMBO_MTU])?;
+        // Wire-sized packets from the hosts, as a NIC puts them on a real
+        // wire: veth would otherwise carry a GSO/TSO batch (up to 64 KiB,
+        // 16 of metaroce's datagrams or 44 TCP segments) through the
+        // routers as one packet, and a random drop would take the whole
+        // batch, a burst of losses on one path instead of the independent
+        // losses `fabric loss` stands for. One segment per packet makes the
+        // host's stack segment before it sends.
+        ip(h, &["link", "set", "eth0", "gso_max_segs", "1"])?;
         ip(h, &["link", "set", "eth0", "up"])?;
         ip(
             h,
