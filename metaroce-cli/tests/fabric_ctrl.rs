@@ -34,6 +34,16 @@ fn clients_reach_the_server_past_a_blackholed_spine() {
         }
         panic!("fabric up failed: {err}");
     }
+    // The hosts put wire-sized packets on the fabric (their stacks segment
+    // GSO and TSO batches), so a drop is of one datagram.
+    for host in ["h1", "h2"] {
+        let link = Command::new("ip")
+            .args(["-n", &fab.ns(host), "-d", "link", "show", "eth0"])
+            .output()
+            .expect("ip link show");
+        let text = String::from_utf8_lossy(&link.stdout);
+        assert!(text.contains("gso_max_segs 1 "), "{host}: {text}");
+    }
     // Spine 0 drops everything, both ways, silently (`loss 100`: an nft
     // drop rule; the routes stay up).
     let out = fab.metaroce(&["fabric", "loss", "100", "--link", "0"]);
