@@ -55,7 +55,7 @@ fn rc_semantics_match_the_model() {
 /// the bytes, not the seed): what the fuzzer runs, kept working here.
 #[test]
 fn fuzzer_inputs_run_the_model() {
-    let mut gen = 0x00f0_22u64;
+    let mut gen = 0xf022_u64;
     let mut total = 0;
     for case in 0..8u64 {
         let len = 8 + 64 * case as usize;
