@@ -51,3 +51,51 @@ fn a_path_dead_from_the_start_fails_and_moves() {
         "no path uses the dead port any more: {s:?}"
     );
 }
+
+/// Half the paths' routes die for good, every new port they move to as
+/// well (as when a plane stays down): those paths keep probing, their
+/// windows still counted in the connection's, and the transfer completes
+/// over the other half, every byte in place. (New data is taken from a QP
+/// only when a path that takes data has room: `data_path_room`.)
+#[test]
+fn paths_that_stay_dead_hold_no_segment_back() {
+    const LEN: usize = 8 << 20;
+    let data: Vec<u8> = (0..LEN).map(|i| (i * 13 + i / 4096) as u8).collect();
+    let mut w = OneWrite::new(data, (21, 22));
+    let mut buf = vec![0u8; 65_536];
+    let stats = w.a.connection_stats(w.ca).unwrap();
+    let half = stats.paths.len() / 2;
+    // Only the first half's original ports get through, ever.
+    let alive: Vec<u16> = stats.paths[..half].iter().map(|p| p.src_port).collect();
+    let mut wcs = Vec::new();
+    let end = w.now + Duration::from_secs(5);
+    while wcs.is_empty() && w.now < end {
+        let now = w.now;
+        while let Some(t) = w.a.poll_transmit(now, &mut buf) {
+            if !alive.contains(&t.src_port) {
+                continue;
+            }
+            let from = SocketAddr::new(w.a_addr.ip(), t.src_port);
+            let seg = t.segment_size.unwrap_or(t.size);
+            for dg in buf[..t.size].chunks(seg) {
+                w.b.handle_datagram(now, from, t.ecn, dg);
+            }
+        }
+        while let Some(t) = w.b.poll_transmit(now, &mut buf) {
+            w.a.handle_datagram(now, w.b_addr, t.ecn, &buf[..t.size]);
+        }
+        w.now = now + Duration::from_micros(10);
+        w.run_timers();
+        w.a.poll_cq(w.cqa, 4, &mut wcs).unwrap();
+    }
+    let s = w.a.connection_stats(w.ca).unwrap();
+    assert!(
+        !wcs.is_empty(),
+        "the WRITE did not complete in 5 s with half the paths dead: {s:?}"
+    );
+    w.check_done(&wcs);
+    assert!(
+        s.path_failures >= half as u64,
+        "the dead paths failed: {s:?}"
+    );
+}

@@ -525,11 +525,16 @@ impl Connection {
         })
     }
 
-    /// Whether some path the driver can send on has SACK room.
-    pub(crate) fn open_path_room(&self) -> bool {
+    /// Whether [`pick_path`](Self::pick_path) has a path for `bytes` of
+    /// new data: one the driver can send on, not probing, with room in its
+    /// window and span (the same test). A segment is taken from its QP only
+    /// then: the connection's window (the sum of its paths', a probing
+    /// path's included) and a path's SACK span can have room while no path
+    /// that takes data does, and a segment taken then would never be sent.
+    pub(crate) fn data_path_room(&self, bytes: u64) -> bool {
         self.paths_tx
             .iter()
-            .any(|p| self.path_open(p) && p.has_room())
+            .any(|p| p.can_send(bytes) && self.path_open(p) && p.state != PathState::Probing)
     }
 
     pub(crate) fn is_established(&self) -> bool {

@@ -420,7 +420,7 @@ impl Endpoint {
         }
         // Progress probes: a NOP asking for one QP's state at once.
         let c = self.conns[ci].as_mut()?;
-        if c.csn_room() && c.open_path_room() {
+        if c.csn_room() && c.data_path_room(mtu as u64) {
             let probe = c.qps.iter().copied().find(|&qpn| {
                 let idx = (qpn.0 & super::QPN_INDEX_MASK) as usize;
                 self.qps
@@ -442,7 +442,11 @@ impl Endpoint {
         }
         let c = self.conns[ci].as_mut()?;
         // New data, QPs in round robin.
-        if !c.csn_room() || !c.cwnd_room(mtu as u64) || !c.pacer.ready(now) || !c.open_path_room() {
+        if !c.csn_room()
+            || !c.cwnd_room(mtu as u64)
+            || !c.pacer.ready(now)
+            || !c.data_path_room(mtu as u64)
+        {
             return None;
         }
         let nq = c.qps.len();
@@ -470,7 +474,8 @@ impl Endpoint {
             };
             let c = self.conns[ci].as_mut()?;
             c.qp_rr = (start + k + 1) % nq;
-            // A path has room (checked above), so the segment always goes out.
+            // A path has room for data (`data_path_room` above), so the
+            // segment always goes out.
             let path = c.pick_path(None, mtu as u64)?;
             let csn = c.new_csn(kind);
             // An ACK owed rides along if the segment leaves room for it.
