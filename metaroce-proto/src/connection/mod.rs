@@ -525,16 +525,11 @@ impl Connection {
         })
     }
 
-    /// Whether [`pick_path`](Self::pick_path) has a path for `bytes` of
-    /// new data: one the driver can send on, not probing, with room in its
-    /// window and span (the same test). A segment is taken from its QP only
-    /// then: the connection's window (the sum of its paths', a probing
-    /// path's included) and a path's SACK span can have room while no path
-    /// that takes data does, and a segment taken then would never be sent.
+    /// Whether [`pick_path`](Self::pick_path) has a path for `bytes`: one
+    /// the driver can send on, active, with room in its window and span
+    /// ([`path_room`](Self::path_room), the test `pick_path` makes).
     pub(crate) fn data_path_room(&self, bytes: u64) -> bool {
-        self.paths_tx
-            .iter()
-            .any(|p| p.can_send(bytes) && self.path_open(p) && p.state != PathState::Probing)
+        self.paths_tx.iter().any(|p| self.path_room(p, bytes))
     }
 
     pub(crate) fn is_established(&self) -> bool {
@@ -590,7 +585,7 @@ impl Connection {
     /// Whether some path's window (and the receiver's grant) lets `bytes`
     /// more go out.
     pub(crate) fn cwnd_room(&self, bytes: u64) -> bool {
-        !self.capped(bytes) && self.paths_tx.iter().any(|p| self.path_room(p, bytes))
+        !self.capped(bytes) && self.data_path_room(bytes)
     }
 
     /// [`cwnd_room`](Self::cwnd_room), asking `path` first: the same
@@ -646,7 +641,7 @@ impl Connection {
             // delivers again: data sent into a dead route (a failed plane
             // keeps every new source port dead) would hold up its message
             // for a timeout.
-            if !p.can_send(bytes) || !self.path_open(p) || p.state == PathState::Probing {
+            if !self.path_room(p, bytes) {
                 continue;
             }
             if Some(p.id) == avoid && n > 1 {

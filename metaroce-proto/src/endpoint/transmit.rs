@@ -442,11 +442,7 @@ impl Endpoint {
         }
         let c = self.conns[ci].as_mut()?;
         // New data, QPs in round robin.
-        if !c.csn_room()
-            || !c.cwnd_room(mtu as u64)
-            || !c.pacer.ready(now)
-            || !c.data_path_room(mtu as u64)
-        {
+        if !c.csn_room() || !c.cwnd_room(mtu as u64) || !c.pacer.ready(now) {
             return None;
         }
         let nq = c.qps.len();
@@ -474,8 +470,8 @@ impl Endpoint {
             };
             let c = self.conns[ci].as_mut()?;
             c.qp_rr = (start + k + 1) % nq;
-            // A path has room for data (`data_path_room` above), so the
-            // segment always goes out.
+            // A path has room (`cwnd_room` above asks `pick_path`'s own
+            // question), so the segment always goes out.
             let path = c.pick_path(None, mtu as u64)?;
             let csn = c.new_csn(kind);
             // An ACK owed rides along if the segment leaves room for it.
