@@ -225,6 +225,21 @@ fn splitmix(seed: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// How long a driver may wait from `now`, at most `cap`: until the core's
+/// next timer or the injector's next held datagram, whichever comes first
+/// (zero if one is due).
+pub(crate) fn timer_wait(
+    ep: &mut Endpoint,
+    faults: Option<&Faults>,
+    now: Instant,
+    cap: Duration,
+) -> Duration {
+    [ep.poll_timeout(), faults.and_then(Faults::next_due)]
+        .into_iter()
+        .flatten()
+        .fold(cap, |wait, t| wait.min(t.saturating_since(now)))
+}
+
 /// Replaces the injector by one for `cfg`, first delivering what the old one held.
 pub(crate) fn replace(
     faults: &mut Option<Box<Faults>>,

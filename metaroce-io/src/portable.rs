@@ -176,15 +176,10 @@ impl PortableDriver {
         // caller's to see before the turn may sleep.
         let made = self.ep.unpolled() != unpolled;
         if !sent && !got && !made {
-            let mut wait = max_wait;
-            if let Some(t) = self.ep.poll_timeout() {
-                wait = wait.min(self.clock.until(t));
-            }
-            if let Some(t) = self.faults.as_ref().and_then(|f| f.next_due()) {
-                wait = wait.min(self.clock.until(t));
-            }
+            let now = self.clock.now();
+            let wait = fault::timer_wait(&mut self.ep, self.faults.as_deref(), now, max_wait);
             if !wait.is_zero() {
-                let deadline = self.clock.now() + wait;
+                let deadline = now + wait;
                 if self.busy_poll(wait)? {
                     self.stats.busy_polls += 1;
                 } else {
@@ -220,13 +215,8 @@ impl PortableDriver {
     /// for [`wait_fds`](Self::wait_fds) before the next turn: until the
     /// core's next timer (`Duration::MAX` if none); `None` if one is due.
     pub(crate) fn idle_wait(&mut self) -> Option<Duration> {
-        let mut wait = Duration::MAX;
-        if let Some(t) = self.ep.poll_timeout() {
-            wait = wait.min(self.clock.until(t));
-        }
-        if let Some(t) = self.faults.as_ref().and_then(|f| f.next_due()) {
-            wait = wait.min(self.clock.until(t));
-        }
+        let now = self.clock.now();
+        let wait = fault::timer_wait(&mut self.ep, self.faults.as_deref(), now, Duration::MAX);
         (!wait.is_zero()).then_some(wait)
     }
 

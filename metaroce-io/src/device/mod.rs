@@ -271,16 +271,34 @@ impl Device {
             .spawn(move || worker::run(cfg, metrics, rx, in_tx, st_tx))
             .map_err(DriverError::Io)?;
         let started = st_rx.await.map_err(|_| ApiError::Closed)??;
-        Ok(Device {
+        Ok(Device::from_parts(
+            tx,
+            Wake::Thread(started.waker),
+            started.local,
+            started.backend,
+            in_rx,
+        ))
+    }
+
+    /// A handle of an endpoint that takes commands from `tx` (and is woken
+    /// by `waker`) and reports incoming connections on `incoming`.
+    fn from_parts(
+        tx: mpsc::Sender<Command>,
+        waker: Wake,
+        local: SocketAddr,
+        backend: Backend,
+        incoming: tmpsc::UnboundedReceiver<Incoming>,
+    ) -> Device {
+        Device {
             shared: Arc::new(Shared {
                 tx,
                 next_wr_id: std::sync::atomic::AtomicU64::new(1),
-                waker: Wake::Thread(started.waker),
-                local: started.local,
-                backend: started.backend,
-                incoming: tokio::sync::Mutex::new(in_rx),
+                waker,
+                local,
+                backend,
+                incoming: tokio::sync::Mutex::new(incoming),
             }),
-        })
+        }
     }
 
     /// Like [`open`](Self::open), but the endpoint runs as a task of the
@@ -333,16 +351,13 @@ impl Device {
         let (in_tx, in_rx) = tmpsc::unbounded_channel();
         let notify = Arc::new(Notify::new());
         let (local, backend) = worker::start_on_runtime(cfg, metrics, rx, in_tx, notify.clone())?;
-        Ok(Device {
-            shared: Arc::new(Shared {
-                tx,
-                next_wr_id: std::sync::atomic::AtomicU64::new(1),
-                waker: Wake::Task(notify),
-                local,
-                backend,
-                incoming: tokio::sync::Mutex::new(in_rx),
-            }),
-        })
+        Ok(Device::from_parts(
+            tx,
+            Wake::Task(notify),
+            local,
+            backend,
+            in_rx,
+        ))
     }
 
     /// The address peers connect to.

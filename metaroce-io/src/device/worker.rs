@@ -397,22 +397,33 @@ impl Worker {
     /// `None` once every handle is gone; else whether the turn did
     /// anything (commands count).
     fn turn_once(&mut self) -> Result<Option<bool>, DriverError> {
-        let mut progress = false;
+        let Some(commands) = self.take_commands() else {
+            return Ok(None);
+        };
+        let progress = commands | self.drv.turn()?;
+        self.after_turn();
+        Ok(Some(progress))
+    }
+
+    /// Every command queued so far, in order, and what they made without
+    /// the driver (a post to a QP in ERROR completes flushed at once, a
+    /// close fails its QPs) handed on before a turn that may sleep.
+    /// Whether there were any; `None` once every handle is gone.
+    fn take_commands(&mut self) -> Option<bool> {
+        let mut any = false;
         loop {
             match self.rx.try_recv() {
                 Ok(c) => {
                     self.command(c);
-                    progress = true;
+                    any = true;
                 }
                 Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) => return Ok(None),
+                Err(TryRecvError::Disconnected) => return None,
             }
         }
         self.events();
         self.completions();
-        progress |= self.drv.turn()?;
-        self.after_turn();
-        Ok(Some(progress))
+        Some(any)
     }
 
     /// What follows each driver turn: events and completions handed on,
@@ -438,24 +449,12 @@ impl Worker {
     }
 
     fn run(&mut self) -> Result<(), DriverError> {
-        loop {
-            // Every command queued so far, in order, before the next turn.
-            loop {
-                match self.rx.try_recv() {
-                    Ok(c) => self.command(c),
-                    Err(TryRecvError::Empty) => break,
-                    Err(TryRecvError::Disconnected) => return Ok(()),
-                }
-            }
-            // What the commands made without the driver (a post to a QP in
-            // ERROR completes flushed at once, a close fails its QPs) goes
-            // out now: the turn below may sleep.
-            self.events();
-            self.completions();
+        while self.take_commands().is_some() {
             // Nothing to do: sleep until a datagram, a timer or a command.
             self.drv.poll(Duration::from_millis(100))?;
             self.after_turn();
         }
+        Ok(())
     }
 
     fn command(&mut self, c: Command) {

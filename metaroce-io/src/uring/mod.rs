@@ -390,13 +390,7 @@ impl UringDriver {
             // (A turn that must not wait reads no clock for it: a
             // ping-pong polled from one thread runs six turns a round trip.)
             let now = self.clock.now();
-            let mut wait = max_wait;
-            if let Some(t) = self.ep.poll_timeout() {
-                wait = wait.min(t.saturating_since(now));
-            }
-            if let Some(t) = self.faults.as_ref().and_then(|f| f.next_due()) {
-                wait = wait.min(t.saturating_since(now));
-            }
+            let wait = fault::timer_wait(&mut self.ep, self.faults.as_deref(), now, max_wait);
             if !wait.is_zero() {
                 let deadline = now + wait;
                 if self.busy_poll(wait)? {
@@ -450,13 +444,7 @@ impl UringDriver {
             return None;
         }
         let now = self.clock.now();
-        let mut wait = Duration::MAX;
-        if let Some(t) = self.ep.poll_timeout() {
-            wait = wait.min(t.saturating_since(now));
-        }
-        if let Some(t) = self.faults.as_ref().and_then(|f| f.next_due()) {
-            wait = wait.min(t.saturating_since(now));
-        }
+        let wait = fault::timer_wait(&mut self.ep, self.faults.as_deref(), now, Duration::MAX);
         (!wait.is_zero()).then_some(wait)
     }
 
