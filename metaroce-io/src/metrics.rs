@@ -60,7 +60,7 @@ const NS: f64 = 1e-9;
 /// |---|---|
 /// | endpoint | `metaroce_datagrams_{sent,received}_total`, `metaroce_bytes_{sent,received}_total`, `metaroce_connections_opened_total`, `metaroce_cookies_sent_total`, `metaroce_rejects_total{reason}`, `metaroce_connections` |
 /// | connection | `metaroce_connection_{data_packets_sent,data_packets_received,payload_bytes_sent,payload_bytes_received,retransmits,fast_retransmits,rto_fires,packets_lost,duplicates_received,acks_sent,acks_coalesced,acks_received,naks_sent,naks_received,probes_sent,route_checks,path_failures,path_moves}_total`; `metaroce_connection_{cwnd_bytes,in_flight_bytes,srtt_seconds,rto_seconds,rate_hint_bits_per_second,peer_window_bytes}` |
-/// | path | `metaroce_path_{packets_sent,bytes_sent,packets_acked,packets_lost,retransmits,ecn_ce_marks,failures,moves}_total`; `metaroce_path_{srtt_seconds,cwnd_bytes,in_flight_bytes,source_port,plane,state}` (state: 0 active, 1 probing) |
+/// | path | `metaroce_path_{packets_sent,bytes_sent,packets_acked,packets_lost,retransmits,ecn_ce_marks,failures,moves,slow_moves}_total`; `metaroce_path_{srtt_seconds,cwnd_bytes,in_flight_bytes,source_port,plane,state}` (state: 0 active, 1 probing) |
 /// | driver | `metaroce_driver_{datagrams_sent,datagrams_received,stamped,gso_sends,gro_batches,send_errors,recv_dropped,faults_dropped,faults_duplicated,faults_delayed,zero_copy_sends,gathered_sends,busy_polls,late_drains,idle_turns}_total`, `metaroce_driver_plane_datagrams_received_total{plane}` (from [`update_driver`](Self::update_driver)) |
 ///
 /// `fast_retransmits` are the retransmissions a SACK gap caused; `rto_fires`
@@ -179,7 +179,7 @@ impl Metrics {
             probes_sent: "NOP probes sent (progress, tail-loss and failed-path probes).",
             route_checks: "Route checks sent: NOPs on paths that carry only ACKs.",
             path_failures: "Paths declared failed and moved to a new source port.",
-            path_moves: "Paths moved to a new source port because their route stayed congested.",
+            path_moves: "Paths moved to a new source port because their route stayed congested or was slow.",
         );
         let conn_gauges: Vec<Gauge<ConnectionStats>> = vec![
             (
@@ -228,7 +228,8 @@ impl Metrics {
             retransmits: "Retransmissions sent on this path.",
             ce_marks as "ecn_ce_marks": "ECN CE marks the peer echoed.",
             failures: "Times declared failed and moved to a new source port.",
-            moves: "Times moved to a new source port because the route stayed congested.",
+            moves: "Times moved to a new source port because the route stayed congested or was slow.",
+            slow_moves: "Moves begun because the route was slow: its RTT far above the other paths'.",
         );
         let path_gauges: Vec<Gauge<PathStats>> = vec![
             (

@@ -227,6 +227,21 @@ pub const REPATH_WINDOW_SHARE: u64 = 3;
 /// a move must show its effect before the next.
 pub const REPATH_COOLDOWN_RTTS: u32 = 8;
 
+/// A path whose smoothed RTT is more than this many times the median of
+/// its connection's active paths is slow (`SLOW_PATH_FACTOR`; §9.1): it
+/// moves to a new source port. Four: spraying evens out ordinary queues
+/// (paths of one connection differ by less than 2× on a loaded fabric),
+/// while a link at a tenth of its rate holds packets 10-100× longer.
+pub const SLOW_PATH_FACTOR: u32 = 4;
+
+/// A path is slow once its slow RTT samples outnumber the others by this
+/// many on its present route (`SLOW_PATH_SAMPLES`; see `SLOW_PATH_FACTOR`).
+pub const SLOW_PATH_SAMPLES: u32 = 8;
+
+/// Source ports a connection remembers as slow, not to go back to them
+/// (`SLOW_PORTS_KEPT`).
+pub const SLOW_PORTS_KEPT: usize = 8;
+
 /// The wait between path moves doubles with every move, at most this many
 /// times (`REPATH_MAX_BACKOFF`): 8 × 2^6 = 512 smoothed RTTs. Where every
 /// route is congested (loopback, one bottleneck) moves cannot help, and a

@@ -26,8 +26,12 @@ pub(super) struct PathReport {
     pub(super) rtt_us: f64,
     /// Times declared failed (moved to a new source port, probed back).
     pub(super) failures: u64,
-    /// Times moved to a new source port because the route stayed congested.
+    /// Times moved to a new source port because the route stayed congested
+    /// or was slow.
     pub(super) moves: u64,
+    /// Of the moves begun: those leaving a slow route (its RTT far above
+    /// the other paths').
+    pub(super) slow_moves: u64,
     /// `active`, or `probing` (declared failed, testing its new route).
     pub(super) state: &'static str,
 }

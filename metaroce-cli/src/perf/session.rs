@@ -456,6 +456,7 @@ pub(super) fn client_measure(
                 rtt_us: p.srtt_ns as f64 / 1000.0,
                 failures: p.failures,
                 moves: p.moves,
+                slow_moves: p.slow_moves,
                 state: match p.state {
                     Some(PathState::Probing) => "probing",
                     _ => "active",

@@ -13,7 +13,9 @@ pub use path::{PathState, PathStats};
 
 use crate::cc::{Pacer, SenderCc};
 use crate::config::EndpointConfig;
-use crate::consts::{ACK_HOLD_SENDING, COOKIE_LEN, CSN_WINDOW};
+use crate::consts::{
+    ACK_HOLD_SENDING, COOKIE_LEN, CSN_WINDOW, SLOW_PATH_FACTOR, SLOW_PATH_SAMPLES, SLOW_PORTS_KEPT,
+};
 use crate::reliability::{RingBitmap, RttEstimator, SeqAccept};
 use crate::rng::Rng;
 use crate::time::Instant;
@@ -233,6 +235,10 @@ pub(crate) struct Connection {
     /// is congested (one bottleneck link, a host's own socket) does not
     /// keep moving paths for nothing.
     pub(crate) moves_made: u32,
+    /// Source ports that slow paths left lately (a ring): a move does not
+    /// go back to a route that was found slow.
+    pub(crate) slow_ports: [u16; SLOW_PORTS_KEPT],
+    pub(crate) slow_ports_next: usize,
 
     // Send side.
     pub(crate) next_csn: u32,
@@ -378,6 +384,8 @@ impl Connection {
             path_rr: 0,
             next_move_at: now,
             moves_made: 0,
+            slow_ports: [0; SLOW_PORTS_KEPT],
+            slow_ports_next: 0,
             next_csn: 0,
             csn_una: 0,
             sent: VecDeque::new(),
@@ -661,6 +669,61 @@ impl Connection {
         let pick = best.map(|b| b.0).or(fallback)?;
         self.path_rr = (pick + 1) % n;
         Some(pick)
+    }
+
+    /// Judges the paths' new RTT samples and returns those too slow for
+    /// their siblings (§9.1). A sample is slow when it exceeds
+    /// `SLOW_PATH_FACTOR` times the median smoothed RTT of the active
+    /// paths, and that median by half a minimum RTO. Each slow sample
+    /// raises the path's score by one, each other lowers it by one; a path
+    /// whose score reaches `SLOW_PATH_SAMPLES` is slow. A gray link (up, at
+    /// a fraction of its rate) holds every packet through it in a deep
+    /// queue, and a message with one packet there completes only when
+    /// that packet arrives: a smaller share does not help, a new route
+    /// does. A stall of a host delays a few samples of every path, which
+    /// the score forgets. At most half the paths are moving at a time,
+    /// the slowest first.
+    pub(crate) fn slow_paths(&mut self) -> Vec<usize> {
+        let judged =
+            |p: &PathTx| p.state == PathState::Active && p.move_to.is_none() && p.rtt.samples() > 0;
+        let mut srtts: Vec<Duration> = self
+            .paths_tx
+            .iter()
+            .filter(|p| judged(p))
+            .filter_map(|p| p.rtt.srtt())
+            .collect();
+        if srtts.len() < 3 {
+            return Vec::new();
+        }
+        srtts.sort_unstable();
+        let median = srtts[srtts.len() / 2];
+        let mut slow = Vec::new();
+        for (i, p) in self.paths_tx.iter_mut().enumerate() {
+            if !judged(p) || p.rtt.samples() == p.slow_judged {
+                continue;
+            }
+            p.slow_judged = p.rtt.samples();
+            let latest = p.rtt.latest();
+            if latest > median * SLOW_PATH_FACTOR && latest > median + p.rtt.min_rto() / 2 {
+                p.slow_score = p.slow_score.saturating_add(1);
+            } else {
+                p.slow_score = p.slow_score.saturating_sub(1);
+            }
+            if p.slow_score >= SLOW_PATH_SAMPLES {
+                slow.push(i);
+            }
+        }
+        let moving = self.paths_tx.iter().filter(|p| p.move_to.is_some()).count();
+        let room = (self.paths_tx.len() / 2).saturating_sub(moving);
+        slow.sort_by_key(|&i| core::cmp::Reverse(self.paths_tx[i].rtt.srtt()));
+        slow.truncate(room);
+        slow
+    }
+
+    /// Remembers that a slow path left `port`.
+    pub(crate) fn note_slow_port(&mut self, port: u16) {
+        self.slow_ports[self.slow_ports_next] = port;
+        self.slow_ports_next = (self.slow_ports_next + 1) % SLOW_PORTS_KEPT;
     }
 
     /// Assigns the next CSN to `kind`.

@@ -99,8 +99,11 @@ pub struct PathStats {
     /// Times the path was declared failed and moved to a new source port.
     pub failures: u64,
     /// Times the path moved to a new source port because its route stayed
-    /// congested (not failed).
+    /// congested or was slow (not failed).
     pub moves: u64,
+    /// Moves begun because the route was slow: its RTT far above the other
+    /// paths' (a gray link), not congested.
+    pub slow_moves: u64,
     /// Current state (`None` only in a default value).
     pub state: Option<PathState>,
     /// Plane the path runs on (index into the endpoint's plane addresses).
@@ -142,6 +145,13 @@ pub(crate) struct PathTx {
     /// until those on its current route are resolved, so that its PSNs stay
     /// in order on one route.
     pub(crate) move_to: Option<u16>,
+    /// The pending move leaves a slow route: the RTT estimate restarts on
+    /// the new one.
+    slow_move: bool,
+    /// Slow RTT samples of the present route, less the others (see
+    /// `Connection::slow_paths`), and the sample count last judged.
+    pub(crate) slow_score: u32,
+    pub(crate) slow_judged: u32,
     /// Least time a packet waits before it is declared lost, by time or by
     /// timeout: a little more than the longest a packet this path declared
     /// lost turned out to take (it was acknowledged after all). Zero until
@@ -216,6 +226,9 @@ impl PathTx {
             first_lost_at: None,
             restart_window: restart,
             move_to: None,
+            slow_move: false,
+            slow_score: 0,
+            slow_judged: 0,
             late_floor: Duration::ZERO,
             probe_due: false,
             probed_psn: None,
@@ -349,6 +362,15 @@ impl PathTx {
         self.finish_move()
     }
 
+    /// Starts moving a slow path (one whose RTT is far above its
+    /// siblings') to `new_port`, as [`start_move`](Self::start_move); its
+    /// RTT estimate starts over on the new route.
+    pub(crate) fn start_slow_move(&mut self, new_port: u16) -> bool {
+        self.slow_move = true;
+        self.stats.slow_moves += 1;
+        self.start_move(new_port)
+    }
+
     /// Completes a pending move whose old route has drained. Returns whether it did.
     pub(crate) fn finish_move(&mut self) -> bool {
         match self.move_to {
@@ -360,6 +382,11 @@ impl PathTx {
                 self.cc.reset(self.cc.window());
                 self.late_floor = Duration::ZERO;
                 self.backoff = 0;
+                if core::mem::take(&mut self.slow_move) {
+                    self.rtt.restart();
+                    self.slow_score = 0;
+                    self.slow_judged = 0;
+                }
                 self.stats.moves += 1;
                 true
             }

@@ -93,8 +93,13 @@ impl Endpoint {
         };
         // A port no path uses; with none to spare the path keeps its port
         // (and its route) but still probes before it carries traffic again.
-        let new_port = unused_port(&self.config.source_ports, &mut self.rng, &c.paths_tx)
-            .unwrap_or(c.paths_tx[pi].src_port);
+        let new_port = unused_port(
+            &self.config.source_ports,
+            &mut self.rng,
+            &c.paths_tx,
+            &c.slow_ports,
+        )
+        .unwrap_or(c.paths_tx[pi].src_port);
         let p = &mut c.paths_tx[pi];
         tracing::debug!(
             conn = ci,
@@ -108,8 +113,9 @@ impl Endpoint {
         c.stats.path_failures += 1;
     }
 
-    /// After an ACK: completes path moves whose old route drained, and moves
-    /// a starved path to a new source port (a new ECMP route): one whose
+    /// After an ACK: completes path moves whose old route drained, moves
+    /// every slow path (`Connection::slow_paths`) to a new source port,
+    /// and moves a starved path to a new source port (a new ECMP route): one whose
     /// window was cut `REPATH_ROUNDS` rounds in a row and is below the
     /// connection's mean path window / `REPATH_WINDOW_SHARE` (the smallest
     /// such window first). One path at a time,
@@ -119,7 +125,7 @@ impl Endpoint {
     /// Spraying over per-path windows shifts traffic away from a crowded
     /// route, but cannot reach a route no path hashes onto: with 16 paths
     /// over 4 spines, one connection in 25 has no path over some spine.
-    pub(crate) fn move_congested_path(&mut self, ci: usize, now: Instant) {
+    pub(crate) fn move_paths(&mut self, ci: usize, now: Instant) {
         let Some(c) = self.conns[ci].as_mut() else {
             return;
         };
@@ -130,6 +136,33 @@ impl Endpoint {
                 tracing::debug!(conn = ci, path = p.id, port = p.src_port, "path moved");
             }
             moving |= p.move_to.is_some();
+        }
+        // Slow routes first, each path on its own (no cooldown: a path is
+        // judged again only after `SLOW_PATH_SAMPLES` on its new route).
+        for pi in c.slow_paths() {
+            let Some(port) = unused_port(
+                &self.config.source_ports,
+                &mut self.rng,
+                &c.paths_tx,
+                &c.slow_ports,
+            ) else {
+                break;
+            };
+            let p = &mut c.paths_tx[pi];
+            let old = p.src_port;
+            tracing::debug!(
+                conn = ci,
+                path = p.id,
+                old,
+                new = port,
+                srtt_us = p.rtt.srtt().map_or(0, |s| s.as_micros() as u64),
+                "slow path moves to a new source port"
+            );
+            if p.start_slow_move(port) {
+                c.stats.path_moves += 1;
+            }
+            moving = true;
+            c.note_slow_port(old);
         }
         if moving || c.paths_tx.len() < 2 || now < c.next_move_at {
             return;
@@ -152,7 +185,12 @@ impl Endpoint {
         else {
             return;
         };
-        let Some(port) = unused_port(&self.config.source_ports, &mut self.rng, &c.paths_tx) else {
+        let Some(port) = unused_port(
+            &self.config.source_ports,
+            &mut self.rng,
+            &c.paths_tx,
+            &c.slow_ports,
+        ) else {
             return;
         };
         let srtt = c.rtt.srtt().unwrap_or(c.rtt.rto());
@@ -756,14 +794,17 @@ pub(crate) fn rnr_us(d: core::time::Duration) -> u16 {
 
 /// A source port from `ports`, drawn at random, that none of `paths` uses
 /// or is moving to; `None` when every port is taken.
-fn unused_port(ports: &[u16], rng: &mut Rng, paths: &[PathTx]) -> Option<u16> {
+fn unused_port(ports: &[u16], rng: &mut Rng, paths: &[PathTx], slow: &[u16]) -> Option<u16> {
     let used: Vec<u16> = paths
         .iter()
         .flat_map(|p| [Some(p.src_port), p.move_to])
         .flatten()
         .collect();
     let start = rng.next_u32() as usize % ports.len();
-    (0..ports.len())
-        .map(|k| ports[(start + k) % ports.len()])
-        .find(|port| !used.contains(port))
+    let free = |port: &u16| !used.contains(port);
+    let candidates = || (0..ports.len()).map(|k| ports[(start + k) % ports.len()]);
+    // A port found slow lately only if nothing else is free.
+    candidates()
+        .find(|port| free(port) && !slow.contains(port))
+        .or_else(|| candidates().find(free))
 }

@@ -1194,7 +1194,7 @@ impl Endpoint {
         if newly_due {
             self.loss_checks.push(ci);
         }
-        self.move_congested_path(ci, now);
+        self.move_paths(ci, now);
         self.touch(ci, Some(now));
     }
 

@@ -29,6 +29,8 @@ pub struct RttEstimator {
     /// Start of the current epoch (`RTT_PEAK_EPOCH_RTTS` smoothed RTTs,
     /// at least the minimum RTO), once a timed sample came.
     epoch_start: Option<Instant>,
+    /// Samples taken since the estimator (re)started.
+    samples: u32,
 }
 
 impl RttEstimator {
@@ -45,7 +47,19 @@ impl RttEstimator {
             peak: Duration::ZERO,
             prev_peak: Duration::ZERO,
             epoch_start: None,
+            samples: 0,
         }
+    }
+
+    /// Forgets every sample (the path moved to a new route, whose delay
+    /// the old one's says nothing about); the bounds stay.
+    pub fn restart(&mut self) {
+        *self = RttEstimator::new(self.initial_rto, self.min_rto, self.max_rto);
+    }
+
+    /// Samples taken since the estimator started or [`restart`](Self::restart)ed.
+    pub fn samples(&self) -> u32 {
+        self.samples
     }
 
     /// Feeds one RTT sample taken at `now`, which also keeps the recent
@@ -97,6 +111,7 @@ impl RttEstimator {
     /// Feeds one RTT sample.
     pub fn sample(&mut self, rtt: Duration) {
         self.latest = rtt;
+        self.samples = self.samples.saturating_add(1);
         self.peak = self.peak.max(rtt);
         self.min_rtt = Some(self.min_rtt.map_or(rtt, |m| m.min(rtt)));
         match self.srtt {

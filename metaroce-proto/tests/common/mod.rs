@@ -103,6 +103,9 @@ struct InFlight {
     bytes: Vec<u8>,
 }
 
+/// Which source ports a gray route carries, and the delay it adds.
+pub type GrayRoute = (fn(u16) -> bool, Duration);
+
 /// Two endpoints, a link, and simulated time.
 pub struct Pair {
     pub a: Endpoint,
@@ -138,6 +141,10 @@ pub struct Pair {
     /// direction (true: a to b), after it was hashed and counted.
     #[allow(clippy::type_complexity)]
     pub on_wire: Option<Box<dyn FnMut(bool, &mut Vec<u8>)>>,
+    /// A gray route: A's datagrams from a source port the function picks
+    /// take this much longer (as through a slowed link that ECMP hashes
+    /// those ports onto).
+    pub gray: Option<GrayRoute>,
 }
 
 impl Pair {
@@ -166,6 +173,7 @@ impl Pair {
             region_chunks: 0,
             wire_hash: [0xcbf2_9ce4_8422_2325; 2],
             on_wire: None,
+            gray: None,
         }
     }
 
@@ -257,6 +265,11 @@ impl Pair {
                     }
                     for _ in 0..copies {
                         let mut at = depart + self.link.delay.as_nanos() as u64;
+                        if let Some((slow, extra)) = self.gray {
+                            if to_b && slow(t.src_port) {
+                                at += extra.as_nanos() as u64;
+                            }
+                        }
                         if self.rng.unit() < self.link.reorder {
                             at += self
                                 .rng

@@ -1,0 +1,90 @@
+//! A path whose route is slow, not dead (a gray link that ECMP hashes a
+//! quarter of the source ports onto), moves to a new source port (PROTOCOL
+//! §9.1): every message with a packet on it would otherwise wait for that
+//! packet. On an even fabric no path moves for being slow.
+
+mod common;
+
+use common::*;
+use metaroce_proto::verbs::*;
+use metaroce_proto::{ConnectionStats, EndpointConfig};
+use std::time::Duration;
+
+/// The ports a gray spine carries: a quarter of them.
+fn gray_port(port: u16) -> bool {
+    port % 4 == 0
+}
+
+/// Runs `writes` 256 KiB WRITEs from A to B, four outstanding, each
+/// checked in place; returns A's connection statistics after them.
+fn stream(p: &mut Pair, writes: u64) -> ConnectionStats {
+    let v = Verbs::setup(p);
+    let len = 256 << 10;
+    let data = pattern(5, len);
+    let (src, dst) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &data);
+    let (mut posted, mut done) = (0u64, 0u64);
+    let deadline = p.now + Duration::from_secs(5);
+    while done < writes {
+        while posted < writes && posted - done < 4 {
+            let now = p.now;
+            p.a.post_send(now, v.qa, write_wr(posted, &src, &dst, 0, len as u32))
+                .unwrap();
+            posted += 1;
+        }
+        let mut wcs = Vec::new();
+        let progressed = p.run_until(deadline, |p| {
+            wcs.extend(drain_cq(&mut p.a, v.cqa));
+            !wcs.is_empty()
+        });
+        assert!(progressed, "WRITE {done} did not complete in time");
+        for wc in wcs {
+            assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+            assert_eq!(wc.wr_id, done, "completions in order");
+            done += 1;
+        }
+    }
+    assert_eq!(p.b.mr(dst.lkey).unwrap(), &data[..], "every byte in place");
+    p.a.connection_stats(p.conn_a.unwrap()).unwrap()
+}
+
+fn pair(seed: u64) -> Pair {
+    let link = LinkConfig {
+        delay: Duration::from_micros(50),
+        bytes_per_us: 1250,
+        ..LinkConfig::perfect()
+    };
+    let cfg = EndpointConfig::default();
+    let mut p = Pair::new(cfg.clone(), cfg, seed, link);
+    p.connect();
+    p
+}
+
+#[test]
+fn paths_on_a_gray_route_move_off_it() {
+    for seed in [1, 2, 3] {
+        let mut p = pair(seed);
+        // 1.5 ms more on a gray port: 15 times the others' round trip.
+        p.gray = Some((gray_port, Duration::from_micros(1500)));
+        let s = stream(&mut p, 200);
+        let slow_moves: u64 = s.paths.iter().map(|p| p.slow_moves).sum();
+        assert!(
+            slow_moves > 0,
+            "seed {seed}: no path left the gray route: {s:?}"
+        );
+        let gray: Vec<_> = s.paths.iter().filter(|p| gray_port(p.src_port)).collect();
+        assert!(
+            gray.is_empty(),
+            "seed {seed}: paths still on the gray route: {gray:?}"
+        );
+    }
+}
+
+#[test]
+fn an_even_fabric_moves_no_path_for_being_slow() {
+    for seed in [1, 2, 3] {
+        let mut p = pair(seed);
+        let s = stream(&mut p, 200);
+        let slow_moves: u64 = s.paths.iter().map(|p| p.slow_moves).sum();
+        assert_eq!(slow_moves, 0, "seed {seed}: {s:?}");
+    }
+}
