@@ -236,7 +236,7 @@ pub const SLOW_PATH_FACTOR: u32 = 4;
 
 /// A path is slow once its slow RTT samples outnumber the others by this
 /// many on its present route (`SLOW_PATH_SAMPLES`; see `SLOW_PATH_FACTOR`).
-pub const SLOW_PATH_SAMPLES: u32 = 8;
+pub const SLOW_PATH_SAMPLES: u32 = 4;
 
 /// Source ports a connection remembers as slow, not to go back to them
 /// (`SLOW_PORTS_KEPT`).
