@@ -212,9 +212,8 @@ fn main() {
     let on_runtime = std::env::args().any(|a| a == "--on-runtime");
     let mut cfg = DriverConfig::new("127.0.0.1:0".parse().expect("address"));
     cfg.backend = arg("--backend").map_or(Backend::Auto, |s| s.parse().expect("--backend"));
-    cfg.busy_poll = arg("--busy-poll").map_or(cfg.busy_poll, |s| {
-        Duration::from_micros(s.parse().expect("--busy-poll US"))
-    });
+    cfg.busy_poll =
+        Duration::from_micros(arg("--busy-poll").map_or(0, |s| s.parse().expect("--busy-poll US")));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -70,9 +70,6 @@ pub const DEFAULT_TURN_SEND_BYTES: usize = 128 << 10;
 /// Default of [`DriverConfig::turn_recv_bytes`]: four GSO batches.
 pub const DEFAULT_TURN_RECV_BYTES: usize = 256 << 10;
 
-/// Default of [`DriverConfig::busy_poll`]: 50 µs.
-pub const DEFAULT_BUSY_POLL: Duration = Duration::from_micros(50);
-
 /// Settings only the io_uring backend reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UringConfig {
@@ -178,18 +175,15 @@ pub struct DriverConfig {
     pub turn_recv_bytes: usize,
     /// How long a turn of [`Driver::poll`](crate::Driver::poll) with nothing
     /// to do watches for work (a datagram, a finished send, a wake) before
-    /// it sleeps; zero: it sleeps at once. The default,
-    /// [`DEFAULT_BUSY_POLL`], is what `metaroce perf` uses.
+    /// it sleeps; zero (the default): it sleeps at once.
     ///
-    /// Polling spends the thread's CPU while it waits (at most this much
-    /// per sleep: an idle driver sleeps as long as it is idle), and spares
-    /// the sender the cost of waking it: on loopback with a thread per
-    /// side, 50 µs took one-at-a-time 8 B SENDs from 0.025 to 0.087
-    /// million a second, and a [`Device`](crate::Device)'s 64 MiB
-    /// WRITE_IMM stream from 0.87 to 1.00 of `metaroce perf`'s
-    /// (`docs/BENCHMARKS.md`). Set it to zero when one thread polls several
-    /// drivers in turn (one driver's spin then holds up the others), or
-    /// when threads outnumber cores.
+    /// Polling spends the thread's CPU while it waits, and spares the
+    /// sender the cost of waking it: on loopback with a thread per side,
+    /// 50 µs took one-at-a-time 8 B SENDs from 0.025 to 0.087 million a
+    /// second, and a 64 KiB WRITE stream a few percent at most
+    /// (`docs/BENCHMARKS.md`, session 14). Use it when each driver has a
+    /// core of its own; never when one thread polls several drivers in
+    /// turn (one driver's spin then holds up the others).
     pub busy_poll: Duration,
     /// Which backend [`Driver::bind`](crate::Driver::bind) picks.
     pub backend: Backend,
@@ -214,7 +208,7 @@ impl DriverConfig {
             max_gso_segments: 16,
             turn_send_bytes: DEFAULT_TURN_SEND_BYTES,
             turn_recv_bytes: DEFAULT_TURN_RECV_BYTES,
-            busy_poll: DEFAULT_BUSY_POLL,
+            busy_poll: Duration::ZERO,
             backend: Backend::Auto,
             uring: UringConfig::default(),
             faults: FaultConfig::default(),

@@ -61,8 +61,8 @@ mod waker;
 
 pub use clock::Clock;
 pub use config::{
-    Backend, DriverConfig, DriverStats, UnknownBackend, UringConfig, DEFAULT_BUSY_POLL,
-    DEFAULT_TURN_RECV_BYTES, DEFAULT_TURN_SEND_BYTES,
+    Backend, DriverConfig, DriverStats, UnknownBackend, UringConfig, DEFAULT_TURN_RECV_BYTES,
+    DEFAULT_TURN_SEND_BYTES,
 };
 pub use device::{
     connect_qp_pair, ApiError, CompletionQueue, ConnectedQp, Connection, Device, LentRegion,

@@ -278,8 +278,8 @@ fn mtu_range() -> clap::builder::RangedI64ValueParser<u16> {
     clap::value_parser!(u16).range(i64::from(MIN_MTU)..=i64::from(MAX_MTU))
 }
 
-/// `--busy-poll`'s default: the driver's.
-const DEFAULT_BUSY_POLL_US: u64 = metaroce_io::DEFAULT_BUSY_POLL.as_micros() as u64;
+/// `--busy-poll`'s default: 50 µs (`docs/BENCHMARKS.md`, session 14).
+const DEFAULT_BUSY_POLL_US: u64 = 50;
 
 impl RunOpts {
     /// The message sizes to run, in order: with `--all` those whose slots
