@@ -2,7 +2,7 @@
 //! order, failing a QP, executing retired messages, connection timers.
 
 use super::{Endpoint, Event};
-use crate::connection::{ConnectionError, ConnectionState, CsnKind, Ctrl, PathEvent, PathTx};
+use crate::connection::{Connection, ConnectionError, ConnectionState, CsnKind, Ctrl, PathEvent};
 use crate::consts::{REPATH_COOLDOWN_RTTS, REPATH_MAX_BACKOFF, REPATH_ROUNDS, REPATH_WINDOW_SHARE};
 use crate::rng::Rng;
 use crate::time::Instant;
@@ -93,13 +93,8 @@ impl Endpoint {
         };
         // A port no path uses; with none to spare the path keeps its port
         // (and its route) but still probes before it carries traffic again.
-        let new_port = unused_port(
-            &self.config.source_ports,
-            &mut self.rng,
-            &c.paths_tx,
-            &c.slow_ports,
-        )
-        .unwrap_or(c.paths_tx[pi].src_port);
+        let new_port = unused_port(&self.config.source_ports, &mut self.rng, c)
+            .unwrap_or(c.paths_tx[pi].src_port);
         let p = &mut c.paths_tx[pi];
         tracing::debug!(
             conn = ci,
@@ -140,12 +135,7 @@ impl Endpoint {
         // Slow routes first, each path on its own (no cooldown: a path is
         // judged again only after `SLOW_PATH_SAMPLES` on its new route).
         for pi in c.slow_paths() {
-            let Some(port) = unused_port(
-                &self.config.source_ports,
-                &mut self.rng,
-                &c.paths_tx,
-                &c.slow_ports,
-            ) else {
+            let Some(port) = unused_port(&self.config.source_ports, &mut self.rng, c) else {
                 break;
             };
             let p = &mut c.paths_tx[pi];
@@ -185,12 +175,7 @@ impl Endpoint {
         else {
             return;
         };
-        let Some(port) = unused_port(
-            &self.config.source_ports,
-            &mut self.rng,
-            &c.paths_tx,
-            &c.slow_ports,
-        ) else {
+        let Some(port) = unused_port(&self.config.source_ports, &mut self.rng, c) else {
             return;
         };
         let srtt = c.rtt.srtt().unwrap_or(c.rtt.rto());
@@ -792,10 +777,12 @@ pub(crate) fn rnr_us(d: core::time::Duration) -> u16 {
     u16::try_from(d.as_micros()).unwrap_or(u16::MAX).max(1)
 }
 
-/// A source port from `ports`, drawn at random, that none of `paths` uses
-/// or is moving to; `None` when every port is taken.
-fn unused_port(ports: &[u16], rng: &mut Rng, paths: &[PathTx], slow: &[u16]) -> Option<u16> {
-    let used: Vec<u16> = paths
+/// A source port from `ports`, drawn at random, that none of `c`'s paths
+/// uses or is moving to, and not one that a slow path left lately while
+/// another is free; `None` when every port is taken.
+fn unused_port(ports: &[u16], rng: &mut Rng, c: &Connection) -> Option<u16> {
+    let used: Vec<u16> = c
+        .paths_tx
         .iter()
         .flat_map(|p| [Some(p.src_port), p.move_to])
         .flatten()
@@ -803,8 +790,8 @@ fn unused_port(ports: &[u16], rng: &mut Rng, paths: &[PathTx], slow: &[u16]) -> 
     let start = rng.next_u32() as usize % ports.len();
     let free = |port: &u16| !used.contains(port);
     let candidates = || (0..ports.len()).map(|k| ports[(start + k) % ports.len()]);
-    // A port found slow lately only if nothing else is free.
+    // A port a slow path left lately only if nothing else is free.
     candidates()
-        .find(|port| free(port) && !slow.contains(port))
+        .find(|port| free(port) && !c.slow_ports.contains(port))
         .or_else(|| candidates().find(free))
 }
