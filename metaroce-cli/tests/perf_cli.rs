@@ -31,7 +31,13 @@ fn check(v: &serde_json::Value, op: &str) {
     );
     assert!(v["lat_p50_us"].as_f64().unwrap() > 0.0);
     assert!(v["lat_p99_us"].as_f64().unwrap() >= v["lat_p50_us"].as_f64().unwrap());
-    assert!(!v["paths"].as_array().unwrap().is_empty());
+    let paths = v["paths"].as_array().unwrap();
+    assert!(!paths.is_empty());
+    for p in paths {
+        // Each path reports its window and its moves off slow routes.
+        assert!(p["cwnd"].as_u64().unwrap() > 0, "{p}");
+        assert!(p["slow_moves"].as_u64().is_some(), "{p}");
+    }
     // The interval rates (the client's own stream) cover the run and add
     // up to the bytes it moved.
     let iv = v["intervals"].as_array().unwrap();

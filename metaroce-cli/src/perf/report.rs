@@ -24,6 +24,8 @@ pub(super) struct PathReport {
     pub(super) spurious_by_timeout: u64,
     pub(super) ecn_marks: u64,
     pub(super) rtt_us: f64,
+    /// The path's congestion window at the end, bytes.
+    pub(super) cwnd: u64,
     /// Times declared failed (moved to a new source port, probed back).
     pub(super) failures: u64,
     /// Times moved to a new source port because the route stayed congested

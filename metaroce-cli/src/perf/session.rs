@@ -454,6 +454,7 @@ pub(super) fn client_measure(
                 spurious_by_timeout: p.spurious_by_timeout,
                 ecn_marks: p.ce_marks,
                 rtt_us: p.srtt_ns as f64 / 1000.0,
+                cwnd: p.cwnd,
                 failures: p.failures,
                 moves: p.moves,
                 slow_moves: p.slow_moves,
