@@ -227,8 +227,9 @@ pub const REPATH_WINDOW_SHARE: u64 = 3;
 /// a move must show its effect before the next.
 pub const REPATH_COOLDOWN_RTTS: u32 = 8;
 
-/// A path whose smoothed RTT is more than this many times the median of
-/// its connection's active paths is slow (`SLOW_PATH_FACTOR`; §9.1): it
+/// An RTT sample of a path more than this many times the median smoothed
+/// RTT of its connection's active paths is slow (`SLOW_PATH_FACTOR`;
+/// §9.1); a path with `SLOW_PATH_SAMPLES` more slow samples than others
 /// moves to a new source port. Four: spraying evens out ordinary queues
 /// (paths of one connection differ by less than 2× on a loaded fabric),
 /// while a link at a tenth of its rate holds packets 10-100× longer.

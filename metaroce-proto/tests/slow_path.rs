@@ -31,12 +31,8 @@ fn stream(p: &mut Pair, writes: u64) -> ConnectionStats {
                 .unwrap();
             posted += 1;
         }
-        let mut wcs = Vec::new();
-        let progressed = p.run_until(deadline, |p| {
-            wcs.extend(drain_cq(&mut p.a, v.cqa));
-            !wcs.is_empty()
-        });
-        assert!(progressed, "WRITE {done} did not complete in time");
+        let wcs = wait_cq(p, true, v.cqa, 1, deadline.saturating_since(p.now));
+        assert!(!wcs.is_empty(), "WRITE {done} did not complete in time");
         for wc in wcs {
             assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
             assert_eq!(wc.wr_id, done, "completions in order");

@@ -686,6 +686,11 @@ impl Connection {
     pub(crate) fn slow_paths(&mut self) -> Vec<usize> {
         let judged =
             |p: &PathTx| p.state == PathState::Active && p.move_to.is_none() && p.rtt.samples() > 0;
+        // Most ACKs bring no new sample to judge: then nothing to sort.
+        let unjudged = |p: &PathTx| judged(p) && p.rtt.samples() != p.slow_judged;
+        if !self.paths_tx.iter().any(unjudged) {
+            return Vec::new();
+        }
         let mut srtts: Vec<Duration> = self
             .paths_tx
             .iter()
@@ -699,7 +704,7 @@ impl Connection {
         let median = srtts[srtts.len() / 2];
         let mut slow = Vec::new();
         for (i, p) in self.paths_tx.iter_mut().enumerate() {
-            if !judged(p) || p.rtt.samples() == p.slow_judged {
+            if !unjudged(p) {
                 continue;
             }
             p.slow_judged = p.rtt.samples();
