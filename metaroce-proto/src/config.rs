@@ -106,7 +106,8 @@ pub struct EndpointConfig {
     /// the handshake) until its first ACK, and so its first grant, arrives;
     /// one packet always goes. Bounds the first round trip of an incast.
     pub first_flight_bytes: u64,
-    /// Smallest congestion window, bytes.
+    /// Smallest congestion window of a path, bytes (never below two
+    /// packets, nor above the path's share of `initial_window`).
     pub min_window: u64,
     /// Largest congestion window, bytes.
     pub max_window: u64,

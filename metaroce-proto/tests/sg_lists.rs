@@ -244,7 +244,7 @@ fn write_gathered_from_two_elements() {
 
 #[test]
 fn read_scattered_into_two_elements() {
-    let (mut p, v) = pair(20, 0.03, None);
+    let (mut p, v) = pair(20, 0.06, None);
     let data = pattern(20, 400_000);
     let win = reg(
         &mut p.b,

@@ -11,9 +11,10 @@ use core::time::Duration;
 ///   proportion to the smoothed marked fraction `alpha` (DCTCP):
 ///   `cwnd *= 1 - alpha/2`.
 /// - Delay: if the RTT stayed above the smallest RTT seen plus a target
-///   queueing delay, the window shrinks in proportion to the excess (as in
-///   Swift), at most by half: queues the network does not mark (a host's
-///   socket buffer, a switch without ECN) still slow the sender.
+///   queueing delay (the configured target, or the smallest RTT where
+///   that is longer), the window shrinks in proportion to the excess (as
+///   in Swift), at most by half: queues the network does not mark (a
+///   host's socket buffer, a switch without ECN) still slow the sender.
 ///
 /// Random loss is not a congestion signal: it is recovered selectively.
 ///
@@ -80,6 +81,11 @@ impl SenderCc {
         self.cwnd
     }
 
+    /// Whether the window is at its smallest.
+    pub fn at_min(&self) -> bool {
+        self.cwnd <= self.min
+    }
+
     /// Starts over from `window` bytes (a path moved to a new route).
     pub fn reset(&mut self, window: u64) {
         self.cwnd = window.clamp(self.min, self.max);
@@ -119,8 +125,13 @@ impl SenderCc {
         self.win_total += pkts;
         self.win_elapsed += elapsed;
         self.win_min_rtt = Some(self.win_min_rtt.map_or(rtt, |m| m.min(rtt)));
+        // The queueing tolerated: the target, or the base RTT where that is
+        // longer (on a slow link one packet's serialization alone exceeds
+        // a datacenter target, and a window pinned at its minimum cannot
+        // shift traffic between routes).
+        let target = self.delay_target.max(base_rtt);
         let queueing = rtt.saturating_sub(base_rtt);
-        if marked == 0 && self.win_marked == 0 && queueing <= self.delay_target {
+        if marked == 0 && self.win_marked == 0 && queueing <= target {
             // Additive increase: one MTU per window's worth of acknowledged bytes.
             self.cwnd = (self.cwnd + bytes * self.mtu / self.cwnd.max(1)).min(self.max);
         }
@@ -138,8 +149,8 @@ impl SenderCc {
             // Delay: even the best RTT of the window was above target.
             if let Some(best) = self.win_min_rtt {
                 let excess = best.saturating_sub(base_rtt);
-                if excess > self.delay_target && !best.is_zero() {
-                    let over = (excess - self.delay_target).as_secs_f64() / best.as_secs_f64();
+                if excess > target && !best.is_zero() {
+                    let over = (excess - target).as_secs_f64() / best.as_secs_f64();
                     factor = factor.min(1.0 - (0.8 * over).min(0.5));
                 }
             }
@@ -154,5 +165,52 @@ impl SenderCc {
             self.win_min_rtt = None;
             self.win_elapsed = Duration::ZERO;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const US: Duration = Duration::from_micros(1);
+
+    /// Feeds `rounds` RTTs of ACKs, each RTT `rtt`, over a path whose
+    /// smallest RTT is `base`; returns the window at the end.
+    fn run(rtt: Duration, base: Duration, rounds: u32) -> (u64, u32) {
+        let mut cc = SenderCc::new(64 * 1024, 8 * 1024, 1 << 20, 4096, 100 * US);
+        for _ in 0..rounds {
+            for _ in 0..4 {
+                cc.on_ack(4096, 1, 0, rtt, base, rtt / 4);
+            }
+        }
+        (cc.window(), cc.congested_rounds())
+    }
+
+    #[test]
+    fn queueing_within_the_target_lets_the_window_grow() {
+        // 100 µs target: 60 µs of queueing is tolerated.
+        let (w, rounds) = run(80 * US, 20 * US, 8);
+        assert!(w > 64 * 1024, "{w}");
+        assert_eq!(rounds, 0);
+    }
+
+    #[test]
+    fn queueing_past_the_target_cuts_the_window() {
+        let (w, rounds) = run(400 * US, 20 * US, 8);
+        assert!(w < 32 * 1024, "{w}");
+        assert_eq!(rounds, 8);
+    }
+
+    /// On a slow link the smallest RTT (mostly serialization) is longer
+    /// than the target: the queueing tolerated is the smallest RTT itself,
+    /// so one packet's worth of queue does not pin the window down.
+    #[test]
+    fn the_target_is_at_least_the_smallest_rtt() {
+        let (w, rounds) = run(900 * US, 500 * US, 8);
+        assert!(w > 64 * 1024, "{w}");
+        assert_eq!(rounds, 0);
+        // Twice the smallest RTT of queueing is too much all the same.
+        let (w, _) = run(1500 * US, 500 * US, 8);
+        assert!(w < 64 * 1024, "{w}");
     }
 }

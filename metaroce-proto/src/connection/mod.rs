@@ -338,7 +338,13 @@ impl Connection {
         // Each path has its own window; together they start at the initial window.
         let per_path =
             (config.initial_window / u64::from(config.paths)).max(2 * u64::from(config.mtu));
-        let path_min = config.min_window.min(per_path).max(u64::from(config.mtu));
+        // At least two packets: with one, a path waits a whole round trip
+        // (and a delayed ACK) between packets, and a GSO batch, which counts
+        // against its own path's window, would never hold two.
+        let path_min = config
+            .min_window
+            .min(per_path)
+            .max(2 * u64::from(config.mtu));
         // Distinct ports per path where there are enough: a random offset
         // into the list, then consecutive entries.
         let ports = &config.source_ports;
@@ -596,14 +602,15 @@ impl Connection {
         !self.capped(bytes) && self.data_path_room(bytes)
     }
 
-    /// [`cwnd_room`](Self::cwnd_room), asking `path` first: the same
-    /// answer, cheaper while that path has room (as when a GSO batch grows
-    /// on it).
+    /// Whether `bytes` more may go out on `path` itself: its own window
+    /// and span, and the receiver's grant. A GSO batch grows on one path
+    /// (one source port, one route) only while that path has room: room on
+    /// another path is no licence to overfill this one's route.
     pub(crate) fn cwnd_room_on(&self, path: usize, bytes: u64) -> bool {
-        match self.paths_tx.get(path) {
-            Some(p) if self.path_room(p, bytes) => !self.capped(bytes),
-            _ => self.cwnd_room(bytes),
-        }
+        self.paths_tx
+            .get(path)
+            .is_some_and(|p| self.path_room(p, bytes))
+            && !self.capped(bytes)
     }
 
     /// Whether the receiver's grant holds `bytes` more back: before the

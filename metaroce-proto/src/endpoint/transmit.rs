@@ -608,7 +608,7 @@ impl Endpoint {
                 break;
             };
             if !c.paths_tx[path].has_room()
-                || !c.cwnd_room(seg as u64)
+                || !c.cwnd_room_on(path, seg as u64)
                 || !c.csn_room()
                 || !c.pacer.ready(now)
             {
