@@ -160,17 +160,34 @@ impl Endpoint {
         // A candidate: congested round after round, with a window far below
         // its siblings' (its route is crowded where theirs are not). Moving
         // it costs little: it carries little.
+        // Where windows are down at their minimum they no longer tell
+        // routes apart. Then a path whose RTT is twice the least crowded
+        // path's qualifies (a route with fewer paths on it has room), and,
+        // where every active path is at its minimum, any congested one: a
+        // route that no path uses is found only by moving, and where every
+        // route is the bottleneck the cooldown's backoff makes moves rare.
+        let active = || {
+            c.paths_tx
+                .iter()
+                .filter(|p| p.state == crate::connection::PathState::Active)
+        };
         let mean = c.window() / c.paths_tx.len() as u64;
+        let fastest = active().filter_map(|p| p.rtt.srtt()).min();
+        let all_min = active().all(|p| p.cc.at_min());
         let Some(pi) = c
             .paths_tx
             .iter()
             .enumerate()
             .filter(|(_, p)| {
+                let crowded = p.cc.at_min()
+                    && (all_min
+                        || fastest.is_some_and(|f| p.rtt.srtt().is_some_and(|s| s >= f * 2)));
                 p.state == crate::connection::PathState::Active
                     && p.cc.congested_rounds() >= REPATH_ROUNDS
-                    && p.cc.window().saturating_mul(REPATH_WINDOW_SHARE) < mean
+                    && (p.cc.window().saturating_mul(REPATH_WINDOW_SHARE) < mean || crowded)
             })
-            .min_by_key(|(_, p)| p.cc.window())
+            // The smallest window; among equals, the slowest route.
+            .min_by_key(|(_, p)| (p.cc.window(), core::cmp::Reverse(p.rtt.srtt())))
             .map(|(i, _)| i)
         else {
             return;
