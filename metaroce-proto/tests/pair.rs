@@ -1984,7 +1984,10 @@ fn a_gso_batch_stays_within_its_own_paths_window() {
         e.0 += t.size.div_ceil(seg) as u64;
         e.1 = e.1.max(t.size.div_ceil(seg));
     }
-    assert!(per_port.len() >= 4, "the flight spread over the paths: {per_port:?}");
+    assert!(
+        per_port.len() >= 4,
+        "the flight spread over the paths: {per_port:?}"
+    );
     let per_path = 8 * 2 * 4096 / 8 / mtu.min(4096);
     for (port, (packets, batch)) in &per_port {
         assert!(
