@@ -313,11 +313,11 @@ fn print_footer(r: &Report) {
     );
     println!("{line}");
     println!(
-        " path src_port packets    bytes         retx     lost     ecn      rtt[usec] state   fail/move"
+        " path src_port packets    bytes         retx     lost     ecn      rtt[usec] cwnd[KiB] state   fail/move(slow)"
     );
     for p in &r.paths {
         println!(
-            " {:<4} {:<8} {:<10} {:<13} {:<8} {:<8} {:<8} {:<9.1} {:<7} {}/{}",
+            " {:<4} {:<8} {:<10} {:<13} {:<8} {:<8} {:<8} {:<9.1} {:<9} {:<7} {}/{}({})",
             p.id,
             p.src_port,
             p.packets,
@@ -326,9 +326,11 @@ fn print_footer(r: &Report) {
             p.lost,
             p.ecn_marks,
             p.rtt_us,
+            p.cwnd / 1024,
             p.state,
             p.failures,
-            p.moves
+            p.moves,
+            p.slow_moves
         );
     }
     println!("{line}");
