@@ -240,6 +240,7 @@ pub const SLOW_PATH_FACTOR: u32 = 4;
 pub const SLOW_PATH_SAMPLES: u32 = 4;
 
 /// Source ports a connection remembers as slow, not to go back to them
+/// for 512 smoothed RTTs, the longest wait between congested-path moves
 /// (`SLOW_PORTS_KEPT`).
 pub const SLOW_PORTS_KEPT: usize = 8;
 

@@ -14,7 +14,8 @@ pub use path::{PathState, PathStats};
 use crate::cc::{Pacer, SenderCc};
 use crate::config::EndpointConfig;
 use crate::consts::{
-    ACK_HOLD_SENDING, COOKIE_LEN, CSN_WINDOW, SLOW_PATH_FACTOR, SLOW_PATH_SAMPLES, SLOW_PORTS_KEPT,
+    ACK_HOLD_SENDING, COOKIE_LEN, CSN_WINDOW, REPATH_COOLDOWN_RTTS, REPATH_MAX_BACKOFF,
+    SLOW_PATH_FACTOR, SLOW_PATH_SAMPLES, SLOW_PORTS_KEPT,
 };
 use crate::reliability::{RingBitmap, RttEstimator, SeqAccept};
 use crate::rng::Rng;
@@ -235,10 +236,9 @@ pub(crate) struct Connection {
     /// is congested (one bottleneck link, a host's own socket) does not
     /// keep moving paths for nothing.
     pub(crate) moves_made: u32,
-    /// Source ports that slow paths left lately (a ring): a move does not
-    /// go back to a route that was found slow.
-    pub(crate) slow_ports: [u16; SLOW_PORTS_KEPT],
-    pub(crate) slow_ports_next: usize,
+    /// Source ports that slow paths left lately: a move does not go back
+    /// to a route that was found slow, for a while.
+    pub(crate) slow_ports: SlowPorts,
 
     // Send side.
     pub(crate) next_csn: u32,
@@ -322,6 +322,30 @@ pub(crate) struct Connection {
     pub(crate) stats: ConnectionStats,
 }
 
+/// The last `SLOW_PORTS_KEPT` source ports that slow paths left, and when
+/// (a ring).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct SlowPorts {
+    ring: [Option<(u16, Instant)>; SLOW_PORTS_KEPT],
+    next: usize,
+}
+
+impl SlowPorts {
+    /// A slow path left `port` at `now`; the oldest entry makes room.
+    pub(crate) fn note(&mut self, port: u16, now: Instant) {
+        self.ring[self.next] = Some((port, now));
+        self.next = (self.next + 1) % SLOW_PORTS_KEPT;
+    }
+
+    /// Whether a slow path left `port` less than `memory` before `now`.
+    pub(crate) fn shuns(&self, port: u16, now: Instant, memory: Duration) -> bool {
+        self.ring
+            .iter()
+            .flatten()
+            .any(|&(p, at)| p == port && now < at + memory)
+    }
+}
+
 impl Connection {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
@@ -390,8 +414,7 @@ impl Connection {
             path_rr: 0,
             next_move_at: now,
             moves_made: 0,
-            slow_ports: [0; SLOW_PORTS_KEPT],
-            slow_ports_next: 0,
+            slow_ports: SlowPorts::default(),
             next_csn: 0,
             csn_una: 0,
             sent: VecDeque::new(),
@@ -732,10 +755,21 @@ impl Connection {
         slow
     }
 
-    /// Remembers that a slow path left `port`.
-    pub(crate) fn note_slow_port(&mut self, port: u16) {
-        self.slow_ports[self.slow_ports_next] = port;
-        self.slow_ports_next = (self.slow_ports_next + 1) % SLOW_PORTS_KEPT;
+    /// Remembers that a slow path left `port` at `now`.
+    pub(crate) fn note_slow_port(&mut self, port: u16, now: Instant) {
+        self.slow_ports.note(port, now);
+    }
+
+    /// Whether a move should keep off `port`: a slow path left it less
+    /// than the longest wait between congested-path moves ago (§9.1). A
+    /// route that was slow for a moment (a queue, a stall) is not shunned
+    /// for good: ports are few (32 for `perf`, about 8 per spine of 4),
+    /// and a spine whose every port is shunned, once no path uses it, can
+    /// never be found again.
+    pub(crate) fn shuns_port(&self, port: u16, now: Instant) -> bool {
+        let srtt = self.rtt.srtt().unwrap_or(self.rtt.rto());
+        let memory = srtt * REPATH_COOLDOWN_RTTS * (1u32 << REPATH_MAX_BACKOFF);
+        self.slow_ports.shuns(port, now, memory)
     }
 
     /// Assigns the next CSN to `kind`.
@@ -974,5 +1008,38 @@ impl Connection {
 
     pub(crate) fn accept_csn(&mut self, csn: u32) -> SeqAccept {
         self.rx_csn.insert(csn)
+    }
+}
+
+#[cfg(test)]
+mod slow_ports_tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_slow_port_is_shunned_for_a_while_then_not() {
+        let mut sp = SlowPorts::default();
+        let t0 = Instant::ZERO + 5 * MS;
+        assert!(!sp.shuns(4000, t0, 100 * MS), "nothing noted yet");
+        sp.note(4000, t0);
+        assert!(sp.shuns(4000, t0 + 99 * MS, 100 * MS));
+        assert!(!sp.shuns(4001, t0 + MS, 100 * MS), "only the port noted");
+        // A route slow for a moment (a queue, a stall) is not shunned for
+        // good: once no path uses it, only a move can find it again.
+        assert!(!sp.shuns(4000, t0 + 100 * MS, 100 * MS));
+    }
+
+    #[test]
+    fn the_ring_keeps_the_last_ports() {
+        let mut sp = SlowPorts::default();
+        let t0 = Instant::ZERO;
+        for port in 0..(SLOW_PORTS_KEPT as u16 + 1) {
+            sp.note(5000 + port, t0);
+        }
+        assert!(!sp.shuns(5000, t0, 100 * MS), "the oldest made room");
+        for port in 1..=(SLOW_PORTS_KEPT as u16) {
+            assert!(sp.shuns(5000 + port, t0, 100 * MS));
+        }
     }
 }

@@ -86,14 +86,14 @@ impl Endpoint {
     /// Declares path `pi` failed: it moves to a source port no other path
     /// uses (a new ECMP route) and carries one probe packet at a time until
     /// it delivers again.
-    pub(crate) fn fail_path(&mut self, ci: usize, pi: usize, why: &'static str) {
+    pub(crate) fn fail_path(&mut self, ci: usize, pi: usize, why: &'static str, now: Instant) {
         let min_window = u64::from(self.config.mtu);
         let Some(c) = self.conns[ci].as_mut() else {
             return;
         };
         // A port no path uses; with none to spare the path keeps its port
         // (and its route) but still probes before it carries traffic again.
-        let new_port = unused_port(&self.config.source_ports, &mut self.rng, c)
+        let new_port = unused_port(&self.config.source_ports, &mut self.rng, c, now)
             .unwrap_or(c.paths_tx[pi].src_port);
         let p = &mut c.paths_tx[pi];
         tracing::debug!(
@@ -135,7 +135,7 @@ impl Endpoint {
         // Slow routes first, each path on its own (no cooldown: a path is
         // judged again only after `SLOW_PATH_SAMPLES` on its new route).
         for pi in c.slow_paths() {
-            let Some(port) = unused_port(&self.config.source_ports, &mut self.rng, c) else {
+            let Some(port) = unused_port(&self.config.source_ports, &mut self.rng, c, now) else {
                 break;
             };
             let p = &mut c.paths_tx[pi];
@@ -152,7 +152,7 @@ impl Endpoint {
                 c.stats.path_moves += 1;
             }
             moving = true;
-            c.note_slow_port(old);
+            c.note_slow_port(old, now);
         }
         if moving || c.paths_tx.len() < 2 || now < c.next_move_at {
             return;
@@ -192,7 +192,7 @@ impl Endpoint {
         else {
             return;
         };
-        let Some(port) = unused_port(&self.config.source_ports, &mut self.rng, c) else {
+        let Some(port) = unused_port(&self.config.source_ports, &mut self.rng, c, now) else {
             return;
         };
         let srtt = c.rtt.srtt().unwrap_or(c.rtt.rto());
@@ -287,7 +287,7 @@ impl Endpoint {
             })
             .collect();
         for pi in failing {
-            self.fail_path(ci, pi, "silent, losing every packet");
+            self.fail_path(ci, pi, "silent, losing every packet", now);
         }
     }
 
@@ -642,9 +642,9 @@ impl Endpoint {
             // A second timeout in a row while other paths deliver, or a
             // probe that timed out, fails the path.
             if probing {
-                self.fail_path(ci, pi, "probe timed out");
+                self.fail_path(ci, pi, "probe timed out", now);
             } else if others_deliver && p.backoff >= 2 {
-                self.fail_path(ci, pi, "timed out twice while others deliver");
+                self.fail_path(ci, pi, "timed out twice while others deliver", now);
             }
         }
         let Some(c) = self.conns[ci].as_mut() else {
@@ -797,7 +797,7 @@ pub(crate) fn rnr_us(d: core::time::Duration) -> u16 {
 /// A source port from `ports`, drawn at random, that none of `c`'s paths
 /// uses or is moving to, and not one that a slow path left lately while
 /// another is free; `None` when every port is taken.
-fn unused_port(ports: &[u16], rng: &mut Rng, c: &Connection) -> Option<u16> {
+fn unused_port(ports: &[u16], rng: &mut Rng, c: &Connection, now: Instant) -> Option<u16> {
     let used: Vec<u16> = c
         .paths_tx
         .iter()
@@ -809,6 +809,6 @@ fn unused_port(ports: &[u16], rng: &mut Rng, c: &Connection) -> Option<u16> {
     let candidates = || (0..ports.len()).map(|k| ports[(start + k) % ports.len()]);
     // A port a slow path left lately only if nothing else is free.
     candidates()
-        .find(|port| free(port) && !c.slow_ports.contains(port))
+        .find(|port| free(port) && !c.shuns_port(*port, now))
         .or_else(|| candidates().find(free))
 }
