@@ -137,6 +137,30 @@ fn incast_and_allreduce_run_clean() {
     assert!(r.steps_completed > 0);
 }
 
+/// Two hosts over 4 spines shaped as `tc tbf` (`shaper`: rate in Gbit/s,
+/// burst, queue), no ECN, one flow of 16 paths, 400 ms, timers as on a
+/// kernel fabric: what `metaroce fabric up --spines 4` builds.
+fn kernel_fabric(shaper: &str, seed: u64) -> SimConfig {
+    let mut c = SimConfig {
+        transport: TransportKind::Metaroce,
+        hosts: 2,
+        hosts_per_leaf: Some(1),
+        spines: 4,
+        link_gbps: 10.0,
+        spine_shaper: Some(shaper.parse().unwrap()),
+        ecn_marking: false,
+        pattern: Pattern::Incast { senders: 1 },
+        duration_ns: 400 * NS_PER_MS,
+        seed,
+        ..SimConfig::default()
+    };
+    c.metaroce.paths = 16;
+    c.metaroce.min_rto_ns = Some(2 * NS_PER_MS);
+    c.metaroce.ack_delay_ns = 20 * NS_PER_US;
+    c.metaroce.initial_window = Some(256 * 1024);
+    c
+}
+
 /// A spine that silently drops everything while ECMP keeps hashing onto it,
 /// under a one-way flow: the receiver's paths carry only ACKs, which are
 /// never acknowledged, so they check their routes with NOPs (PROTOCOL §12)
@@ -144,23 +168,10 @@ fn incast_and_allreduce_run_clean() {
 /// shaped as `tc tbf`) are the bottleneck; timers as on a kernel fabric.
 #[test]
 fn a_silent_blackhole_costs_only_its_spine_and_acks_leave_it() {
-    let mut c = SimConfig {
-        transport: TransportKind::Metaroce,
-        hosts: 2,
-        hosts_per_leaf: Some(1),
-        spines: 4,
-        link_gbps: 10.0,
-        spine_shaper: Some("1:100000:5ms".parse().unwrap()),
-        ecn_marking: false,
-        pattern: Pattern::Incast { senders: 1 },
-        duration_ns: 400 * NS_PER_MS,
+    let c = SimConfig {
         faults: vec!["spine:1@100=blackhole".parse().unwrap()],
-        ..SimConfig::default()
+        ..kernel_fabric("1:100000:5ms", 1)
     };
-    c.metaroce.paths = 16;
-    c.metaroce.min_rto_ns = Some(2 * NS_PER_MS);
-    c.metaroce.ack_delay_ns = 20 * NS_PER_US;
-    c.metaroce.initial_window = Some(256 * 1024);
     let r = run(&c);
     show(&r);
     assert_intact(&r);
@@ -187,24 +198,7 @@ fn a_silent_blackhole_costs_only_its_spine_and_acks_leave_it() {
 #[test]
 fn a_spine_no_path_hashes_onto_is_found_by_moving() {
     for seed in 1..=16 {
-        let mut c = SimConfig {
-            transport: TransportKind::Metaroce,
-            hosts: 2,
-            hosts_per_leaf: Some(1),
-            spines: 4,
-            link_gbps: 10.0,
-            spine_shaper: Some("0.2:100000:20ms".parse().unwrap()),
-            ecn_marking: false,
-            pattern: Pattern::Incast { senders: 1 },
-            duration_ns: 400 * NS_PER_MS,
-            seed,
-            ..SimConfig::default()
-        };
-        c.metaroce.paths = 16;
-        c.metaroce.min_rto_ns = Some(2 * NS_PER_MS);
-        c.metaroce.ack_delay_ns = 20 * NS_PER_US;
-        c.metaroce.initial_window = Some(256 * 1024);
-        let r = run(&c);
+        let r = run(&kernel_fabric("0.2:100000:20ms", seed));
         assert_intact(&r);
         assert!(
             r.goodput_gbps > 0.93 * 0.8,
