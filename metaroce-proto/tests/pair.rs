@@ -1955,15 +1955,15 @@ fn the_timer_is_right_whenever_it_is_read() {
 /// queues at 100–250 KB.)
 #[test]
 fn a_gso_batch_stays_within_its_own_paths_window() {
+    // Each path's window: two packets of 4 KiB.
+    const WINDOW_PACKETS: u64 = 2;
     let cfg = EndpointConfig {
         max_gso_segments: 16,
         paths: 8,
-        // Two packets per path.
-        initial_window: 8 * 2 * 4096,
+        initial_window: 8 * WINDOW_PACKETS * 4096,
         first_flight_bytes: u64::MAX,
         ..EndpointConfig::default()
     };
-    let mtu = u64::from(cfg.mtu);
     let (mut p, v) = pair_with(cfg, 41, LinkConfig::perfect());
     let data = pattern(41, 1 << 20);
     let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
@@ -1988,11 +1988,10 @@ fn a_gso_batch_stays_within_its_own_paths_window() {
         per_port.len() >= 4,
         "the flight spread over the paths: {per_port:?}"
     );
-    let per_path = 8 * 2 * 4096 / 8 / mtu.min(4096);
     for (port, (packets, batch)) in &per_port {
         assert!(
-            *packets <= per_path + 1 && *batch as u64 <= per_path + 1,
-            "port {port}: {packets} packets, batches up to {batch}, window {per_path}"
+            *packets <= WINDOW_PACKETS + 1 && *batch as u64 <= WINDOW_PACKETS + 1,
+            "port {port}: {packets} packets, batches up to {batch}, window {WINDOW_PACKETS}"
         );
     }
 }

@@ -755,21 +755,12 @@ impl Connection {
         slow
     }
 
-    /// Remembers that a slow path left `port` at `now`.
-    pub(crate) fn note_slow_port(&mut self, port: u16, now: Instant) {
-        self.slow_ports.note(port, now);
-    }
-
-    /// Whether a move should keep off `port`: a slow path left it less
-    /// than the longest wait between congested-path moves ago (§9.1). A
-    /// route that was slow for a moment (a queue, a stall) is not shunned
-    /// for good: ports are few (32 for `perf`, about 8 per spine of 4),
-    /// and a spine whose every port is shunned, once no path uses it, can
-    /// never be found again.
-    pub(crate) fn shuns_port(&self, port: u16, now: Instant) -> bool {
+    /// The wait after a congested-path move before the next (§9.1):
+    /// `REPATH_COOLDOWN_RTTS` smoothed RTTs, doubled `doublings` times (at
+    /// most `REPATH_MAX_BACKOFF`).
+    pub(crate) fn move_cooldown(&self, doublings: u32) -> Duration {
         let srtt = self.rtt.srtt().unwrap_or(self.rtt.rto());
-        let memory = srtt * REPATH_COOLDOWN_RTTS * (1u32 << REPATH_MAX_BACKOFF);
-        self.slow_ports.shuns(port, now, memory)
+        srtt * REPATH_COOLDOWN_RTTS * (1u32 << doublings.min(REPATH_MAX_BACKOFF))
     }
 
     /// Assigns the next CSN to `kind`.

@@ -3,7 +3,7 @@
 
 use super::{Endpoint, Event};
 use crate::connection::{Connection, ConnectionError, ConnectionState, CsnKind, Ctrl, PathEvent};
-use crate::consts::{REPATH_COOLDOWN_RTTS, REPATH_MAX_BACKOFF, REPATH_ROUNDS, REPATH_WINDOW_SHARE};
+use crate::consts::{REPATH_MAX_BACKOFF, REPATH_ROUNDS, REPATH_WINDOW_SHARE};
 use crate::rng::Rng;
 use crate::time::Instant;
 use crate::verbs::qp::{Accepted, Incoming, ReadResp};
@@ -152,7 +152,7 @@ impl Endpoint {
                 c.stats.path_moves += 1;
             }
             moving = true;
-            c.note_slow_port(old, now);
+            c.slow_ports.note(old, now);
         }
         if moving || c.paths_tx.len() < 2 || now < c.next_move_at {
             return;
@@ -195,9 +195,7 @@ impl Endpoint {
         let Some(port) = unused_port(&self.config.source_ports, &mut self.rng, c, now) else {
             return;
         };
-        let srtt = c.rtt.srtt().unwrap_or(c.rtt.rto());
-        let backoff = 1u32 << c.moves_made.min(REPATH_MAX_BACKOFF);
-        c.next_move_at = now + srtt * REPATH_COOLDOWN_RTTS * backoff;
+        c.next_move_at = now + c.move_cooldown(c.moves_made);
         c.moves_made = c.moves_made.saturating_add(1);
         let p = &mut c.paths_tx[pi];
         tracing::debug!(
@@ -807,8 +805,14 @@ fn unused_port(ports: &[u16], rng: &mut Rng, c: &Connection, now: Instant) -> Op
     let start = rng.next_u32() as usize % ports.len();
     let free = |port: &u16| !used.contains(port);
     let candidates = || (0..ports.len()).map(|k| ports[(start + k) % ports.len()]);
-    // A port a slow path left lately only if nothing else is free.
+    // A port a slow path left lately only if nothing else is free. Lately:
+    // within the longest wait between congested-path moves. A route that
+    // was slow for a moment (a queue, a stall) is not shunned for good:
+    // ports are few (32 for `perf`, about 8 per spine of 4), and a spine
+    // whose every port is shunned, once no path uses it, could never be
+    // found again.
+    let memory = c.move_cooldown(REPATH_MAX_BACKOFF);
     candidates()
-        .find(|port| free(port) && !c.shuns_port(*port, now))
+        .find(|port| free(port) && !c.slow_ports.shuns(*port, now, memory))
         .or_else(|| candidates().find(free))
 }
