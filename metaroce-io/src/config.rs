@@ -28,6 +28,11 @@ pub enum Backend {
     Uring,
     /// `std` sockets and `quinn-udp`; works on any kernel.
     Portable,
+    /// AF_XDP (Linux, root): an XDP program steers the endpoint's frames
+    /// to an AF_XDP socket and the driver writes its frames' headers
+    /// itself, past the kernel's UDP/IP stack ([`XdpDriver`](crate::XdpDriver)).
+    /// Only when asked for: [`Backend::Auto`] never picks it.
+    AfXdp,
 }
 
 impl Backend {
@@ -37,6 +42,7 @@ impl Backend {
             Backend::Auto => "auto",
             Backend::Uring => "io_uring",
             Backend::Portable => "portable",
+            Backend::AfXdp => "af_xdp",
         }
     }
 }
@@ -49,7 +55,7 @@ impl fmt::Display for Backend {
 
 /// A backend name that is not `auto`, `io_uring` (or `uring`) or `portable`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown backend `{0}` (expected auto, io_uring or portable)")]
+#[error("unknown backend `{0}` (expected auto, io_uring, portable or af_xdp)")]
 pub struct UnknownBackend(pub String);
 
 impl FromStr for Backend {
@@ -59,6 +65,7 @@ impl FromStr for Backend {
             "auto" => Ok(Backend::Auto),
             "io_uring" | "io-uring" | "uring" => Ok(Backend::Uring),
             "portable" => Ok(Backend::Portable),
+            "af_xdp" | "af-xdp" | "afxdp" | "xdp" => Ok(Backend::AfXdp),
             _ => Err(UnknownBackend(s.to_string())),
         }
     }
@@ -189,6 +196,8 @@ pub struct DriverConfig {
     pub backend: Backend,
     /// io_uring settings.
     pub uring: UringConfig,
+    /// AF_XDP settings (interface, queue, UMEM and ring sizes).
+    pub xdp: crate::XdpConfig,
     /// Faults to inject into received datagrams (default: none).
     pub faults: FaultConfig,
 }
@@ -211,6 +220,7 @@ impl DriverConfig {
             busy_poll: Duration::ZERO,
             backend: Backend::Auto,
             uring: UringConfig::default(),
+            xdp: crate::XdpConfig::default(),
             faults: FaultConfig::default(),
         }
     }
@@ -266,6 +276,36 @@ pub struct DriverStats {
     pub faults_duplicated: u64,
     /// Received datagrams the fault injector held back (reordered).
     pub faults_delayed: u64,
+    /// AF_XDP: the socket runs in zero-copy mode (else copy mode).
+    pub xdp_zero_copy: bool,
+    /// AF_XDP: frames the XDP program redirected to the socket (all CPUs).
+    pub xdp_redirected: u64,
+    /// AF_XDP: frames the XDP program passed on to the kernel.
+    pub xdp_passed: u64,
+    /// AF_XDP: frames the kernel dropped on the way to the socket, for
+    /// other reasons than the two below (a frame too long for a chunk).
+    pub xdp_rx_dropped: u64,
+    /// AF_XDP: frames dropped because the receive ring was full.
+    pub xdp_rx_ring_full: u64,
+    /// AF_XDP: frames dropped because the fill ring was empty (no frame
+    /// to receive into).
+    pub xdp_fill_ring_empty: u64,
+    /// AF_XDP: descriptors the kernel refused as invalid.
+    pub xdp_invalid_descs: u64,
+    /// AF_XDP: frames in the fill ring at the last look.
+    pub xdp_fill_level: u64,
+    /// AF_XDP: transmit frames free at the last look.
+    pub xdp_tx_free: u64,
+    /// AF_XDP: turns that found no free transmit frame.
+    pub xdp_tx_full: u64,
+    /// AF_XDP: route and neighbour lookups (cache misses).
+    pub route_lookups: u64,
+    /// AF_XDP: datagrams sent through the kernel's UDP socket (next hop not
+    /// resolved yet, or a route through another interface).
+    pub kernel_sent: u64,
+    /// AF_XDP: datagrams read from the kernel's UDP socket (frames the XDP
+    /// program did not redirect).
+    pub kernel_received: u64,
 }
 
 impl DriverConfig {

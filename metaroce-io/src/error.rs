@@ -20,6 +20,10 @@ pub enum DriverError {
     /// The io_uring backend was asked for and the kernel cannot run it.
     #[error("io_uring unavailable: {0}")]
     UringUnavailable(String),
+    /// The AF_XDP backend was asked for and cannot run here (no
+    /// privilege, no AF_XDP in the kernel, another XDP program attached).
+    #[error("AF_XDP unavailable: {0}")]
+    XdpUnavailable(String),
     /// The driver configuration was refused.
     #[error("invalid driver configuration: {0}")]
     Config(String),

@@ -21,7 +21,9 @@
 //! [`Driver::bind`] picks the backend: [`Backend::Auto`] (the default) takes
 //! io_uring when the kernel supports it ([`uring_probe`]) and falls back to
 //! the portable backend, logging which and why; [`Backend::Uring`] and
-//! [`Backend::Portable`] force one. Another backend (AF_XDP, say) plugs in
+//! [`Backend::Portable`] force one. [`XdpDriver`] (Linux, root), asked for
+//! with [`Backend::AfXdp`] and never picked by `Auto`, bypasses the
+//! kernel's UDP/IP stack: see the [`xdp`] module. Another backend plugs in
 //! by implementing [`IoDriver`] and adding a [`Driver`] variant.
 //!
 //! ```no_run
@@ -58,6 +60,8 @@ mod sockets;
 #[cfg(target_os = "linux")]
 mod uring;
 mod waker;
+#[cfg(target_os = "linux")]
+pub mod xdp;
 
 pub use clock::Clock;
 pub use config::{
@@ -79,6 +83,12 @@ pub use portable::PortableDriver;
 #[cfg(target_os = "linux")]
 pub use uring::{uring_probe, UringCaps, UringDriver, ZC_COPIED_LIMIT};
 pub use waker::Waker;
+#[cfg(target_os = "linux")]
+pub use xdp::{XdpConfig, XdpDriver, XdpMode};
+/// The AF_XDP backend's settings (the backend exists on Linux only).
+#[cfg(not(target_os = "linux"))]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct XdpConfig {}
 
 /// The sans-IO core this crate drives, whole: everything the driver API's
 /// [`Endpoint`] takes and gives.
@@ -164,6 +174,37 @@ impl IoDriver for PortableDriver {
     }
 }
 
+#[cfg(target_os = "linux")]
+impl IoDriver for XdpDriver {
+    fn bind(cfg: DriverConfig) -> Result<Self, DriverError> {
+        XdpDriver::bind(cfg)
+    }
+    fn backend(&self) -> Backend {
+        Backend::AfXdp
+    }
+    fn endpoint(&mut self) -> &mut Endpoint {
+        XdpDriver::endpoint(self)
+    }
+    fn now(&self) -> Instant {
+        XdpDriver::now(self)
+    }
+    fn local_addr(&self) -> SocketAddr {
+        XdpDriver::local_addr(self)
+    }
+    fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError> {
+        XdpDriver::poll(self, max_wait)
+    }
+    fn stats(&self) -> DriverStats {
+        XdpDriver::stats(self)
+    }
+    fn set_faults(&mut self, faults: FaultConfig) {
+        XdpDriver::set_faults(self, faults)
+    }
+    fn waker(&mut self) -> Result<Waker, DriverError> {
+        XdpDriver::waker(self)
+    }
+}
+
 /// A driver on the backend [`DriverConfig::backend`] chose.
 ///
 /// Both variants are large (socket state and buffers' bookkeeping, the
@@ -177,6 +218,9 @@ pub enum Driver {
     Uring(UringDriver),
     /// The portable backend.
     Portable(PortableDriver),
+    /// The AF_XDP backend.
+    #[cfg(target_os = "linux")]
+    AfXdp(XdpDriver),
 }
 
 macro_rules! each {
@@ -185,6 +229,8 @@ macro_rules! each {
             #[cfg(target_os = "linux")]
             Driver::Uring($d) => $e,
             Driver::Portable($d) => $e,
+            #[cfg(target_os = "linux")]
+            Driver::AfXdp($d) => $e,
         }
     };
 }
@@ -209,6 +255,17 @@ impl Driver {
             Backend::Uring => {
                 return Err(DriverError::UringUnavailable(
                     "io_uring exists on Linux only".into(),
+                ))
+            }
+            #[cfg(target_os = "linux")]
+            Backend::AfXdp => (
+                Driver::AfXdp(XdpDriver::bind(cfg)?),
+                "configured".to_string(),
+            ),
+            #[cfg(not(target_os = "linux"))]
+            Backend::AfXdp => {
+                return Err(DriverError::XdpUnavailable(
+                    "AF_XDP exists on Linux only".into(),
                 ))
             }
             Backend::Auto => Self::bind_auto(cfg)?,

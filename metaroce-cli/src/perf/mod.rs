@@ -97,9 +97,16 @@ struct SideArgs {
     /// responses and `--bidir` stream).
     #[arg(long, default_value_t = 8)]
     paths: u8,
-    /// I/O backend: auto (io_uring when the kernel has it), io_uring, portable.
+    /// I/O backend: auto (io_uring when the kernel has it), io_uring,
+    /// portable, or af_xdp (root; never on loopback: give the server a
+    /// `--bind` address of an Ethernet interface).
     #[arg(long, default_value = "auto")]
     backend: Backend,
+    /// The interface the af_xdp backend attaches to (default: the one that
+    /// holds the endpoint's address, which for a client is the interface
+    /// of its route to the server).
+    #[arg(long, value_name = "NAME")]
+    iface: Option<IfaceName>,
     /// Microseconds each side's driver watches for work before it sleeps
     /// (0: it sleeps at once). Each side runs on a thread of its own, and
     /// polling spares the other side the cost of waking it, as perftest
@@ -184,6 +191,7 @@ impl SideArgs {
         Tuning {
             crc32c: self.crc,
             psk: self.psk,
+            iface: self.iface,
             ..Tuning::new(self.paths, self.backend, self.busy_poll_us, self.mtu())
         }
         .with_faults(self.loss, self.duplicate, self.reorder)
@@ -702,6 +710,7 @@ mod remote_tests {
             side: SideArgs {
                 paths: 1,
                 backend: Backend::Portable,
+                iface: None,
                 busy_poll_us: 0,
                 mtu: None,
                 crc: false,

@@ -62,6 +62,38 @@ pub(super) struct Tuning {
     /// Injected faults of arriving datagrams (`--loss`, `--duplicate`,
     /// `--reorder`): fractions.
     pub(super) faults: (f64, f64, f64),
+    /// The af_xdp backend's interface (`--iface`).
+    pub(super) iface: Option<IfaceName>,
+}
+
+/// A network interface's name (at most 15 bytes, as the kernel's), kept
+/// inline so that the settings stay `Copy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IfaceName {
+    bytes: [u8; 15],
+    len: u8,
+}
+
+impl IfaceName {
+    /// The name.
+    pub fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.bytes[..usize::from(self.len)]).unwrap_or("")
+    }
+}
+
+impl std::str::FromStr for IfaceName {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.is_empty() || s.len() > 15 || s.contains(['/', ' ', '\0']) {
+            return Err(format!("`{s}`: not an interface name (1 to 15 bytes)"));
+        }
+        let mut bytes = [0u8; 15];
+        bytes[..s.len()].copy_from_slice(s.as_bytes());
+        Ok(IfaceName {
+            bytes,
+            len: s.len() as u8,
+        })
+    }
 }
 
 impl Tuning {
@@ -74,6 +106,7 @@ impl Tuning {
             crc32c: false,
             psk: None,
             faults: (0.0, 0.0, 0.0),
+            iface: None,
         }
     }
 
@@ -108,6 +141,7 @@ pub(super) fn bind_mtu(
         crc32c,
         psk,
         faults: (drop, duplicate, reorder),
+        iface,
     } = t;
     let mut cfg = DriverConfig::new(listen);
     cfg.faults = FaultConfig {
@@ -120,6 +154,7 @@ pub(super) fn bind_mtu(
     };
     cfg.backend = backend;
     cfg.busy_poll = busy_poll;
+    cfg.xdp.iface = iface.map(|n| n.as_str().to_string());
     cfg.endpoint = endpoint_config(paths);
     cfg.endpoint.mtu = own_mtu;
     cfg.endpoint.crc32c = crc32c;

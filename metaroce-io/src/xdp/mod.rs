@@ -1,0 +1,751 @@
+//! The AF_XDP driver: the endpoint's datagrams bypass the kernel's UDP and
+//! IP stack on both sides.
+//!
+//! - **Receive**: an XDP program on the interface ([`bpf`]) redirects IPv4
+//!   UDP frames to the endpoint's address and port into an AF_XDP socket
+//!   ([`xsk`]); everything else (ARP, ICMP, the perf control connection,
+//!   other UDP) goes on to the kernel. The core reads each datagram where
+//!   the kernel put it, in the UMEM, and the chunk goes back to the fill
+//!   ring.
+//! - **Transmit**: the core writes each datagram straight into a UMEM
+//!   frame behind the 42 bytes of Ethernet, IPv4 and UDP headers this
+//!   driver writes itself (UDP checksum computed, ECN in the TOS byte), with
+//!   the next hop's Ethernet address from the kernel's route and neighbour
+//!   tables ([`route`], over rtnetlink, refreshed when they change).
+//!   A datagram whose next hop is not resolved yet, or whose route leaves
+//!   by another interface, is sent through an ordinary UDP socket of the
+//!   same port instead: the kernel resolves the neighbour on the way, and
+//!   later datagrams take the AF_XDP path.
+//!
+//! One socket on one receive queue (`XdpConfig::queue`, 0 by default);
+//! frames that a NIC's RSS puts on another queue pass to the kernel and are
+//! read from the UDP socket bound on the same port (counted as
+//! `kernel_received`). IPv4 only, one plane. The mode (zero copy where the
+//! driver has it, copy otherwise, as on veth) is logged and reported in
+//! [`DriverStats::xdp_zero_copy`](crate::DriverStats).
+//!
+//! Needs `CAP_NET_ADMIN` and `CAP_BPF` (root). The program is attached with
+//! a BPF link, so it is detached when the driver is dropped or the process
+//! ends, however it ends.
+
+pub(crate) mod bpf;
+mod route;
+mod xsk;
+
+pub use route::route_interface;
+pub use xsk::{XdpMode, XskStats};
+
+use crate::fault::{self, Faults};
+use crate::sockets::Sockets;
+use crate::waker::{WakeReceiver, Waker};
+use crate::{Clock, DriverConfig, DriverError, DriverStats, FaultConfig};
+use metaroce_proto::{Ecn, Endpoint, Instant};
+use route::{Hop, Routes};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::time::Duration;
+use xsk::{Xsk, XskConfig, MAX_RX_FRAME};
+
+/// Ethernet + IPv4 (no options) + UDP headers.
+const HEADERS: usize = 14 + 20 + 8;
+/// The largest UDP payload a frame in one UMEM chunk holds: the MTU this
+/// backend offers its peers (the connection takes the smaller of both).
+pub const MAX_UDP_PAYLOAD: u16 = (MAX_RX_FRAME - HEADERS) as u16;
+
+/// The AF_XDP backend's settings (in [`DriverConfig::xdp`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct XdpConfig {
+    /// The interface; `None`: the one that holds the bind address.
+    pub iface: Option<String>,
+    /// The receive queue to bind (0).
+    pub queue: u32,
+    /// UMEM frames of 4 KiB, half for receiving and half for sending
+    /// (a power of two; 8192 = 32 MiB).
+    pub frames: u32,
+    /// Entries of each of the four rings (a power of two, at most half the
+    /// frames; 4096).
+    pub ring: u32,
+    /// `Some(true)`: zero copy or fail; `Some(false)`: copy mode; `None`
+    /// (the default): zero copy where the driver has it, else copy.
+    pub zero_copy: Option<bool>,
+}
+
+impl Default for XdpConfig {
+    fn default() -> Self {
+        XdpConfig {
+            iface: None,
+            queue: 0,
+            frames: 8192,
+            ring: 4096,
+            zero_copy: None,
+        }
+    }
+}
+
+/// Runs one [`Endpoint`] on an AF_XDP socket. Single-threaded, like the
+/// other drivers: call [`poll`](Self::poll) in a loop.
+pub struct XdpDriver {
+    ep: Endpoint,
+    clock: Clock,
+    xsk: Xsk,
+    routes: Routes,
+    /// The UDP sockets of the endpoint's ports: they keep the ports taken,
+    /// and carry what the AF_XDP path cannot (see the module docs).
+    sockets: Sockets,
+    local: SocketAddrV4,
+    ifname: String,
+    mac: [u8; 6],
+    counters: bpf::Map,
+    cpus: usize,
+    // Drop order: the link (detaching the program) before the maps.
+    _link: OwnedFd,
+    _prog: bpf::Program,
+    _xsk_map: bpf::Map,
+    attach_mode: &'static str,
+    tx_buf: Vec<u8>,
+    turn_send_bytes: usize,
+    turn_recv_bytes: usize,
+    busy_poll: Duration,
+    stats: DriverStats,
+    faults: Option<Box<Faults>>,
+    wake: Option<WakeReceiver>,
+}
+
+impl std::fmt::Debug for XdpDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("XdpDriver")
+            .field("local", &self.local)
+            .field("iface", &self.ifname)
+            .field("mode", &self.xsk.mode)
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+fn unavailable(what: &str, e: std::io::Error) -> DriverError {
+    let hint = match e.raw_os_error() {
+        Some(libc::EPERM) | Some(libc::EACCES) => {
+            " (AF_XDP needs CAP_NET_ADMIN and CAP_BPF: run as root)"
+        }
+        Some(libc::EAFNOSUPPORT) => " (this kernel has no AF_XDP sockets: CONFIG_XDP_SOCKETS)",
+        _ => "",
+    };
+    DriverError::XdpUnavailable(format!("{what}: {e}{hint}"))
+}
+
+impl XdpDriver {
+    /// Opens the AF_XDP socket on the interface, loads and attaches the
+    /// XDP program, binds the UDP sockets of the endpoint's ports and
+    /// creates the endpoint.
+    pub fn bind(cfg: DriverConfig) -> Result<Self, DriverError> {
+        if !cfg.planes.is_empty() {
+            return Err(DriverError::Config(
+                "the AF_XDP backend runs one plane".into(),
+            ));
+        }
+        let IpAddr::V4(ip) = cfg.listen.ip() else {
+            return Err(DriverError::Config(
+                "the AF_XDP backend carries IPv4 only".into(),
+            ));
+        };
+        if ip.is_unspecified() || ip.is_loopback() {
+            return Err(DriverError::Config(format!(
+                "the AF_XDP backend needs the address of an Ethernet interface to bind \
+                 (not {ip}): it writes that address into every frame"
+            )));
+        }
+        let ifname = match &cfg.xdp.iface {
+            Some(n) => n.clone(),
+            None => route::interface_of(ip).map_err(|e| DriverError::Config(e.to_string()))?,
+        };
+        let ifindex =
+            route::interface_index(&ifname).map_err(|e| DriverError::Config(e.to_string()))?;
+        let mac = route::interface_mac(&ifname).map_err(|e| DriverError::Config(e.to_string()))?;
+        let sockets = Sockets::bind(&cfg)?;
+        let local = match sockets.local {
+            SocketAddr::V4(a) => a,
+            SocketAddr::V6(_) => unreachable!("bound to an IPv4 address"),
+        };
+        let xsk = Xsk::open(XskConfig {
+            ifindex,
+            queue: cfg.xdp.queue,
+            frames: cfg.xdp.frames,
+            ring: cfg.xdp.ring,
+            zero_copy: cfg.xdp.zero_copy,
+        })
+        .map_err(|e| unavailable(&format!("AF_XDP socket on {ifname}"), e))?;
+        let queues = rx_queues(&ifname).max(cfg.xdp.queue + 1);
+        let xsk_map = bpf::Map::xsk(queues).map_err(|e| unavailable("XSKMAP", e))?;
+        xsk_map
+            .set_socket(cfg.xdp.queue, xsk.fd())
+            .map_err(|e| unavailable("XSKMAP entry", e))?;
+        let counters = bpf::Map::counters().map_err(|e| unavailable("counter map", e))?;
+        let insns = bpf::program(ip, local.port(), xsk_map.fd(), counters.fd());
+        let prog = bpf::Program::load(&insns).map_err(|(e, log)| {
+            unavailable(&format!("loading the XDP program (verifier: {log})"), e)
+        })?;
+        let (link, attach_mode) = attach(&prog, ifindex, &ifname)?;
+        // The kernel's UDP sockets are not read from on the hot path: keep
+        // them non-blocking for the fallback.
+        for s in sockets.recv.iter().chain(&sockets.send) {
+            s.set_nonblocking(true)?;
+        }
+        let mut ecfg = sockets.endpoint_config(cfg.endpoint.clone());
+        ecfg.mtu = ecfg.mtu.min(MAX_UDP_PAYLOAD);
+        ecfg.max_gso_segments = 1;
+        let ep = Endpoint::new(ecfg, cfg.endpoint_seed())?;
+        let routes = Routes::new(ifindex).map_err(|e| unavailable("rtnetlink socket", e))?;
+        let mode = xsk.mode;
+        tracing::info!(
+            %local,
+            iface = %ifname,
+            queue = cfg.xdp.queue,
+            %mode,
+            attach = attach_mode,
+            frames = xsk.rx_frames + xsk.tx_frames,
+            mtu = ep.config().mtu,
+            "AF_XDP driver bound: {mode} mode, XDP program attached in {attach_mode} mode"
+        );
+        let stats = DriverStats {
+            xdp_zero_copy: mode == XdpMode::ZeroCopy,
+            ..DriverStats::default()
+        };
+        let faults = Faults::new(&cfg.faults);
+        Ok(XdpDriver {
+            ep,
+            clock: Clock::new(),
+            xsk,
+            routes,
+            sockets,
+            local,
+            ifname,
+            mac,
+            counters,
+            cpus: bpf::possible_cpus(),
+            _link: link,
+            _prog: prog,
+            _xsk_map: xsk_map,
+            attach_mode,
+            tx_buf: vec![0u8; 65_536],
+            turn_send_bytes: cfg.turn_send_bytes,
+            turn_recv_bytes: cfg.turn_recv_bytes,
+            busy_poll: cfg.busy_poll,
+            stats,
+            faults,
+            wake: None,
+        })
+    }
+
+    /// The endpoint.
+    pub fn endpoint(&mut self) -> &mut Endpoint {
+        &mut self.ep
+    }
+
+    /// The address peers reach this endpoint at.
+    pub fn local_addr(&self) -> SocketAddr {
+        SocketAddr::V4(self.local)
+    }
+
+    /// The current time on the driver's clock.
+    pub fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    /// The interface the socket is bound to.
+    pub fn interface(&self) -> &str {
+        &self.ifname
+    }
+
+    /// Zero copy or copy.
+    pub fn mode(&self) -> XdpMode {
+        self.xsk.mode
+    }
+
+    /// How the XDP program is attached: `driver` (the interface's own
+    /// hook) or `generic`.
+    pub fn attach_mode(&self) -> &'static str {
+        self.attach_mode
+    }
+
+    /// The driver's counters, with the socket's and the XDP program's.
+    pub fn stats(&self) -> DriverStats {
+        let x = self.xsk.stats();
+        let mut s = self.stats;
+        s.xdp_rx_dropped = x.rx_dropped;
+        s.xdp_rx_ring_full = x.rx_ring_full;
+        s.xdp_fill_ring_empty = x.rx_fill_ring_empty;
+        s.xdp_invalid_descs = x.invalid_descs;
+        s.xdp_fill_level = u64::from(x.fill_level);
+        s.xdp_tx_free = u64::from(x.tx_free);
+        s.xdp_passed = self.counters.sum(bpf::COUNT_PASS, self.cpus).unwrap_or(0);
+        s.xdp_redirected = self
+            .counters
+            .sum(bpf::COUNT_REDIRECT, self.cpus)
+            .unwrap_or(0);
+        s.route_lookups = self.routes.lookups;
+        s
+    }
+
+    /// A handle that cuts this driver's wait short from another thread.
+    pub fn waker(&mut self) -> Result<Waker, DriverError> {
+        Ok(WakeReceiver::waker_in(&mut self.wake)?)
+    }
+
+    /// Replaces the fault injection.
+    pub fn set_faults(&mut self, faults: FaultConfig) {
+        fault::replace(&mut self.faults, &faults, self.clock.now(), &mut self.ep);
+    }
+
+    /// Runs one turn of the loop (see [`IoDriver::poll`](crate::IoDriver::poll)).
+    pub fn poll(&mut self, max_wait: Duration) -> Result<(), DriverError> {
+        self.poll_turn(max_wait).map(|_| ())
+    }
+
+    fn poll_turn(&mut self, max_wait: Duration) -> Result<bool, DriverError> {
+        let unpolled = self.ep.unpolled();
+        self.routes.refresh();
+        let sent = self.flush()?;
+        let got = self.receive()? | self.release();
+        let made = self.ep.unpolled() != unpolled;
+        if !sent && !got && !made {
+            let now = self.clock.now();
+            let wait = fault::timer_wait(&mut self.ep, self.faults.as_deref(), now, max_wait);
+            if !wait.is_zero() {
+                let deadline = now + wait;
+                if self.busy_poll(wait)? {
+                    self.stats.busy_polls += 1;
+                } else {
+                    let left = self.clock.until(deadline);
+                    if !left.is_zero() {
+                        self.stats.waits += 1;
+                        self.wait_readable(left)?;
+                    }
+                }
+                self.receive()?;
+                self.release();
+            }
+        }
+        let now = self.clock.now();
+        let mut timers = false;
+        if self.ep.poll_timeout().is_some_and(|t| t <= now) {
+            self.ep.handle_timeout(now);
+            timers = true;
+        }
+        let sent_after = self.flush()?;
+        Ok(sent || got || made || timers || sent_after)
+    }
+
+    pub(crate) fn turn(&mut self) -> Result<bool, DriverError> {
+        self.poll_turn(Duration::ZERO)
+    }
+
+    pub(crate) fn idle_wait(&mut self) -> Option<Duration> {
+        let now = self.clock.now();
+        let wait = fault::timer_wait(&mut self.ep, self.faults.as_deref(), now, Duration::MAX);
+        (!wait.is_zero()).then_some(wait)
+    }
+
+    pub(crate) fn wait_fds(&self) -> Vec<std::os::fd::RawFd> {
+        vec![
+            self.xsk.fd(),
+            self.sockets.recv[0].as_raw_fd(),
+            self.routes.event_fd(),
+        ]
+    }
+
+    /// Sends what the core has, up to the turn's budget; whether any went.
+    fn flush(&mut self) -> Result<bool, DriverError> {
+        let mut any = false;
+        let mut budget = self.turn_send_bytes;
+        let wall = std::time::Instant::now();
+        let XdpDriver {
+            ep,
+            clock,
+            xsk,
+            routes,
+            sockets,
+            local,
+            mac,
+            stats,
+            ..
+        } = self;
+        while !any || budget > 0 {
+            let now = clock.now();
+            let Some((addr, frame)) = xsk.tx_frame() else {
+                stats.xdp_tx_full += 1;
+                break;
+            };
+            let Some(t) = ep.poll_transmit(now, &mut frame[HEADERS..]) else {
+                break;
+            };
+            any = true;
+            budget = budget.saturating_sub(t.size);
+            let SocketAddr::V4(dst) = t.dst else {
+                stats.send_errors += 1;
+                continue;
+            };
+            match routes.hop(*dst.ip(), wall) {
+                Hop::Mac(next) => {
+                    let src = SocketAddrV4::new(*local.ip(), t.src_port);
+                    write_headers(&mut frame[..HEADERS + t.size], *mac, next, src, dst, t.ecn);
+                    xsk.send(addr, HEADERS + t.size);
+                    stats.datagrams_sent += 1;
+                }
+                Hop::Kernel => {
+                    let s = match sockets.send_index(t.src_ip, t.src_port) {
+                        Some(i) => &sockets.send[i],
+                        None => &sockets.recv[0],
+                    };
+                    match s.send_to(&frame[HEADERS..HEADERS + t.size], t.dst) {
+                        Ok(_) => {
+                            stats.datagrams_sent += 1;
+                            stats.kernel_sent += 1;
+                        }
+                        Err(e) => {
+                            stats.send_errors += 1;
+                            tracing::debug!(error = %e, dst = %t.dst, "send failed");
+                        }
+                    }
+                }
+            }
+        }
+        let published = xsk.flush()?;
+        if !published {
+            xsk.retry_kick()?;
+        }
+        Ok(any)
+    }
+
+    /// Reads what the AF_XDP socket (and, for frames the XDP program
+    /// passed on, the UDP socket) has, up to the turn's budget.
+    fn receive(&mut self) -> Result<bool, DriverError> {
+        let XdpDriver {
+            ep,
+            clock,
+            xsk,
+            local,
+            stats,
+            faults,
+            sockets,
+            tx_buf,
+            ..
+        } = self;
+        let mut any = false;
+        let mut budget = self.turn_recv_bytes;
+        let now = clock.now();
+        let port = local.port();
+        let ip = *local.ip();
+        for _ in 0..64 {
+            if any && budget == 0 {
+                break;
+            }
+            let n = xsk.receive(64, |frame| {
+                budget = budget.saturating_sub(frame.len());
+                match parse(frame, ip, port) {
+                    Ok((from, ecn, dg)) => {
+                        stats.datagrams_received += 1;
+                        stats.received_per_plane[0] += 1;
+                        fault::deliver(faults, now, now, SocketAddr::V4(from), ecn, dg, ep, stats);
+                    }
+                    Err(why) => {
+                        stats.recv_dropped += 1;
+                        tracing::debug!(why, len = frame.len(), "frame refused");
+                    }
+                }
+            });
+            if n == 0 {
+                break;
+            }
+            any = true;
+        }
+        // What the kernel got on the endpoint's port: frames on a queue
+        // without our socket, or sent before the program was attached.
+        for _ in 0..64 {
+            match sockets.recv[0].recv_from(tx_buf) {
+                Ok((n, from)) => {
+                    any = true;
+                    stats.datagrams_received += 1;
+                    stats.kernel_received += 1;
+                    fault::deliver(faults, now, now, from, Ecn::NotEct, &tx_buf[..n], ep, stats);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(any)
+    }
+
+    fn release(&mut self) -> bool {
+        match &mut self.faults {
+            Some(f) => f.release(self.clock.now(), &mut self.ep),
+            None => false,
+        }
+    }
+
+    fn busy_poll(&mut self, wait: Duration) -> Result<bool, DriverError> {
+        let spin = self.busy_poll.min(wait);
+        if spin.is_zero() {
+            return Ok(false);
+        }
+        let until = std::time::Instant::now() + spin;
+        loop {
+            if self.wait_readable(Duration::ZERO)? {
+                return Ok(true);
+            }
+            if std::time::Instant::now() >= until {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Waits until the AF_XDP socket, the UDP socket, a route change or the
+    /// waker is readable, at most `timeout`. True if one is.
+    fn wait_readable(&mut self, timeout: Duration) -> Result<bool, DriverError> {
+        // Frames published while the kernel was busy go out first.
+        self.xsk.retry_kick()?;
+        let pollfd = |fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let mut pfd = [
+            pollfd(self.xsk.fd()),
+            pollfd(self.sockets.recv[0].as_raw_fd()),
+            pollfd(self.routes.event_fd()),
+            pollfd(-1),
+        ];
+        if let Some(w) = &self.wake {
+            pfd[3] = pollfd(w.fd());
+        }
+        let ts = libc::timespec {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+        };
+        // SAFETY: `pfd` holds 4 valid pollfds (a negative fd is ignored)
+        // and lives across the call; `ts` is a valid timespec; a null mask
+        // leaves the signal mask alone.
+        let r = unsafe { libc::ppoll(pfd.as_mut_ptr(), 4, &ts, std::ptr::null()) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e.into());
+            }
+        }
+        if let Some(w) = &self.wake {
+            if pfd[3].revents != 0 {
+                w.drain();
+            }
+        }
+        Ok(r > 0)
+    }
+}
+
+/// Attaches `prog` to `ifindex`: the driver's hook where it has one, else
+/// the generic one.
+fn attach(
+    prog: &bpf::Program,
+    ifindex: u32,
+    ifname: &str,
+) -> Result<(OwnedFd, &'static str), DriverError> {
+    let busy =
+        |e: &std::io::Error| matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EEXIST));
+    match prog.attach(ifindex, bpf::XDP_FLAGS_DRV_MODE) {
+        Ok(l) => Ok((l, "driver")),
+        Err(e) if busy(&e) => Err(another_program(ifname, e)),
+        Err(e) => {
+            tracing::debug!(error = %e, iface = ifname, "no driver XDP hook; generic");
+            match prog.attach(ifindex, bpf::XDP_FLAGS_SKB_MODE) {
+                Ok(l) => Ok((l, "generic")),
+                Err(e) if busy(&e) => Err(another_program(ifname, e)),
+                Err(e) => Err(unavailable(
+                    &format!("attaching the XDP program to {ifname}"),
+                    e,
+                )),
+            }
+        }
+    }
+}
+
+fn another_program(ifname: &str, e: std::io::Error) -> DriverError {
+    DriverError::XdpUnavailable(format!(
+        "another XDP program is attached to {ifname} ({e}); detach it first \
+         (`ip link set dev {ifname} xdp off`) or use another backend"
+    ))
+}
+
+/// The receive queues of `ifname` (1 if sysfs does not say).
+fn rx_queues(ifname: &str) -> u32 {
+    std::fs::read_dir(format!("/sys/class/net/{ifname}/queues"))
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter(|e| e.file_name().to_string_lossy().starts_with("rx-"))
+                .count() as u32
+        })
+        .unwrap_or(1)
+        .max(1)
+}
+
+/// Writes the Ethernet, IPv4 and UDP headers in front of the datagram that
+/// fills the rest of `frame`.
+fn write_headers(
+    frame: &mut [u8],
+    src_mac: [u8; 6],
+    dst_mac: [u8; 6],
+    src: SocketAddrV4,
+    dst: SocketAddrV4,
+    ecn: Ecn,
+) {
+    let udp_len = frame.len() - 14 - 20;
+    let (hdr, payload) = frame.split_at_mut(HEADERS);
+    hdr[0..6].copy_from_slice(&dst_mac);
+    hdr[6..12].copy_from_slice(&src_mac);
+    hdr[12..14].copy_from_slice(&[0x08, 0x00]);
+    let ip = &mut hdr[14..34];
+    ip[0] = 0x45;
+    ip[1] = ecn.bits();
+    ip[2..4].copy_from_slice(&((20 + udp_len) as u16).to_be_bytes());
+    ip[4..6].copy_from_slice(&[0, 0]);
+    ip[6..8].copy_from_slice(&[0x40, 0x00]); // don't fragment
+    ip[8] = 64;
+    ip[9] = 17;
+    ip[10..12].copy_from_slice(&[0, 0]);
+    ip[12..16].copy_from_slice(&src.ip().octets());
+    ip[16..20].copy_from_slice(&dst.ip().octets());
+    let c = fold(sum(ip, 0));
+    ip[10..12].copy_from_slice(&(!c).to_be_bytes());
+    let udp = &mut hdr[34..42];
+    udp[0..2].copy_from_slice(&src.port().to_be_bytes());
+    udp[2..4].copy_from_slice(&dst.port().to_be_bytes());
+    udp[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
+    udp[6..8].copy_from_slice(&[0, 0]);
+    let c = !fold(udp_sum(*src.ip(), *dst.ip(), udp, payload));
+    // A computed zero is sent as all ones (zero means "no checksum").
+    let c = if c == 0 { 0xffff } else { c };
+    hdr[40..42].copy_from_slice(&c.to_be_bytes());
+}
+
+/// The one's-complement sum over the UDP pseudo-header, header and payload
+/// (not yet folded or inverted).
+fn udp_sum(src: Ipv4Addr, dst: Ipv4Addr, udp: &[u8], payload: &[u8]) -> u64 {
+    let len = (udp.len() + payload.len()) as u64;
+    let mut acc = u64::from(u32::from(src)) + u64::from(u32::from(dst)) + 17 + len;
+    acc = sum(udp, acc);
+    sum(payload, acc)
+}
+
+/// Adds `b` to a one's-complement accumulator as big-endian 16-bit words,
+/// 8 bytes at a time (the sum of 32-bit halves is the same in 16-bit words
+/// once folded).
+fn sum(b: &[u8], mut acc: u64) -> u64 {
+    let mut chunks = b.chunks_exact(8);
+    for c in &mut chunks {
+        let w = u64::from_be_bytes(c.try_into().expect("8 bytes"));
+        let (s, carry) = acc.overflowing_add(w);
+        acc = s + u64::from(carry);
+    }
+    let rest = chunks.remainder();
+    let mut tail = [0u8; 8];
+    tail[..rest.len()].copy_from_slice(rest);
+    let w = u64::from_be_bytes(tail);
+    let (s, carry) = acc.overflowing_add(w);
+    s + u64::from(carry)
+}
+
+/// Folds a 64-bit one's-complement accumulator to 16 bits.
+fn fold(mut acc: u64) -> u16 {
+    acc = (acc & 0xffff_ffff) + (acc >> 32);
+    acc = (acc & 0xffff_ffff) + (acc >> 32);
+    acc = (acc & 0xffff) + (acc >> 16);
+    acc = (acc & 0xffff) + (acc >> 16);
+    acc as u16
+}
+
+/// The sender, ECN and UDP payload of a frame addressed to `ip`:`port`, or
+/// why it is refused. The XDP program let only such frames through, but
+/// every length is checked again here: the frame came from the network.
+fn parse(
+    frame: &[u8],
+    ip: Ipv4Addr,
+    port: u16,
+) -> Result<(SocketAddrV4, Ecn, &[u8]), &'static str> {
+    if frame.len() < HEADERS || frame[12..14] != [0x08, 0x00] {
+        return Err("not IPv4");
+    }
+    let h = &frame[14..];
+    let ihl = usize::from(h[0] & 0x0f) * 4;
+    if h[0] >> 4 != 4 || ihl < 20 || h.len() < ihl + 8 {
+        return Err("bad IPv4 header");
+    }
+    if h[9] != 17 {
+        return Err("not UDP");
+    }
+    let total = usize::from(u16::from_be_bytes([h[2], h[3]]));
+    if total < ihl + 8 || total > h.len() {
+        return Err("bad IPv4 length");
+    }
+    if Ipv4Addr::new(h[16], h[17], h[18], h[19]) != ip {
+        return Err("not our address");
+    }
+    let udp = &h[ihl..total];
+    if u16::from_be_bytes([udp[2], udp[3]]) != port {
+        return Err("not our port");
+    }
+    let ulen = usize::from(u16::from_be_bytes([udp[4], udp[5]]));
+    if ulen < 8 || ulen > udp.len() {
+        return Err("bad UDP length");
+    }
+    let src = SocketAddrV4::new(
+        Ipv4Addr::new(h[12], h[13], h[14], h[15]),
+        u16::from_be_bytes([udp[0], udp[1]]),
+    );
+    Ok((src, Ecn::from_bits(h[1] & 0x03), &udp[8..ulen]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_through_the_parser_with_valid_checksums() {
+        let payload: Vec<u8> = (0..1001u32).map(|i| (i * 7) as u8).collect();
+        let mut frame = vec![0u8; HEADERS + payload.len()];
+        frame[HEADERS..].copy_from_slice(&payload);
+        let src: SocketAddrV4 = "10.77.1.1:40001".parse().unwrap();
+        let dst: SocketAddrV4 = "10.77.2.1:18515".parse().unwrap();
+        write_headers(&mut frame, [2; 6], [4; 6], src, dst, Ecn::Ect0);
+        // The IPv4 header and the UDP datagram both sum to 0xffff.
+        assert_eq!(fold(sum(&frame[14..34], 0)), 0xffff);
+        let udp = &frame[34..];
+        let pseudo = udp_sum(*src.ip(), *dst.ip(), &udp[..8], &udp[8..]);
+        assert_eq!(fold(pseudo), 0xffff);
+        let (from, ecn, dg) = parse(&frame, *dst.ip(), dst.port()).unwrap();
+        assert_eq!((from, ecn, dg), (src, Ecn::Ect0, &payload[..]));
+    }
+
+    #[test]
+    fn the_checksum_matches_the_rfc_1071_example() {
+        // RFC 1071 §3: the words 0001 f203 f4f5 f6f7 sum to ddf2.
+        assert_eq!(
+            fold(sum(&[0x00, 0x01, 0xf2, 0x03, 0xf4, 0xf5, 0xf6, 0xf7], 0)),
+            0xddf2
+        );
+    }
+
+    #[test]
+    fn truncated_and_foreign_frames_are_refused_without_panicking() {
+        let mut frame = vec![0u8; HEADERS + 16];
+        let src: SocketAddrV4 = "10.0.0.1:1".parse().unwrap();
+        let dst: SocketAddrV4 = "10.0.0.2:2".parse().unwrap();
+        write_headers(&mut frame, [0; 6], [0; 6], src, dst, Ecn::NotEct);
+        for n in 0..frame.len() {
+            let _ = parse(&frame[..n], *dst.ip(), 2);
+        }
+        assert!(parse(&frame, *dst.ip(), 3).is_err());
+        assert!(parse(&frame, Ipv4Addr::new(10, 0, 0, 9), 2).is_err());
+        let mut long = frame.clone();
+        long[16..18].copy_from_slice(&9000u16.to_be_bytes());
+        assert!(parse(&long, *dst.ip(), 2).is_err());
+        assert!(parse(&frame, *dst.ip(), 2).is_ok());
+    }
+}
