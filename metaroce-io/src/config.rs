@@ -197,7 +197,7 @@ pub struct DriverConfig {
     /// io_uring settings.
     pub uring: UringConfig,
     /// AF_XDP settings (interface, queue, UMEM and ring sizes).
-    pub xdp: crate::XdpConfig,
+    pub xdp: XdpConfig,
     /// Faults to inject into received datagrams (default: none).
     pub faults: FaultConfig,
 }
@@ -220,7 +220,7 @@ impl DriverConfig {
             busy_poll: Duration::ZERO,
             backend: Backend::Auto,
             uring: UringConfig::default(),
-            xdp: crate::XdpConfig::default(),
+            xdp: XdpConfig::default(),
             faults: FaultConfig::default(),
         }
     }
@@ -296,6 +296,9 @@ pub struct DriverStats {
     pub xdp_fill_level: u64,
     /// AF_XDP: transmit frames free at the last look.
     pub xdp_tx_free: u64,
+    /// AF_XDP: kicks of the transmit ring after which the device had
+    /// dropped a frame.
+    pub xdp_tx_dropped: u64,
     /// AF_XDP: turns that found no free transmit frame.
     pub xdp_tx_full: u64,
     /// AF_XDP: route and neighbour lookups (cache misses).
@@ -328,5 +331,76 @@ impl DriverConfig {
             t ^ u64::from(std::process::id()).rotate_left(32)
         });
         self.seed ^ extra
+    }
+}
+
+/// The AF_XDP backend's settings (in [`DriverConfig::xdp`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct XdpConfig {
+    /// The interface; `None`: the one that holds the bind address.
+    pub iface: Option<String>,
+    /// The receive queue to bind (0).
+    pub queue: u32,
+    /// UMEM frames of 4 KiB, half for receiving and half for sending
+    /// (a power of two; 8192 = 32 MiB).
+    pub frames: u32,
+    /// Entries of each of the four rings (a power of two, at most half the
+    /// frames; 4096).
+    pub ring: u32,
+    /// `Some(true)`: zero copy or fail; `Some(false)`: copy mode; `None`
+    /// (the default): zero copy where the driver has it, else copy.
+    pub zero_copy: Option<bool>,
+}
+
+impl Default for XdpConfig {
+    fn default() -> Self {
+        XdpConfig {
+            iface: None,
+            queue: 0,
+            frames: 8192,
+            ring: 4096,
+            zero_copy: None,
+        }
+    }
+}
+
+/// How an AF_XDP driver runs (`XdpDriver::info`, [`Driver::xdp_info`](crate::Driver::xdp_info)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct XdpInfo {
+    /// Zero copy or copy.
+    pub mode: XdpMode,
+    /// How the XDP program is attached: `driver` (the interface's own
+    /// hook) or `generic`.
+    pub attach: &'static str,
+    /// The interface.
+    pub iface: String,
+}
+
+impl std::fmt::Display for XdpInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} mode, {} XDP hook, {}",
+            self.mode, self.attach, self.iface
+        )
+    }
+}
+
+/// Which mode the socket runs in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum XdpMode {
+    /// The driver places frames in the UMEM itself.
+    ZeroCopy,
+    /// The kernel copies each frame between its buffers and the UMEM (what
+    /// veth and drivers without AF_XDP support offer).
+    Copy,
+}
+
+impl std::fmt::Display for XdpMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            XdpMode::ZeroCopy => "zero-copy",
+            XdpMode::Copy => "copy",
+        })
     }
 }

@@ -65,8 +65,8 @@ pub mod xdp;
 
 pub use clock::Clock;
 pub use config::{
-    Backend, DriverConfig, DriverStats, UnknownBackend, UringConfig, DEFAULT_TURN_RECV_BYTES,
-    DEFAULT_TURN_SEND_BYTES,
+    Backend, DriverConfig, DriverStats, UnknownBackend, UringConfig, XdpConfig, XdpInfo, XdpMode,
+    DEFAULT_TURN_RECV_BYTES, DEFAULT_TURN_SEND_BYTES,
 };
 pub use device::{
     connect_qp_pair, ApiError, CompletionQueue, ConnectedQp, Connection, Device, LentRegion,
@@ -84,11 +84,7 @@ pub use portable::PortableDriver;
 pub use uring::{uring_probe, UringCaps, UringDriver, ZC_COPIED_LIMIT};
 pub use waker::Waker;
 #[cfg(target_os = "linux")]
-pub use xdp::{XdpConfig, XdpDriver, XdpMode};
-/// The AF_XDP backend's settings (the backend exists on Linux only).
-#[cfg(not(target_os = "linux"))]
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct XdpConfig {}
+pub use xdp::XdpDriver;
 
 /// The sans-IO core this crate drives, whole: everything the driver API's
 /// [`Endpoint`] takes and gives.
@@ -321,6 +317,15 @@ impl Driver {
     /// Which backend runs (never [`Backend::Auto`]).
     pub fn backend(&self) -> Backend {
         each!(self, d => IoDriver::backend(d))
+    }
+
+    /// On the AF_XDP backend: its mode, XDP hook and interface.
+    pub fn xdp_info(&self) -> Option<XdpInfo> {
+        match self {
+            #[cfg(target_os = "linux")]
+            Driver::AfXdp(d) => Some(d.info()),
+            _ => None,
+        }
     }
 
     /// The endpoint, to post work, connect, and poll completions and events.

@@ -544,7 +544,10 @@ fn run_server(a: ServerArgs) -> anyhow::Result<()> {
             ctrl.port()
         )?;
     }
-    writeln!(out, "metaroce perf server: {} backend", drv.backend())?;
+    match drv.xdp_info() {
+        Some(x) => writeln!(out, "metaroce perf server: {} backend ({x})", drv.backend())?,
+        None => writeln!(out, "metaroce perf server: {} backend", drv.backend())?,
+    }
     out.flush()?;
     serve(&mut drv, Acceptor::spawn(listener)?, a.once)
 }

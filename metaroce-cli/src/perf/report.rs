@@ -105,6 +105,9 @@ impl Direction {
 pub(super) struct Report {
     pub(super) op: Op,
     pub(super) backend: String,
+    /// On the af_xdp backend: `copy` or `zero-copy`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) xdp_mode: Option<String>,
     /// This side's `--busy-poll`, microseconds.
     pub(super) busy_poll_us: u64,
     pub(super) msg_size: u64,
@@ -230,8 +233,11 @@ pub(super) fn print_header(r: &Report, paths: u8, depth: u32, where_: &str) {
     };
     println!("{line}");
     println!(
-        "                    {name} BW Test (metaroce, {where_}, {} backend)",
-        r.backend
+        "                    {name} BW Test (metaroce, {where_}, {} backend{})",
+        r.backend,
+        r.xdp_mode
+            .as_deref()
+            .map_or(String::new(), |m| format!(", {m} mode"))
     );
     println!(
         " Number of qps   : {}\t\tPaths per connection : {paths}",

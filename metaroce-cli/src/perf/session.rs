@@ -392,6 +392,7 @@ pub(super) fn client_measure(
     Ok(Report {
         op: p.op,
         backend: drv.backend().to_string(),
+        xdp_mode: drv.xdp_info().map(|i| i.mode.to_string()),
         busy_poll_us: opts.side.busy_poll_us,
         msg_size: size,
         mtu: drv.endpoint().connection_mtu(conn).unwrap_or(0),

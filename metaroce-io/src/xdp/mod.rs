@@ -32,8 +32,9 @@ pub(crate) mod bpf;
 mod route;
 mod xsk;
 
+pub use crate::config::{XdpConfig, XdpInfo, XdpMode};
 pub use route::route_interface;
-pub use xsk::{XdpMode, XskStats};
+pub use xsk::XskStats;
 
 use crate::fault::{self, Faults};
 use crate::sockets::Sockets;
@@ -51,36 +52,6 @@ const HEADERS: usize = 14 + 20 + 8;
 /// The largest UDP payload a frame in one UMEM chunk holds: the MTU this
 /// backend offers its peers (the connection takes the smaller of both).
 pub const MAX_UDP_PAYLOAD: u16 = (MAX_RX_FRAME - HEADERS) as u16;
-
-/// The AF_XDP backend's settings (in [`DriverConfig::xdp`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct XdpConfig {
-    /// The interface; `None`: the one that holds the bind address.
-    pub iface: Option<String>,
-    /// The receive queue to bind (0).
-    pub queue: u32,
-    /// UMEM frames of 4 KiB, half for receiving and half for sending
-    /// (a power of two; 8192 = 32 MiB).
-    pub frames: u32,
-    /// Entries of each of the four rings (a power of two, at most half the
-    /// frames; 4096).
-    pub ring: u32,
-    /// `Some(true)`: zero copy or fail; `Some(false)`: copy mode; `None`
-    /// (the default): zero copy where the driver has it, else copy.
-    pub zero_copy: Option<bool>,
-}
-
-impl Default for XdpConfig {
-    fn default() -> Self {
-        XdpConfig {
-            iface: None,
-            queue: 0,
-            frames: 8192,
-            ring: 4096,
-            zero_copy: None,
-        }
-    }
-}
 
 /// Runs one [`Endpoint`] on an AF_XDP socket. Single-threaded, like the
 /// other drivers: call [`poll`](Self::poll) in a loop.
@@ -160,41 +131,41 @@ impl XdpDriver {
         };
         let ifindex =
             route::interface_index(&ifname).map_err(|e| DriverError::Config(e.to_string()))?;
-        let mac = route::interface_mac(&ifname).map_err(|e| DriverError::Config(e.to_string()))?;
+        let mut routes = Routes::new(ifindex).map_err(|e| unavailable("rtnetlink socket", e))?;
+        let (mac, queues, if_mtu) = routes
+            .link()
+            .map_err(|e| DriverError::Config(format!("interface {ifname}: {e}")))?;
         let sockets = Sockets::bind(&cfg)?;
         let local = match sockets.local {
             SocketAddr::V4(a) => a,
             SocketAddr::V6(_) => unreachable!("bound to an IPv4 address"),
         };
-        let xsk = Xsk::open(XskConfig {
-            ifindex,
-            queue: cfg.xdp.queue,
-            frames: cfg.xdp.frames,
-            ring: cfg.xdp.ring,
-            zero_copy: cfg.xdp.zero_copy,
-        })
-        .map_err(|e| unavailable(&format!("AF_XDP socket on {ifname}"), e))?;
-        let queues = rx_queues(&ifname).max(cfg.xdp.queue + 1);
+        // The program first: an interface with another one attached is
+        // refused before anything else is set up. Until the socket is in
+        // its map, the program passes our frames on to the kernel.
+        let queues = queues.max(cfg.xdp.queue + 1);
         let xsk_map = bpf::Map::xsk(queues).map_err(|e| unavailable("XSKMAP", e))?;
-        xsk_map
-            .set_socket(cfg.xdp.queue, xsk.fd())
-            .map_err(|e| unavailable("XSKMAP entry", e))?;
         let counters = bpf::Map::counters().map_err(|e| unavailable("counter map", e))?;
         let insns = bpf::program(ip, local.port(), xsk_map.fd(), counters.fd());
         let prog = bpf::Program::load(&insns).map_err(|(e, log)| {
             unavailable(&format!("loading the XDP program (verifier: {log})"), e)
         })?;
         let (link, attach_mode) = attach(&prog, ifindex, &ifname)?;
+        let xsk = open_socket(&cfg, ifindex, &ifname)?;
+        xsk_map
+            .set_socket(cfg.xdp.queue, xsk.fd())
+            .map_err(|e| unavailable("XSKMAP entry", e))?;
         // The kernel's UDP sockets are not read from on the hot path: keep
         // them non-blocking for the fallback.
         for s in sockets.recv.iter().chain(&sockets.send) {
             s.set_nonblocking(true)?;
         }
         let mut ecfg = sockets.endpoint_config(cfg.endpoint.clone());
-        ecfg.mtu = ecfg.mtu.min(MAX_UDP_PAYLOAD);
+        // A frame fits one UMEM chunk and the interface's MTU.
+        let if_payload = if_mtu.saturating_sub(28).min(u32::from(MAX_UDP_PAYLOAD)) as u16;
+        ecfg.mtu = ecfg.mtu.min(if_payload);
         ecfg.max_gso_segments = 1;
         let ep = Endpoint::new(ecfg, cfg.endpoint_seed())?;
-        let routes = Routes::new(ifindex).map_err(|e| unavailable("rtnetlink socket", e))?;
         let mode = xsk.mode;
         tracing::info!(
             %local,
@@ -267,6 +238,15 @@ impl XdpDriver {
         self.attach_mode
     }
 
+    /// Mode, hook and interface, as `perf` reports them.
+    pub fn info(&self) -> XdpInfo {
+        XdpInfo {
+            mode: self.xsk.mode,
+            attach: self.attach_mode,
+            iface: self.ifname.clone(),
+        }
+    }
+
     /// The driver's counters, with the socket's and the XDP program's.
     pub fn stats(&self) -> DriverStats {
         let x = self.xsk.stats();
@@ -275,6 +255,7 @@ impl XdpDriver {
         s.xdp_rx_ring_full = x.rx_ring_full;
         s.xdp_fill_ring_empty = x.rx_fill_ring_empty;
         s.xdp_invalid_descs = x.invalid_descs;
+        s.xdp_tx_dropped = x.tx_dropped;
         s.xdp_fill_level = u64::from(x.fill_level);
         s.xdp_tx_free = u64::from(x.tx_free);
         s.xdp_passed = self.counters.sum(bpf::COUNT_PASS, self.cpus).unwrap_or(0);
@@ -541,6 +522,37 @@ impl XdpDriver {
     }
 }
 
+/// Opens the AF_XDP socket on the configured queue. A queue still held by
+/// a socket closed a moment ago (the kernel releases it asynchronously) is
+/// waited for, up to a second; one held longer is another endpoint's.
+fn open_socket(cfg: &DriverConfig, ifindex: u32, ifname: &str) -> Result<Xsk, DriverError> {
+    let t0 = std::time::Instant::now();
+    loop {
+        let r = Xsk::open(XskConfig {
+            ifindex,
+            queue: cfg.xdp.queue,
+            frames: cfg.xdp.frames,
+            ring: cfg.xdp.ring,
+            zero_copy: cfg.xdp.zero_copy,
+        });
+        match r {
+            Ok(x) => return Ok(x),
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                if t0.elapsed() < Duration::from_secs(1) {
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+                return Err(DriverError::XdpUnavailable(format!(
+                    "queue {} of {ifname} is taken by another AF_XDP socket (another \
+                     endpoint runs on it): {e}",
+                    cfg.xdp.queue
+                )));
+            }
+            Err(e) => return Err(unavailable(&format!("AF_XDP socket on {ifname}"), e)),
+        }
+    }
+}
+
 /// Attaches `prog` to `ifindex`: the driver's hook where it has one, else
 /// the generic one.
 fn attach(
@@ -572,18 +584,6 @@ fn another_program(ifname: &str, e: std::io::Error) -> DriverError {
         "another XDP program is attached to {ifname} ({e}); detach it first \
          (`ip link set dev {ifname} xdp off`) or use another backend"
     ))
-}
-
-/// The receive queues of `ifname` (1 if sysfs does not say).
-fn rx_queues(ifname: &str) -> u32 {
-    std::fs::read_dir(format!("/sys/class/net/{ifname}/queues"))
-        .map(|d| {
-            d.filter_map(Result::ok)
-                .filter(|e| e.file_name().to_string_lossy().starts_with("rx-"))
-                .count() as u32
-        })
-        .unwrap_or(1)
-        .max(1)
 }
 
 /// Writes the Ethernet, IPv4 and UDP headers in front of the datagram that
@@ -705,6 +705,208 @@ fn parse(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two network namespaces joined by a veth pair: `xa` (10.99.0.1/24)
+    /// in the first, `xb` (10.99.0.2/24) in the second; removed on drop.
+    struct Veth {
+        ns: [String; 2],
+    }
+
+    impl Veth {
+        /// The pair, or `None` (said on stdout) where namespaces cannot be
+        /// made (not root).
+        fn new(tag: &str) -> Option<Veth> {
+            let ns = [0, 1].map(|k| format!("mrxu{}{tag}{k}", std::process::id()));
+            let ip = |args: &[&str]| {
+                std::process::Command::new("ip")
+                    .args(args)
+                    .output()
+                    .is_ok_and(|o| o.status.success())
+            };
+            if !ip(&["netns", "add", &ns[0]]) {
+                println!("skipped: cannot create a network namespace (needs root and iproute2)");
+                return None;
+            }
+            let v = Veth { ns };
+            let (a, b) = (&v.ns[0], &v.ns[1]);
+            for args in [
+                &["netns", "add", b][..],
+                &[
+                    "-n", a, "link", "add", "xa", "type", "veth", "peer", "name", "xb", "netns", b,
+                ],
+                &["-n", a, "addr", "add", "10.99.0.1/24", "dev", "xa"],
+                &["-n", b, "addr", "add", "10.99.0.2/24", "dev", "xb"],
+                &["-n", a, "link", "set", "xa", "up"],
+                &["-n", b, "link", "set", "xb", "up"],
+            ] {
+                assert!(ip(args), "ip {args:?}");
+            }
+            Some(v)
+        }
+
+        /// Runs `f` on a thread that entered namespace `k` (0 or 1).
+        fn run<T: Send + 'static>(&self, k: usize, f: impl FnOnce() -> T + Send + 'static) -> T {
+            let path = format!("/run/netns/{}", self.ns[k]);
+            std::thread::spawn(move || {
+                let file = std::fs::File::open(&path).expect("the namespace file");
+                // SAFETY: setns with a namespace descriptor moves only this
+                // thread into that network namespace.
+                let r = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+                assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+                f()
+            })
+            .join()
+            .expect("the namespace thread")
+        }
+    }
+
+    impl Drop for Veth {
+        fn drop(&mut self) {
+            for ns in &self.ns {
+                let _ = std::process::Command::new("ip")
+                    .args(["netns", "del", ns])
+                    .output();
+            }
+        }
+    }
+
+    fn xdp_cfg(addr: &str) -> DriverConfig {
+        let mut cfg = DriverConfig::new(addr.parse().unwrap());
+        cfg.backend = crate::Backend::AfXdp;
+        cfg.xdp.frames = 256;
+        cfg.xdp.ring = 64;
+        cfg
+    }
+
+    #[test]
+    fn another_xdp_program_on_the_interface_is_refused_clearly() {
+        let Some(veth) = Veth::new("p") else { return };
+        veth.run(0, || {
+            let ifindex = route::interface_index("xa").unwrap();
+            let maps = (bpf::Map::xsk(1).unwrap(), bpf::Map::counters().unwrap());
+            let insns = bpf::program(Ipv4Addr::new(10, 99, 0, 1), 1, maps.0.fd(), maps.1.fd());
+            let prog = bpf::Program::load(&insns).expect("the verifier takes the program");
+            let link = prog
+                .attach(ifindex, bpf::XDP_FLAGS_SKB_MODE)
+                .expect("attach");
+            let err = XdpDriver::bind(xdp_cfg("10.99.0.1:0")).unwrap_err();
+            let msg = err.to_string();
+            assert!(
+                msg.contains("another XDP program is attached to xa"),
+                "{msg}"
+            );
+            // Gone with its link: the interface is free again.
+            drop(link);
+            let drv = XdpDriver::bind(xdp_cfg("10.99.0.1:0")).expect("bind once the hook is free");
+            assert_eq!(drv.interface(), "xa");
+            // The driver's own program goes with the driver.
+            drop(drv);
+            let again = prog.attach(ifindex, bpf::XDP_FLAGS_SKB_MODE);
+            assert!(again.is_ok(), "the driver left its program: {again:?}");
+        });
+    }
+
+    #[test]
+    fn two_af_xdp_drivers_exchange_a_verified_write_over_veth() {
+        use metaroce_proto::verbs::{
+            AccessFlags, QpInit, RemoteAddr, SendOp, SendWr, Sge, WcStatus,
+        };
+        let Some(veth) = Veth::new("w") else { return };
+        let mut a = veth.run(0, || {
+            XdpDriver::bind(xdp_cfg("10.99.0.1:0")).expect("bind a")
+        });
+        let mut b = veth.run(1, || {
+            XdpDriver::bind(xdp_cfg("10.99.0.2:0")).expect("bind b")
+        });
+        assert_eq!(a.info().iface, "xa");
+        {
+            let data: Vec<u8> = (0..1 << 20).map(|i: u32| (i * 31 + 7) as u8).collect();
+            let (pa, pb) = (a.endpoint().alloc_pd(), b.endpoint().alloc_pd());
+            let (cqa, cqb) = (a.endpoint().create_cq(64), b.endpoint().create_cq(64));
+            let src = a
+                .endpoint()
+                .reg_mr(pa, data.clone().into_boxed_slice(), 0, AccessFlags::NONE)
+                .unwrap();
+            let dst = b
+                .endpoint()
+                .reg_mr(
+                    pb,
+                    vec![0u8; data.len()].into_boxed_slice(),
+                    0,
+                    AccessFlags::REMOTE_WRITE,
+                )
+                .unwrap();
+            let qa = a.endpoint().create_qp(QpInit::new(pa, cqa, cqa)).unwrap();
+            let qb = b.endpoint().create_qp(QpInit::new(pb, cqb, cqb)).unwrap();
+            let now = a.now();
+            let ca = a.endpoint().connect(now, b.local_addr()).unwrap();
+            let t0 = std::time::Instant::now();
+            let mut cb = None;
+            while cb.is_none()
+                || a.endpoint().connection_state(ca)
+                    != Some(metaroce_proto::ConnectionState::Established)
+            {
+                a.poll(Duration::from_millis(1)).unwrap();
+                b.poll(Duration::from_millis(1)).unwrap();
+                while let Some(e) = b.endpoint().poll_event() {
+                    if let metaroce_proto::Event::Incoming { conn, .. } = e {
+                        cb = Some(conn);
+                    }
+                }
+                while a.endpoint().poll_event().is_some() {}
+                assert!(t0.elapsed() < Duration::from_secs(10), "no connection");
+            }
+            a.endpoint().connect_qp(qa, ca, qb).unwrap();
+            b.endpoint().connect_qp(qb, cb.unwrap(), qa).unwrap();
+            let wr = SendWr::new(
+                1,
+                SendOp::Write(RemoteAddr {
+                    rkey: dst.rkey,
+                    addr: 0,
+                }),
+                Sge {
+                    lkey: src.lkey,
+                    addr: 0,
+                    len: data.len() as u32,
+                },
+            );
+            let now = a.now();
+            a.endpoint().post_send(now, qa, wr).unwrap();
+            let mut wcs = Vec::new();
+            while wcs.is_empty() {
+                a.poll(Duration::from_millis(1)).unwrap();
+                b.poll(Duration::from_millis(1)).unwrap();
+                a.endpoint().poll_cq(cqa, 8, &mut wcs).unwrap();
+                assert!(
+                    t0.elapsed() < Duration::from_secs(20),
+                    "the WRITE never completed"
+                );
+            }
+            assert_eq!(
+                wcs[0].status,
+                WcStatus::Success,
+                "{:?}\n{:?}",
+                a.stats(),
+                b.stats()
+            );
+            assert!(
+                b.endpoint().mr(dst.lkey).unwrap() == &data[..],
+                "every byte arrived"
+            );
+            let (sa, sb) = (a.stats(), b.stats());
+            assert!(
+                sb.xdp_redirected > 0 && sa.xdp_redirected > 0,
+                "{sa:?} {sb:?}"
+            );
+            // 1 MiB in datagrams of at most 3798 bytes: most went out as
+            // frames of the driver's own making (the first ones through the
+            // kernel's socket, while it resolved the neighbour) and all came
+            // in through the XDP program.
+            assert!(sa.datagrams_sent - sa.kernel_sent >= 200, "{sa:?}");
+            assert_eq!(sb.kernel_received, 0, "{sb:?}");
+            assert_eq!(sb.xdp_invalid_descs, 0);
+        }
+    }
 
     #[test]
     fn headers_round_trip_through_the_parser_with_valid_checksums() {

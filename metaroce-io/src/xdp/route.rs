@@ -5,6 +5,7 @@
 use netlink_packet_core::{
     NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_DUMP, NLM_F_REQUEST,
 };
+use netlink_packet_route::link::{LinkAttribute, LinkLayerType, LinkMessage};
 use netlink_packet_route::neighbour::{
     NeighbourAddress, NeighbourAttribute, NeighbourMessage, NeighbourState,
 };
@@ -216,6 +217,41 @@ impl Routes {
         Ok(out)
     }
 
+    /// Our interface's Ethernet address, receive queues and MTU
+    /// (`RTM_GETLINK`).
+    pub(crate) fn link(&mut self) -> io::Result<([u8; 6], u32, u32)> {
+        let mut m = LinkMessage::default();
+        m.header.index = self.ifindex;
+        self.request(RouteNetlinkMessage::GetLink(m), false)?;
+        let mut out = Err(io::Error::other("no reply about the interface"));
+        self.replies(false, |m| {
+            let RouteNetlinkMessage::NewLink(l) = m else {
+                return;
+            };
+            if l.header.link_layer_type != LinkLayerType::Ether {
+                out = Err(io::Error::other("not an Ethernet interface"));
+                return;
+            }
+            let mut mac = None;
+            let mut queues = 1;
+            let mut mtu = 1500;
+            for a in &l.attributes {
+                match a {
+                    LinkAttribute::Address(b) if b.len() == 6 => {
+                        mac = Some([b[0], b[1], b[2], b[3], b[4], b[5]]);
+                    }
+                    LinkAttribute::NumRxQueues(n) => queues = (*n).max(1),
+                    LinkAttribute::Mtu(n) => mtu = *n,
+                    _ => {}
+                }
+            }
+            out = mac
+                .map(|m| (m, queues, mtu))
+                .ok_or_else(|| io::Error::other("the interface has no Ethernet address"));
+        })?;
+        out
+    }
+
     /// The Ethernet address of `ip` on our interface, if the kernel knows it.
     fn neighbour(&mut self, ip: Ipv4Addr) -> io::Result<Option<[u8; 6]>> {
         let mut m = NeighbourMessage::default();
@@ -297,25 +333,6 @@ pub(crate) fn interface_index(name: &str) -> io::Result<u32> {
     } else {
         Ok(i)
     }
-}
-
-/// The Ethernet address of interface `name`.
-pub(crate) fn interface_mac(name: &str) -> io::Result<[u8; 6]> {
-    let s = std::fs::read_to_string(format!("/sys/class/net/{name}/address"))?;
-    let mut mac = [0u8; 6];
-    let mut parts = s.trim().split(':');
-    for b in &mut mac {
-        *b = parts
-            .next()
-            .and_then(|p| u8::from_str_radix(p, 16).ok())
-            .ok_or_else(|| io::Error::other(format!("{name} has no Ethernet address")))?;
-    }
-    if parts.next().is_some() {
-        return Err(io::Error::other(format!(
-            "{name} is not an Ethernet interface"
-        )));
-    }
-    Ok(mac)
 }
 
 /// The interface that holds address `ip`.

@@ -15,6 +15,7 @@
 //! half is given to the fill ring for receiving, the second half is the
 //! transmit pool, returned through the completion ring.
 
+pub use crate::config::XdpMode;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -25,25 +26,6 @@ pub(crate) const FRAME: usize = 4096;
 pub(crate) const RX_HEADROOM: usize = 256;
 /// The largest frame received into one chunk.
 pub(crate) const MAX_RX_FRAME: usize = FRAME - RX_HEADROOM;
-
-/// Which mode the socket runs in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum XdpMode {
-    /// The driver places frames in the UMEM itself.
-    ZeroCopy,
-    /// The kernel copies each frame between its buffers and the UMEM (what
-    /// veth and drivers without AF_XDP support offer).
-    Copy,
-}
-
-impl std::fmt::Display for XdpMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            XdpMode::ZeroCopy => "zero-copy",
-            XdpMode::Copy => "copy",
-        })
-    }
-}
 
 /// Anonymous memory mapped for the UMEM or a ring.
 #[derive(Debug)]
@@ -213,6 +195,9 @@ pub struct XskStats {
     pub rx_fill_ring_empty: u64,
     /// Invalid descriptors the kernel saw on receive and transmit.
     pub invalid_descs: u64,
+    /// Kicks of the transmit ring after which the device had dropped a
+    /// frame (copy mode).
+    pub tx_dropped: u64,
     /// Frames waiting in the fill ring for the kernel, at the last look.
     pub fill_level: u32,
     /// Frames free for transmitting, at the last look.
@@ -234,6 +219,8 @@ pub(crate) struct Xsk {
     /// Transmit descriptors pushed and not yet published.
     tx_pending: u32,
     pub(crate) mode: XdpMode,
+    /// Kicks after which the device had dropped a frame.
+    tx_dropped: std::cell::Cell<u64>,
     pub(crate) rx_frames: u32,
     pub(crate) tx_frames: u32,
 }
@@ -333,6 +320,7 @@ impl Xsk {
             tx_pool: Vec::new(),
             tx_pending: 0,
             mode: XdpMode::Copy,
+            tx_dropped: std::cell::Cell::new(0),
             rx_frames: 0,
             tx_frames: 0,
         };
@@ -537,6 +525,7 @@ impl Xsk {
             rx_fill_ring_empty: s.rx_fill_ring_empty_descs,
             invalid_descs: s.rx_invalid_descs + s.tx_invalid_descs,
             fill_level,
+            tx_dropped: self.tx_dropped.get(),
             tx_free: self.tx_pool.len() as u32,
         }
     }
