@@ -108,7 +108,10 @@ fn af_xdp_carries_every_operation_across_the_fabric_and_interoperates_with_io_ur
     // ECN: the driver writes ECT into the frames it builds and reads the
     // routers' CE marks from the frames it receives.
     assert!(fab.metaroce(&["fabric", "loss", "0"]).status.success());
-    assert_success(&fab.metaroce(&["fabric", "ecn", "20"]), "fabric ecn failed: ");
+    assert_success(
+        &fab.metaroce(&["fabric", "ecn", "20"]),
+        "fabric ecn failed: ",
+    );
     let v = run(&fab, "af_xdp", "af_xdp", "write");
     let sum = |k: &str| -> u64 {
         v["paths"]
@@ -145,7 +148,10 @@ fn af_xdp_refuses_clearly_and_leaves_no_program_behind() {
     let second = bounded(server("0"), Duration::from_secs(20));
     assert!(!second.status.success());
     let err = String::from_utf8_lossy(&second.stderr);
-    assert!(err.contains("another XDP program is attached to eth0"), "{err}");
+    assert!(
+        err.contains("another XDP program is attached to eth0"),
+        "{err}"
+    );
     // Killed outright, the server leaves no program: the link died with it.
     let mut first = first;
     let _ = first.0.kill();

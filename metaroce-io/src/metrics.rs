@@ -61,7 +61,7 @@ const NS: f64 = 1e-9;
 /// | endpoint | `metaroce_datagrams_{sent,received}_total`, `metaroce_bytes_{sent,received}_total`, `metaroce_connections_opened_total`, `metaroce_cookies_sent_total`, `metaroce_rejects_total{reason}`, `metaroce_connections` |
 /// | connection | `metaroce_connection_{data_packets_sent,data_packets_received,payload_bytes_sent,payload_bytes_received,retransmits,fast_retransmits,rto_fires,packets_lost,duplicates_received,acks_sent,acks_coalesced,acks_received,naks_sent,naks_received,probes_sent,route_checks,path_failures,path_moves}_total`; `metaroce_connection_{cwnd_bytes,in_flight_bytes,srtt_seconds,rto_seconds,rate_hint_bits_per_second,peer_window_bytes}` |
 /// | path | `metaroce_path_{packets_sent,bytes_sent,packets_acked,packets_lost,retransmits,ecn_ce_marks,failures,moves,slow_moves}_total`; `metaroce_path_{srtt_seconds,cwnd_bytes,in_flight_bytes,source_port,plane,state}` (state: 0 active, 1 probing) |
-/// | driver | `metaroce_driver_{datagrams_sent,datagrams_received,stamped,gso_sends,gro_batches,send_errors,recv_dropped,faults_dropped,faults_duplicated,faults_delayed,zero_copy_sends,gathered_sends,busy_polls,late_drains,idle_turns}_total`, `metaroce_driver_plane_datagrams_received_total{plane}` (from [`update_driver`](Self::update_driver)) |
+/// | driver | `metaroce_driver_{datagrams_sent,datagrams_received,stamped,gso_sends,gro_batches,send_errors,recv_dropped,faults_dropped,faults_duplicated,faults_delayed,zero_copy_sends,gathered_sends,busy_polls,late_drains,idle_turns}_total`, `metaroce_driver_plane_datagrams_received_total{plane}`; AF_XDP (zero on the other backends): `metaroce_driver_{xdp_redirected,xdp_passed,xdp_rx_dropped,xdp_rx_ring_full,xdp_fill_ring_empty,xdp_invalid_descs,xdp_tx_dropped,xdp_tx_full,route_lookups,kernel_sent,kernel_received}_total`, `metaroce_driver_xdp_{fill_level,tx_free}` (from [`update_driver`](Self::update_driver)) |
 ///
 /// `fast_retransmits` are the retransmissions a SACK gap caused; `rto_fires`
 /// the retransmission timeouts. Series of connections that closed are
@@ -87,6 +87,7 @@ pub struct Metrics {
     path_counters: Vec<Counter<PathStats>>,
     path_gauges: Vec<Gauge<PathStats>>,
     driver: Vec<Counter<DriverStats>>,
+    driver_gauges: Vec<Gauge<DriverStats>>,
     plane_received: IntCounterVec,
     /// Label values of the connections and paths seen on the last update.
     seen_conns: HashSet<String>,
@@ -288,7 +289,36 @@ impl Metrics {
             busy_polls: "Turns whose busy poll found work before they slept.",
             late_drains: "Extra rounds of receive buffers read before timers that ran late (io_uring).",
             idle_turns: "Turns that made no system call: nothing to submit, wait for or collect (io_uring).",
+            xdp_redirected: "Frames the XDP program redirected to the AF_XDP socket (af_xdp).",
+            xdp_passed: "Frames the XDP program passed on to the kernel (af_xdp).",
+            xdp_rx_dropped: "Frames the kernel dropped on the way to the AF_XDP socket (af_xdp).",
+            xdp_rx_ring_full: "Frames dropped because the AF_XDP receive ring was full (af_xdp).",
+            xdp_fill_ring_empty: "Frames dropped because the fill ring had no frame to receive into (af_xdp).",
+            xdp_invalid_descs: "Ring descriptors the kernel refused as invalid (af_xdp).",
+            xdp_tx_dropped: "Kicks of the transmit ring after which the device had dropped a frame (af_xdp).",
+            xdp_tx_full: "Turns that found no free transmit frame (af_xdp).",
+            route_lookups: "Route and neighbour lookups over rtnetlink (af_xdp).",
+            kernel_sent: "Datagrams sent through the kernel's UDP socket while a next hop was unresolved (af_xdp).",
+            kernel_received: "Datagrams read from the kernel's UDP socket, not redirected by the program (af_xdp).",
         );
+        let driver_gauges: Vec<Gauge<DriverStats>> = vec![
+            (
+                gauge(
+                    "metaroce_driver_xdp_fill_level",
+                    "Frames in the AF_XDP fill ring, ready to receive into (af_xdp).",
+                    &[],
+                )?,
+                |s| s.xdp_fill_level as f64,
+            ),
+            (
+                gauge(
+                    "metaroce_driver_xdp_tx_free",
+                    "AF_XDP transmit frames free (af_xdp).",
+                    &[],
+                )?,
+                |s| s.xdp_tx_free as f64,
+            ),
+        ];
         let plane_received = counter(
             "metaroce_driver_plane_datagrams_received_total",
             "Datagrams read from the kernel on each plane's address.",
@@ -306,6 +336,7 @@ impl Metrics {
             path_counters,
             path_gauges,
             driver,
+            driver_gauges,
             seen_conns: HashSet::new(),
             seen_paths: HashSet::new(),
         })
@@ -383,6 +414,9 @@ impl Metrics {
     pub fn update_driver(&mut self, s: &DriverStats) {
         for (c, f) in &self.driver {
             set_counter(&c.with_label_values::<&str>(&[]), f(s));
+        }
+        for (g, f) in &self.driver_gauges {
+            g.with_label_values::<&str>(&[]).set(f(s));
         }
         for (k, &n) in s.received_per_plane.iter().enumerate() {
             if n > 0 {

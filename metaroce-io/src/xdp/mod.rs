@@ -80,7 +80,14 @@ pub struct XdpDriver {
     stats: DriverStats,
     faults: Option<Box<Faults>>,
     wake: Option<WakeReceiver>,
+    /// When the side channels are looked at next, and whether a wait saw
+    /// one readable.
+    side_next: Instant,
+    side_due: bool,
 }
+
+/// How often a busy driver looks at its side channels.
+const SIDE_CHANNEL_EVERY: Duration = Duration::from_millis(1);
 
 impl std::fmt::Debug for XdpDriver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -204,6 +211,8 @@ impl XdpDriver {
             stats,
             faults,
             wake: None,
+            side_next: Instant::ZERO,
+            side_due: true,
         })
     }
 
@@ -284,9 +293,19 @@ impl XdpDriver {
 
     fn poll_turn(&mut self, max_wait: Duration) -> Result<bool, DriverError> {
         let unpolled = self.ep.unpolled();
-        self.routes.refresh();
+        // The side channels (route changes, datagrams the program passed
+        // to the kernel's socket) cost a system call each to look at: at
+        // most once a millisecond, or when a wait saw them readable.
+        let now = self.clock.now();
+        let mut side = false;
+        if self.side_due || now >= self.side_next {
+            self.side_due = false;
+            self.side_next = now + SIDE_CHANNEL_EVERY;
+            self.routes.refresh();
+            side = self.receive_kernel()?;
+        }
         let sent = self.flush()?;
-        let got = self.receive()? | self.release();
+        let got = side | self.receive()? | self.release();
         let made = self.ep.unpolled() != unpolled;
         if !sent && !got && !made {
             let now = self.clock.now();
@@ -407,8 +426,6 @@ impl XdpDriver {
             local,
             stats,
             faults,
-            sockets,
-            tx_buf,
             ..
         } = self;
         let mut any = false;
@@ -439,8 +456,24 @@ impl XdpDriver {
             }
             any = true;
         }
-        // What the kernel got on the endpoint's port: frames on a queue
-        // without our socket, or sent before the program was attached.
+        Ok(any)
+    }
+
+    /// Reads what the kernel's UDP socket on the endpoint's port got:
+    /// frames on a queue without our socket, or sent before the program
+    /// was attached. Whether there was any.
+    fn receive_kernel(&mut self) -> Result<bool, DriverError> {
+        let XdpDriver {
+            ep,
+            clock,
+            stats,
+            faults,
+            sockets,
+            tx_buf,
+            ..
+        } = self;
+        let now = clock.now();
+        let mut any = false;
         for _ in 0..64 {
             match sockets.recv[0].recv_from(tx_buf) {
                 Ok((n, from)) => {
@@ -517,6 +550,9 @@ impl XdpDriver {
             if pfd[3].revents != 0 {
                 w.drain();
             }
+        }
+        if pfd[1].revents != 0 || pfd[2].revents != 0 {
+            self.side_due = true;
         }
         Ok(r > 0)
     }
@@ -905,6 +941,50 @@ mod tests {
             assert!(sa.datagrams_sent - sa.kernel_sent >= 200, "{sa:?}");
             assert_eq!(sb.kernel_received, 0, "{sb:?}");
             assert_eq!(sb.xdp_invalid_descs, 0);
+            // The counters reach Prometheus.
+            let mut m = crate::Metrics::new("b").unwrap();
+            m.update_driver(&sb);
+            let text = m.encode();
+            let line = format!(
+                "metaroce_driver_xdp_redirected_total{{endpoint=\"b\"}} {}",
+                sb.xdp_redirected
+            );
+            assert!(text.contains(&line), "{text}");
+            assert!(
+                text.contains("metaroce_driver_xdp_fill_level{endpoint=\"b\"} 64"),
+                "{text}"
+            );
+
+            // A neighbour change announced by the kernel voids the cache:
+            // the next datagram looks its next hop up again.
+            let before = a.stats().route_lookups;
+            let ns = veth.ns[0].clone();
+            let ok = std::process::Command::new("ip")
+                .args(["-n", &ns, "neigh", "replace", "10.99.0.2", "lladdr"])
+                .args(["02:00:00:00:00:02", "dev", "xa", "nud", "permanent"])
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(ok, "ip neigh replace");
+            let now = a.now();
+            let wr = SendWr::new(
+                2,
+                SendOp::Write(RemoteAddr {
+                    rkey: dst.rkey,
+                    addr: 0,
+                }),
+                Sge {
+                    lkey: src.lkey,
+                    addr: 0,
+                    len: 4096,
+                },
+            );
+            a.endpoint().post_send(now, qa, wr).unwrap();
+            let t1 = std::time::Instant::now();
+            while a.stats().route_lookups == before {
+                a.poll(Duration::from_millis(1)).unwrap();
+                b.poll(Duration::from_millis(1)).unwrap();
+                assert!(t1.elapsed() < Duration::from_secs(5), "no new lookup");
+            }
         }
     }
 

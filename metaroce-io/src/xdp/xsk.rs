@@ -464,25 +464,38 @@ impl Xsk {
         Ok(true)
     }
 
+    /// Asks the kernel to send what the transmit ring holds. In copy mode
+    /// it sends at most a batch (32 frames) per call and says `EAGAIN`
+    /// while more wait: call again, a few times at most.
     fn kick(&self) -> io::Result<()> {
-        // SAFETY: a zero-length send on our socket: no buffer is read.
-        let r = unsafe {
-            libc::sendto(
-                self.fd(),
-                std::ptr::null(),
-                0,
-                libc::MSG_DONTWAIT,
-                std::ptr::null(),
-                0,
-            )
-        };
-        if r < 0 {
+        for _ in 0..16 {
+            // SAFETY: a zero-length send on our socket: no buffer is read.
+            let r = unsafe {
+                libc::sendto(
+                    self.fd(),
+                    std::ptr::null(),
+                    0,
+                    libc::MSG_DONTWAIT,
+                    std::ptr::null(),
+                    0,
+                )
+            };
+            if r >= 0 {
+                return Ok(());
+            }
             let e = io::Error::last_os_error();
-            // The kernel is busy sending, or out of buffers: the frames
-            // stay in the ring and go on the next kick.
             match e.raw_os_error() {
-                Some(libc::EAGAIN) | Some(libc::EBUSY) | Some(libc::ENOBUFS)
-                | Some(libc::ENETDOWN) => {}
+                // More to send, or the device was busy: again.
+                Some(libc::EAGAIN) => continue,
+                // Out of buffers: the frames stay in the ring for the next
+                // kick.
+                Some(libc::ENOBUFS) => return Ok(()),
+                // The device dropped a frame (its chunk comes back through
+                // the completion ring): a loss the protocol recovers.
+                Some(libc::EBUSY) | Some(libc::ENETDOWN) => {
+                    self.tx_dropped.set(self.tx_dropped.get() + 1);
+                    continue;
+                }
                 _ => return Err(e),
             }
         }
