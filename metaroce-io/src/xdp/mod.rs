@@ -29,8 +29,11 @@
 //! ends, however it ends.
 
 pub(crate) mod bpf;
+mod raw;
 mod route;
 mod xsk;
+
+pub use raw::RawXdp;
 
 pub use crate::config::{XdpConfig, XdpInfo, XdpMode};
 pub use route::route_interface;
@@ -111,11 +114,28 @@ fn unavailable(what: &str, e: std::io::Error) -> DriverError {
     DriverError::XdpUnavailable(format!("{what}: {e}{hint}"))
 }
 
-impl XdpDriver {
-    /// Opens the AF_XDP socket on the interface, loads and attaches the
-    /// XDP program, binds the UDP sockets of the endpoint's ports and
-    /// creates the endpoint.
-    pub fn bind(cfg: DriverConfig) -> Result<Self, DriverError> {
+/// What both the driver and [`RawXdp`] stand on: the AF_XDP socket, the
+/// program that feeds it, the route cache and the endpoint's UDP sockets.
+pub(crate) struct Port {
+    pub(crate) xsk: Xsk,
+    pub(crate) routes: Routes,
+    pub(crate) sockets: Sockets,
+    pub(crate) local: SocketAddrV4,
+    pub(crate) ifname: String,
+    pub(crate) mac: [u8; 6],
+    pub(crate) if_mtu: u32,
+    pub(crate) counters: bpf::Map,
+    // Drop order: the link (detaching the program) before the maps.
+    pub(crate) link: OwnedFd,
+    pub(crate) prog: bpf::Program,
+    pub(crate) xsk_map: bpf::Map,
+    pub(crate) attach_mode: &'static str,
+}
+
+impl Port {
+    /// Checks the configuration, binds the UDP sockets, loads and attaches
+    /// the program and opens the socket.
+    pub(crate) fn open(cfg: &DriverConfig) -> Result<Port, DriverError> {
         if !cfg.planes.is_empty() {
             return Err(DriverError::Config(
                 "the AF_XDP backend runs one plane".into(),
@@ -142,7 +162,7 @@ impl XdpDriver {
         let (mac, queues, if_mtu) = routes
             .link()
             .map_err(|e| DriverError::Config(format!("interface {ifname}: {e}")))?;
-        let sockets = Sockets::bind(&cfg)?;
+        let sockets = Sockets::bind(cfg)?;
         let local = match sockets.local {
             SocketAddr::V4(a) => a,
             SocketAddr::V6(_) => unreachable!("bound to an IPv4 address"),
@@ -158,7 +178,7 @@ impl XdpDriver {
             unavailable(&format!("loading the XDP program (verifier: {log})"), e)
         })?;
         let (link, attach_mode) = attach(&prog, ifindex, &ifname)?;
-        let xsk = open_socket(&cfg, ifindex, &ifname)?;
+        let xsk = open_socket(cfg, ifindex, &ifname)?;
         xsk_map
             .set_socket(cfg.xdp.queue, xsk.fd())
             .map_err(|e| unavailable("XSKMAP entry", e))?;
@@ -167,6 +187,42 @@ impl XdpDriver {
         for s in sockets.recv.iter().chain(&sockets.send) {
             s.set_nonblocking(true)?;
         }
+        Ok(Port {
+            xsk,
+            routes,
+            sockets,
+            local,
+            ifname,
+            mac,
+            if_mtu,
+            counters,
+            link,
+            prog,
+            xsk_map,
+            attach_mode,
+        })
+    }
+}
+
+impl XdpDriver {
+    /// Opens the AF_XDP socket on the interface, loads and attaches the
+    /// XDP program, binds the UDP sockets of the endpoint's ports and
+    /// creates the endpoint.
+    pub fn bind(cfg: DriverConfig) -> Result<Self, DriverError> {
+        let Port {
+            xsk,
+            routes,
+            sockets,
+            local,
+            ifname,
+            mac,
+            if_mtu,
+            counters,
+            link,
+            prog,
+            xsk_map,
+            attach_mode,
+        } = Port::open(&cfg)?;
         let mut ecfg = sockets.endpoint_config(cfg.endpoint.clone());
         // A frame fits one UMEM chunk and the interface's MTU.
         let if_payload = if_mtu.saturating_sub(28).min(u32::from(MAX_UDP_PAYLOAD)) as u16;
@@ -497,19 +553,32 @@ impl XdpDriver {
         }
     }
 
+    /// Before a turn sleeps ([`DriverConfig::busy_poll`]): watches the
+    /// receive ring, in shared memory, without a system call (the kernel
+    /// fills it from its own context), and every few microseconds the
+    /// other descriptors, for up to the busy-poll time (at most `wait`).
+    /// True if something arrived.
     fn busy_poll(&mut self, wait: Duration) -> Result<bool, DriverError> {
         let spin = self.busy_poll.min(wait);
         if spin.is_zero() {
             return Ok(false);
         }
         let until = std::time::Instant::now() + spin;
+        let mut k = 0u32;
         loop {
-            if self.wait_readable(Duration::ZERO)? {
+            if self.xsk.rx_pending() {
                 return Ok(true);
             }
-            if std::time::Instant::now() >= until {
-                return Ok(false);
+            k = k.wrapping_add(1);
+            if k % 256 == 0 {
+                if self.wait_readable(Duration::ZERO)? {
+                    return Ok(true);
+                }
+                if std::time::Instant::now() >= until {
+                    return Ok(false);
+                }
             }
+            std::hint::spin_loop();
         }
     }
 

@@ -411,6 +411,12 @@ impl Xsk {
         n
     }
 
+    /// Whether received frames wait in the ring (one shared-memory load:
+    /// no system call).
+    pub(crate) fn rx_pending(&mut self) -> bool {
+        self.rx.ready() > 0
+    }
+
     /// Takes back the transmit frames the kernel is done with.
     fn reap(&mut self) {
         let n = self.comp.ready();
