@@ -14,18 +14,45 @@
 # same fabric with each spine limited to 500 Mbit/s (2 Gbit/s in all, below
 # what either backend reaches), 64 KiB WRITEs with the drivers sleeping
 # when idle (`--busy-poll 0`): CPU seconds per GB at equal throughput.
+# Then the ceiling of each path with no protocol (`examples/xdp_pump.rs`,
+# raw AF_XDP against a kernel UDP socket, one datagram per call, busy
+# polling): datagrams per second at 64 and at 3798 bytes, 8 B round trips.
 # Prints one JSON line per run and a table of medians and ratios.
 set -euo pipefail
 
 ROUNDS=${1:-3}
 DUR=${2:-3}
 B=${METAROCE_BIN:-target/release/metaroce}
+X=${XDP_PUMP_BIN:-target/release/examples/xdp_pump}
 export METAROCE_FABRIC_PREFIX=${METAROCE_FABRIC_PREFIX:-mrxdp}
 P=$METAROCE_FABRIC_PREFIX
 OUT=$(mktemp -d)
 trap '"$B" fabric down >/dev/null 2>&1 || true; rm -rf "$OUT"' EXIT
 [ "$(id -u)" = 0 ] || { echo "needs root (network namespaces, XDP)" >&2; exit 1; }
 [ -x "$B" ] || { echo "no $B: cargo build --release -p metaroce-cli" >&2; exit 1; }
+[ -x "$X" ] || { echo "no $X: cargo build --release -p metaroce-io --example xdp_pump" >&2; exit 1; }
+
+# pump BACKEND SIZE: one sink/source run, one JSON line.
+pump() {
+    ip netns exec "$P-h2" "$X" sink --backend "$1" --bind 10.77.2.1:9000 --seconds "$DUR" \
+        2>/dev/null | sed "s/}$/, \"figure\": \"pump$2\"}/" &
+    local sink=$!
+    sleep 0.5
+    ip netns exec "$P-h1" "$X" source --backend "$1" --bind 10.77.1.1:9001 \
+        --to 10.77.2.1:9000 --size "$2" --seconds "$DUR" 2>/dev/null
+    wait "$sink"
+}
+
+# ping BACKEND: 20,000 round trips of 8 bytes against an echo.
+ping_pump() {
+    ip netns exec "$P-h2" timeout 60 "$X" echo --backend "$1" --bind 10.77.2.1:9000 \
+        --seconds 60 2>/dev/null &
+    local echo=$!
+    sleep 0.5
+    ip netns exec "$P-h1" "$X" ping --backend "$1" --bind 10.77.1.1:9001 \
+        --to 10.77.2.1:9000 2>/dev/null | sed 's/}$/, "figure": "pumpping"}/'
+    kill "$echo" 2>/dev/null; wait "$echo" 2>/dev/null || true
+}
 
 # one BACKEND FIGURE PERF-CLIENT-ARGS...: one run, one JSON line.
 one() {
@@ -62,6 +89,13 @@ for r in $(seq "$ROUNDS"); do
         one "$be" send8 --op send -s 8 -t 1
     done
 done | tee "$OUT/unshaped.jsonl"
+for r in $(seq "$ROUNDS"); do
+    for be in udp af_xdp; do
+        pump "$be" 64
+        pump "$be" 3798
+        ping_pump "$be"
+    done
+done | tee "$OUT/pump.jsonl"
 "$B" fabric down >/dev/null
 "$B" fabric up --spines 4 --rate-mbit 500 >/dev/null
 for r in $(seq "$ROUNDS"); do
@@ -95,4 +129,15 @@ for name, fig, f in figs:
     print(f"| {name} | {a:.4g} | {b:.4g} | {b / a:.2f} |")
 bad = sum(r["corrupt"] for r in rows)
 print(f"\ncorrupt bytes: {bad}; af_xdp mode: {sorted({r['xdp_mode'] for r in rows if r['xdp_mode']})}")
+pumps = [json.loads(l) for l in open(f"{out}/pump.jsonl") if l.startswith("{")]
+def pmed(be, fig, k):
+    v = [r[k] for r in pumps if r["backend"] == be and r["figure"] == fig]
+    return st.median(v) if v else float("nan")
+print("\nNo protocol (examples/xdp_pump.rs):\n")
+print("| figure | kernel UDP | af_xdp | af_xdp / UDP |")
+print("|---|---|---|---|")
+for name, fig, k in [("64 B datagrams/s", "pump64", "pps"), ("3798 B datagrams, Gbit/s", "pump3798", "gbps"),
+                     ("8 B round trip p50, us", "pumpping", "p50_us")]:
+    a, b = pmed("udp", fig, k), pmed("af_xdp", fig, k)
+    print(f"| {name} | {a:.4g} | {b:.4g} | {b / a:.2f} |")
 EOF
