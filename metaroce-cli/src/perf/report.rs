@@ -97,6 +97,43 @@ impl Direction {
     }
 }
 
+/// This side's AF_XDP counters over the run (see `metaroce_io::DriverStats`).
+#[derive(Debug, Serialize)]
+pub(super) struct XdpCounters {
+    /// Frames the XDP program redirected to the socket.
+    pub(super) redirected: u64,
+    /// Frames the program passed on to the kernel.
+    pub(super) passed: u64,
+    /// Frames lost on the way to the socket: dropped by the kernel, the
+    /// receive ring full, the fill ring empty.
+    pub(super) rx_dropped: u64,
+    pub(super) rx_ring_full: u64,
+    pub(super) fill_ring_empty: u64,
+    /// Turns that found no free transmit frame.
+    pub(super) tx_full: u64,
+    /// Kicks after which the device had dropped a frame.
+    pub(super) tx_dropped: u64,
+    /// Datagrams that went through the kernel's UDP socket, out and in.
+    pub(super) kernel_sent: u64,
+    pub(super) kernel_received: u64,
+}
+
+impl XdpCounters {
+    pub(super) fn of(s: &metaroce_io::DriverStats) -> Self {
+        XdpCounters {
+            redirected: s.xdp_redirected,
+            passed: s.xdp_passed,
+            rx_dropped: s.xdp_rx_dropped,
+            rx_ring_full: s.xdp_rx_ring_full,
+            fill_ring_empty: s.xdp_fill_ring_empty,
+            tx_full: s.xdp_tx_full,
+            tx_dropped: s.xdp_tx_dropped,
+            kernel_sent: s.kernel_sent,
+            kernel_received: s.kernel_received,
+        }
+    }
+}
+
 /// What `--json` prints. With `--bidir` the totals (`iterations`, `bytes`,
 /// `gbps`, `msg_rate_mps`, `retransmits`, `verified_bytes`,
 /// `corrupt_bytes`) are sums of both directions, given apart in `tx` and
@@ -108,6 +145,9 @@ pub(super) struct Report {
     /// On the af_xdp backend: `copy` or `zero-copy`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) xdp_mode: Option<String>,
+    /// On the af_xdp backend: this side's AF_XDP counters.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) xdp: Option<XdpCounters>,
     /// This side's `--busy-poll`, microseconds.
     pub(super) busy_poll_us: u64,
     pub(super) msg_size: u64,

@@ -393,6 +393,7 @@ pub(super) fn client_measure(
         op: p.op,
         backend: drv.backend().to_string(),
         xdp_mode: drv.xdp_info().map(|i| i.mode.to_string()),
+        xdp: drv.xdp_info().map(|_| XdpCounters::of(&drv.stats())),
         busy_poll_us: opts.side.busy_poll_us,
         msg_size: size,
         mtu: drv.endpoint().connection_mtu(conn).unwrap_or(0),

@@ -1,9 +1,9 @@
 //! The AF_XDP driver: the endpoint's datagrams bypass the kernel's UDP and
 //! IP stack on both sides.
 //!
-//! - **Receive**: an XDP program on the interface ([`bpf`]) redirects IPv4
+//! - **Receive**: an XDP program on the interface (`bpf.rs`) redirects IPv4
 //!   UDP frames to the endpoint's address and port into an AF_XDP socket
-//!   ([`xsk`]); everything else (ARP, ICMP, the perf control connection,
+//!   (`xsk.rs`); everything else (ARP, ICMP, the perf control connection,
 //!   other UDP) goes on to the kernel. The core reads each datagram where
 //!   the kernel put it, in the UMEM, and the chunk goes back to the fill
 //!   ring.
@@ -11,7 +11,7 @@
 //!   frame behind the 42 bytes of Ethernet, IPv4 and UDP headers this
 //!   driver writes itself (UDP checksum computed, ECN in the TOS byte), with
 //!   the next hop's Ethernet address from the kernel's route and neighbour
-//!   tables ([`route`], over rtnetlink, refreshed when they change).
+//!   tables (`route.rs`, over rtnetlink, refreshed when they change).
 //!   A datagram whose next hop is not resolved yet, or whose route leaves
 //!   by another interface, is sent through an ordinary UDP socket of the
 //!   same port instead: the kernel resolves the neighbour on the way, and
@@ -27,6 +27,23 @@
 //! Needs `CAP_NET_ADMIN` and `CAP_BPF` (root). The program is attached with
 //! a BPF link, so it is detached when the driver is dropped or the process
 //! ends, however it ends.
+//!
+//! Frames fit one 4 KiB UMEM chunk (the kernel refuses larger chunks in
+//! aligned mode, and copy mode receives into one chunk): the endpoint's MTU
+//! is at most [`PAGE_CHUNK_MAX_PAYLOAD`] (3798 bytes), and within the
+//! interface's. The UDP checksum of a received frame is not verified: a
+//! frame taken before the kernel's stack may carry a checksum that its
+//! sender left to offload (as veth and local senders do), and there is no
+//! way to tell; turn on `EndpointConfig::crc32c` for end-to-end integrity.
+//!
+//! ```no_run
+//! use metaroce_io::{Backend, Driver, DriverConfig};
+//! let mut cfg = DriverConfig::new("10.77.1.1:0".parse().unwrap());
+//! cfg.backend = Backend::AfXdp;
+//! cfg.xdp.iface = Some("eth0".into()); // default: the interface that holds 10.77.1.1
+//! let drv = Driver::bind(cfg).unwrap();
+//! println!("{}", drv.xdp_info().unwrap()); // "copy mode, driver XDP hook, eth0"
+//! ```
 
 pub(crate) mod bpf;
 mod raw;
@@ -53,8 +70,9 @@ use xsk::{Xsk, XskConfig, MAX_RX_FRAME};
 /// Ethernet + IPv4 (no options) + UDP headers.
 const HEADERS: usize = 14 + 20 + 8;
 /// The largest UDP payload a frame in one UMEM chunk holds: the MTU this
-/// backend offers its peers (the connection takes the smaller of both).
-pub const MAX_UDP_PAYLOAD: u16 = (MAX_RX_FRAME - HEADERS) as u16;
+/// backend offers its peers (the connection takes the smaller of both
+/// sides').
+pub const PAGE_CHUNK_MAX_PAYLOAD: u16 = (MAX_RX_FRAME - HEADERS) as u16;
 
 /// Runs one [`Endpoint`] on an AF_XDP socket. Single-threaded, like the
 /// other drivers: call [`poll`](Self::poll) in a loop.
@@ -225,7 +243,9 @@ impl XdpDriver {
         } = Port::open(&cfg)?;
         let mut ecfg = sockets.endpoint_config(cfg.endpoint.clone());
         // A frame fits one UMEM chunk and the interface's MTU.
-        let if_payload = if_mtu.saturating_sub(28).min(u32::from(MAX_UDP_PAYLOAD)) as u16;
+        let if_payload = if_mtu
+            .saturating_sub(28)
+            .min(u32::from(PAGE_CHUNK_MAX_PAYLOAD)) as u16;
         ecfg.mtu = ecfg.mtu.min(if_payload);
         ecfg.max_gso_segments = 1;
         let ep = Endpoint::new(ecfg, cfg.endpoint_seed())?;
@@ -427,6 +447,7 @@ impl XdpDriver {
         } = self;
         while !any || budget > 0 {
             let now = clock.now();
+            let offload = xsk.csum_offload;
             let Some((addr, frame)) = xsk.tx_frame() else {
                 stats.xdp_tx_full += 1;
                 break;
@@ -443,8 +464,16 @@ impl XdpDriver {
             match routes.hop(*dst.ip(), wall) {
                 Hop::Mac(next) => {
                     let src = SocketAddrV4::new(*local.ip(), t.src_port);
-                    write_headers(&mut frame[..HEADERS + t.size], *mac, next, src, dst, t.ecn);
-                    xsk.send(addr, HEADERS + t.size);
+                    write_headers(
+                        &mut frame[..HEADERS + t.size],
+                        *mac,
+                        next,
+                        src,
+                        dst,
+                        t.ecn,
+                        offload,
+                    );
+                    xsk.send(addr, HEADERS + t.size, Some(UDP_CSUM));
                     stats.datagrams_sent += 1;
                 }
                 Hop::Kernel => {
@@ -691,8 +720,14 @@ fn another_program(ifname: &str, e: std::io::Error) -> DriverError {
     ))
 }
 
+/// Where the UDP checksum's coverage starts in a frame, and its field
+/// within that (for checksum offload).
+const UDP_CSUM: (u16, u16) = (34, 6);
+
 /// Writes the Ethernet, IPv4 and UDP headers in front of the datagram that
-/// fills the rest of `frame`.
+/// fills the rest of `frame`. With `offload`, the UDP checksum field gets
+/// the pseudo-header's sum, for the NIC (or the kernel) to complete over
+/// the datagram; without, the whole checksum.
 fn write_headers(
     frame: &mut [u8],
     src_mac: [u8; 6],
@@ -700,6 +735,7 @@ fn write_headers(
     src: SocketAddrV4,
     dst: SocketAddrV4,
     ecn: Ecn,
+    offload: bool,
 ) {
     let udp_len = frame.len() - 14 - 20;
     let (hdr, payload) = frame.split_at_mut(HEADERS);
@@ -724,6 +760,12 @@ fn write_headers(
     udp[2..4].copy_from_slice(&dst.port().to_be_bytes());
     udp[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
     udp[6..8].copy_from_slice(&[0, 0]);
+    if offload {
+        let len = udp_len as u64;
+        let pseudo = u64::from(u32::from(*src.ip())) + u64::from(u32::from(*dst.ip())) + 17 + len;
+        hdr[40..42].copy_from_slice(&fold(pseudo).to_be_bytes());
+        return;
+    }
     let c = !fold(udp_sum(*src.ip(), *dst.ip(), udp, payload));
     // A computed zero is sent as all ones (zero means "no checksum").
     let c = if c == 0 { 0xffff } else { c };
@@ -1064,7 +1106,7 @@ mod tests {
         frame[HEADERS..].copy_from_slice(&payload);
         let src: SocketAddrV4 = "10.77.1.1:40001".parse().unwrap();
         let dst: SocketAddrV4 = "10.77.2.1:18515".parse().unwrap();
-        write_headers(&mut frame, [2; 6], [4; 6], src, dst, Ecn::Ect0);
+        write_headers(&mut frame, [2; 6], [4; 6], src, dst, Ecn::Ect0, false);
         // The IPv4 header and the UDP datagram both sum to 0xffff.
         assert_eq!(fold(sum(&frame[14..34], 0)), 0xffff);
         let udp = &frame[34..];
@@ -1072,6 +1114,27 @@ mod tests {
         assert_eq!(fold(pseudo), 0xffff);
         let (from, ecn, dg) = parse(&frame, *dst.ip(), dst.port()).unwrap();
         assert_eq!((from, ecn, dg), (src, Ecn::Ect0, &payload[..]));
+    }
+
+    #[test]
+    fn an_offloaded_checksum_completed_as_a_nic_would_is_valid() {
+        let payload: Vec<u8> = (0..777u32).map(|i| (i * 13) as u8).collect();
+        let mut frame = vec![0u8; HEADERS + payload.len()];
+        frame[HEADERS..].copy_from_slice(&payload);
+        let src: SocketAddrV4 = "10.77.1.1:40001".parse().unwrap();
+        let dst: SocketAddrV4 = "10.77.2.1:18515".parse().unwrap();
+        write_headers(&mut frame, [2; 6], [4; 6], src, dst, Ecn::Ect0, true);
+        // The device sums from csum_start (the field holds the pseudo
+        // header's sum) and writes the complement at csum_offset.
+        let (start, offset) = (usize::from(UDP_CSUM.0), usize::from(UDP_CSUM.1));
+        let c = !fold(sum(&frame[start..], 0));
+        frame[start + offset..start + offset + 2].copy_from_slice(&c.to_be_bytes());
+        let mut whole = frame.clone();
+        write_headers(&mut whole, [2; 6], [4; 6], src, dst, Ecn::Ect0, false);
+        assert_eq!(
+            frame, whole,
+            "the same checksum as the one computed in full"
+        );
     }
 
     #[test]
@@ -1088,7 +1151,7 @@ mod tests {
         let mut frame = vec![0u8; HEADERS + 16];
         let src: SocketAddrV4 = "10.0.0.1:1".parse().unwrap();
         let dst: SocketAddrV4 = "10.0.0.2:2".parse().unwrap();
-        write_headers(&mut frame, [0; 6], [0; 6], src, dst, Ecn::NotEct);
+        write_headers(&mut frame, [0; 6], [0; 6], src, dst, Ecn::NotEct, false);
         for n in 0..frame.len() {
             let _ = parse(&frame[..n], *dst.ip(), 2);
         }

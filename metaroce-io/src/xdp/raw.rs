@@ -65,7 +65,7 @@ impl RawXdp {
     pub fn max_payload(&self) -> usize {
         (self.port.if_mtu as usize)
             .saturating_sub(28)
-            .min(usize::from(super::MAX_UDP_PAYLOAD))
+            .min(usize::from(super::PAGE_CHUNK_MAX_PAYLOAD))
     }
 
     /// Sends up to `n` copies of `payload` to `dst` from the local address,
@@ -93,19 +93,14 @@ impl RawXdp {
         };
         let mut sent = 0;
         while sent < n {
+            let offload = xsk.csum_offload;
             let Some((addr, frame)) = xsk.tx_frame() else {
                 break;
             };
             frame[HEADERS..HEADERS + len].copy_from_slice(&payload[..len]);
-            write_headers(
-                &mut frame[..HEADERS + len],
-                *mac,
-                next,
-                *local,
-                dst,
-                Ecn::Ect0,
-            );
-            xsk.send(addr, HEADERS + len);
+            let frame = &mut frame[..HEADERS + len];
+            write_headers(frame, *mac, next, *local, dst, Ecn::Ect0, offload);
+            xsk.send(addr, HEADERS + len, Some(super::UDP_CSUM));
             sent += 1;
         }
         xsk.flush()?;

@@ -26,6 +26,10 @@ pub(crate) const FRAME: usize = 4096;
 pub(crate) const RX_HEADROOM: usize = 256;
 /// The largest frame received into one chunk.
 pub(crate) const MAX_RX_FRAME: usize = FRAME - RX_HEADROOM;
+/// Bytes of transmit metadata before each sent frame
+/// (`struct xsk_tx_metadata`: 24 bytes since its launch time), where the
+/// kernel has it (6.8 and later).
+const TX_META: usize = 24;
 
 /// Anonymous memory mapped for the UMEM or a ring.
 #[derive(Debug)]
@@ -219,6 +223,13 @@ pub(crate) struct Xsk {
     /// Transmit descriptors pushed and not yet published.
     tx_pending: u32,
     pub(crate) mode: XdpMode,
+    /// Whether each transmit frame has room for metadata before it.
+    tx_meta: bool,
+    /// Whether frames carry transmit metadata asking for the UDP checksum:
+    /// in copy mode, where the kernel fills it in (or marks the packet for
+    /// the NIC to). A zero-copy driver may not implement the request, and
+    /// there is no cheap way to ask, so there the driver computes it.
+    pub(crate) csum_offload: bool,
     /// Kicks after which the device had dropped a frame.
     tx_dropped: std::cell::Cell<u64>,
     pub(crate) rx_frames: u32,
@@ -287,15 +298,31 @@ impl Xsk {
         let raw = fd.as_raw_fd();
         let frames = cfg.frames.max(64).next_power_of_two();
         let umem = Mmap::map(frames as usize * FRAME, None)?;
-        let reg = libc::xdp_umem_reg {
+        // Transmit metadata, to ask for the UDP checksum by offload (the
+        // NIC computes it; copy mode marks the packet for the kernel to),
+        // where the kernel takes it; else the driver computes it.
+        // (Since 6.11 the length counts only with XDP_UMEM_TX_METADATA_LEN.)
+        let reg = |meta: usize| libc::xdp_umem_reg {
             addr: umem.ptr as u64,
             len: umem.len as u64,
             chunk_size: FRAME as u32,
             headroom: 0,
-            flags: 0,
-            tx_metadata_len: 0,
+            flags: if meta > 0 {
+                libc::XDP_UMEM_TX_METADATA_LEN
+            } else {
+                0
+            },
+            tx_metadata_len: meta as u32,
         };
-        sockopt(raw, libc::XDP_UMEM_REG, &reg)?;
+        let tx_meta = match sockopt(raw, libc::XDP_UMEM_REG, &reg(TX_META)) {
+            Ok(()) => true,
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                tracing::debug!("no AF_XDP transmit metadata here: checksums in software");
+                sockopt(raw, libc::XDP_UMEM_REG, &reg(0))?;
+                false
+            }
+            Err(e) => return Err(e),
+        };
         let ring = cfg.ring.max(64).next_power_of_two().min(frames / 2);
         for opt in [
             libc::XDP_UMEM_FILL_RING,
@@ -320,6 +347,8 @@ impl Xsk {
             tx_pool: Vec::new(),
             tx_pending: 0,
             mode: XdpMode::Copy,
+            tx_meta,
+            csum_offload: false,
             tx_dropped: std::cell::Cell::new(0),
             rx_frames: 0,
             tx_frames: 0,
@@ -370,6 +399,7 @@ impl Xsk {
                 }
             },
         };
+        xsk.csum_offload = xsk.tx_meta && xsk.mode == XdpMode::Copy;
         Ok(xsk)
     }
 
@@ -421,14 +451,16 @@ impl Xsk {
     fn reap(&mut self) {
         let n = self.comp.ready();
         for k in 0..n {
-            self.tx_pool.push(self.comp.peek(k));
+            // The frame's start, past its metadata: the chunk is the key.
+            self.tx_pool.push(self.comp.peek(k) & !(FRAME as u64 - 1));
         }
         if n > 0 {
             self.comp.release(n);
         }
     }
 
-    /// A free transmit frame to fill, if any: its address and bytes.
+    /// A free transmit frame to fill, if any: its chunk's address and the
+    /// bytes the frame may take (past the metadata, where there is some).
     pub(crate) fn tx_frame(&mut self) -> Option<(u64, &mut [u8])> {
         if self.tx_pool.is_empty() {
             self.reap();
@@ -436,21 +468,47 @@ impl Xsk {
         if self.tx.free() == 0 {
             return None;
         }
-        let addr = *self.tx_pool.last()?;
-        // SAFETY: the chunk at `addr` is in the pool: not lent to the kernel.
-        let buf =
-            unsafe { std::slice::from_raw_parts_mut(self.umem.ptr.add(addr as usize), FRAME) };
-        Some((addr, buf))
+        let chunk = *self.tx_pool.last()?;
+        let skip = if self.tx_meta { TX_META } else { 0 };
+        // SAFETY: the chunk at `chunk` is in the pool: not lent to the
+        // kernel; the slice stays within it.
+        let buf = unsafe {
+            std::slice::from_raw_parts_mut(self.umem.ptr.add(chunk as usize + skip), FRAME - skip)
+        };
+        Some((chunk, buf))
     }
 
-    /// Queues the frame [`tx_frame`] gave (`len` bytes of it) for sending.
-    pub(crate) fn send(&mut self, addr: u64, len: usize) {
+    /// Queues the frame [`tx_frame`] gave (`len` bytes of it) for sending;
+    /// `csum`: where the UDP checksum starts and where its field is, for
+    /// the NIC (or the kernel) to fill in (only with [`csum_offload`]: the
+    /// field then holds the pseudo-header's sum).
+    pub(crate) fn send(&mut self, chunk: u64, len: usize, csum: Option<(u16, u16)>) {
         let popped = self.tx_pool.pop();
-        debug_assert_eq!(popped, Some(addr));
+        debug_assert_eq!(popped, Some(chunk));
+        let (addr, options) = match (self.tx_meta, csum.filter(|_| self.csum_offload)) {
+            (true, Some((start, offset))) => {
+                let mut meta = [0u8; TX_META];
+                meta[..8].copy_from_slice(&u64::from(libc::XDP_TXMD_FLAGS_CHECKSUM).to_ne_bytes());
+                meta[8..10].copy_from_slice(&start.to_ne_bytes());
+                meta[10..12].copy_from_slice(&offset.to_ne_bytes());
+                // SAFETY: the chunk is ours (popped from the pool above) and
+                // its first TX_META bytes are the metadata area.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        meta.as_ptr(),
+                        self.umem.ptr.add(chunk as usize),
+                        TX_META,
+                    )
+                };
+                (chunk + TX_META as u64, libc::XDP_TX_METADATA)
+            }
+            (true, None) => (chunk + TX_META as u64, 0),
+            (false, _) => (chunk, 0),
+        };
         self.tx.push(libc::xdp_desc {
             addr,
             len: len as u32,
-            options: 0,
+            options,
         });
         self.tx_pending += 1;
     }
