@@ -10,13 +10,15 @@ use common::*;
 use std::process::Command;
 use std::time::Duration;
 
-/// Brings a fabric of two spines up, or says why the test skips.
-fn fabric() -> Option<TestFabric> {
+/// Brings a fabric of two spines up under namespace prefix `tag` (one per
+/// test: the tests of this file run at once, in one process), or says why
+/// the test skips.
+fn fabric(tag: &str) -> Option<TestFabric> {
     if !is_root() {
         println!("skipped: needs root (network namespaces, XDP)");
         return None;
     }
-    let fab = TestFabric::new("mrx");
+    let fab = TestFabric::new(tag);
     let up = fab.metaroce(&["fabric", "up", "--spines", "2"]);
     if !up.status.success() {
         let err = String::from_utf8_lossy(&up.stderr);
@@ -85,7 +87,7 @@ fn xdp_attached(fab: &TestFabric, ns: &str) -> bool {
 
 #[test]
 fn af_xdp_carries_every_operation_across_the_fabric_and_interoperates_with_io_uring() {
-    let Some(fab) = fabric() else { return };
+    let Some(fab) = fabric("mrxa") else { return };
     for loss in ["0", "1"] {
         let l = fab.metaroce(&["fabric", "loss", loss]);
         if !l.status.success() {
@@ -129,7 +131,7 @@ fn af_xdp_carries_every_operation_across_the_fabric_and_interoperates_with_io_ur
 
 #[test]
 fn af_xdp_refuses_clearly_and_leaves_no_program_behind() {
-    let Some(fab) = fabric() else { return };
+    let Some(fab) = fabric("mrxb") else { return };
     let server = |port: &str| {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &fab.ns("h2"), BIN, "perf", "server"])
