@@ -220,6 +220,8 @@ pub(crate) struct Xsk {
     umem: Mmap,
     /// Transmit frames not in flight.
     tx_pool: Vec<u64>,
+    /// Received chunks waiting for room in the fill ring.
+    fill_backlog: Vec<u64>,
     /// Transmit descriptors pushed and not yet published.
     tx_pending: u32,
     pub(crate) mode: XdpMode,
@@ -345,6 +347,7 @@ impl Xsk {
             fd,
             umem,
             tx_pool: Vec::new(),
+            fill_backlog: Vec::new(),
             tx_pending: 0,
             mode: XdpMode::Copy,
             tx_meta,
@@ -411,13 +414,15 @@ impl Xsk {
     /// most `max` of them, then gives their chunks back to the fill ring.
     /// Returns how many there were.
     pub(crate) fn receive(&mut self, max: u32, mut f: impl FnMut(&[u8])) -> u32 {
+        self.refill();
         let n = self.rx.ready().min(max);
         if n == 0 {
             return 0;
         }
-        // The fill ring has room for every chunk it lent out.
+        // The fill ring has room for every chunk it lent out, once the
+        // kernel says it took them: it publishes its consumer index of the
+        // fill ring lazily, so what it took but has not said waits here.
         let room = self.fill.free();
-        debug_assert!(room >= n);
         for k in 0..n {
             let d = self.rx.peek(k);
             let ok = (d.addr as usize)
@@ -432,13 +437,31 @@ impl Xsk {
                 };
                 f(frame);
             }
+            let chunk = d.addr & !(FRAME as u64 - 1);
             if room > k {
-                self.fill.push(d.addr & !(FRAME as u64 - 1));
+                self.fill.push(chunk);
+            } else {
+                self.fill_backlog.push(chunk);
             }
         }
         self.rx.release(n);
         self.fill.publish();
         n
+    }
+
+    /// Gives the fill ring the chunks that waited for room in it.
+    fn refill(&mut self) {
+        if self.fill_backlog.is_empty() {
+            return;
+        }
+        let room = self.fill.free() as usize;
+        let k = room.min(self.fill_backlog.len());
+        for chunk in self.fill_backlog.drain(..k) {
+            self.fill.push(chunk);
+        }
+        if k > 0 {
+            self.fill.publish();
+        }
     }
 
     /// Whether received frames wait in the ring (one shared-memory load:
