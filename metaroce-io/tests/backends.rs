@@ -1071,8 +1071,15 @@ fn dropping_mid_transfer_waits_for_the_kernel() {
 
 #[test]
 fn backend_names_parse() {
-    for b in [Backend::Auto, Backend::Uring, Backend::Portable] {
+    for b in [
+        Backend::Auto,
+        Backend::Uring,
+        Backend::Portable,
+        Backend::AfXdp,
+    ] {
         assert_eq!(b.name().parse::<Backend>(), Ok(b));
     }
-    assert!("xdp".parse::<Backend>().is_err());
+    assert_eq!("af-xdp".parse::<Backend>(), Ok(Backend::AfXdp));
+    let err = "dpdk".parse::<Backend>().unwrap_err();
+    assert!(err.to_string().contains("af_xdp"), "{err}");
 }

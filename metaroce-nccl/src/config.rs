@@ -4,7 +4,7 @@
 //! |---|---|---|
 //! | `METAROCE_ADDRS` | the plugin's devices: a comma-separated list, one entry per device, each an IP address or several joined by `+` (one per plane of that device) | the addresses of `METAROCE_IFNAME`, else the first IPv4 address of an interface that is up and not loopback, else `127.0.0.1` |
 //! | `METAROCE_IFNAME` | interface names, comma-separated, one device each (their first IPv4 address) | none |
-//! | `METAROCE_BACKEND` | `auto`, `uring` or `portable` | `auto` |
+//! | `METAROCE_BACKEND` | `auto`, `uring`, `portable` or `af_xdp` (root; `METAROCE_ADDRS` an Ethernet interface's address) | `auto` |
 //! | `METAROCE_PATHS` | paths (source ports) per connection | the core's default |
 //! | `METAROCE_SPEED_MBPS` | the speed `getProperties` reports, Mbps | `100000` |
 //! | `METAROCE_BUSY_POLL_US` | how long the endpoint thread polls before it sleeps, µs | `0` |
