@@ -11,9 +11,10 @@
 #   - 64 B WRITEs, 128 outstanding: messages per second;
 #   - 8 B SENDs, one outstanding: completion latency p50;
 # on an unshaped fabric of 4 spines, every byte verified; then, on the
-# same fabric with each spine limited to 200 Mbit/s (0.8 Gbit/s in all, which
-# both backends fill), 64 KiB WRITEs with the drivers sleeping when idle
-# (`--busy-poll 0`): CPU seconds per GB at equal throughput.
+# same fabric with each spine limited to 200 Mbit/s (0.8 Gbit/s in all, far
+# below what either backend moves unshaped), 64 KiB WRITEs with the drivers
+# sleeping when idle (`--busy-poll 0`): CPU seconds per GB at a throughput
+# the fabric, not the host, sets (the table shows how close the two come).
 # Then the ceiling of each path with no protocol (`examples/xdp_pump.rs`,
 # raw AF_XDP against a kernel UDP socket, one datagram per call, busy
 # polling): datagrams per second at 64 and at 3798 bytes, 8 B round trips.
