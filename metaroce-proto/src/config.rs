@@ -65,6 +65,12 @@ pub struct EndpointConfig {
     pub max_rto: Duration,
     /// Timeouts without progress before a connection fails (`retry_cnt`).
     pub retry_cnt: u8,
+    /// The least time each retry is given (RoCE's `timeout`): a connection
+    /// fails only after more than `retry_cnt` timeouts without progress
+    /// *and* `(retry_cnt + 1) × retry_timeout` without progress; a QP's
+    /// progress probes likewise, unless the QP has a `timeout` of its own
+    /// (PROTOCOL §11.6, §13.4). Retransmissions are not slowed by it.
+    pub retry_timeout: Duration,
     /// Delayed-ACK timer.
     pub ack_delay: Duration,
     /// Packets received before an ACK goes out regardless of the timer.
@@ -171,6 +177,7 @@ impl Default for EndpointConfig {
             min_rto: DEFAULT_MIN_RTO,
             max_rto: DEFAULT_MAX_RTO,
             retry_cnt: DEFAULT_RETRY_CNT,
+            retry_timeout: DEFAULT_RETRY_TIMEOUT,
             ack_delay: DEFAULT_ACK_DELAY,
             ack_every: DEFAULT_ACK_EVERY,
             coalesce_acks: true,
@@ -215,6 +222,9 @@ impl EndpointConfig {
         }
         if self.min_rto.is_zero() || self.min_rto > self.max_rto {
             return Err(ConfigError("need 0 < min_rto <= max_rto"));
+        }
+        if self.retry_timeout.is_zero() {
+            return Err(ConfigError("retry_timeout must be above zero"));
         }
         if self.min_window == 0 || self.min_window > self.max_window {
             return Err(ConfigError("need 0 < min_window <= max_window"));

@@ -165,6 +165,13 @@ pub const DEFAULT_MAX_RTO: Duration = Duration::from_millis(500);
 /// connection fails with retry-exceeded (`DEFAULT_RETRY_CNT`, as `retry_cnt` in verbs).
 pub const DEFAULT_RETRY_CNT: u8 = 7;
 
+/// Default least time each retry is given before a connection, or a QP's
+/// progress probes, fail (`DEFAULT_RETRY_TIMEOUT`): RoCE's `timeout` 14
+/// (67 ms), rounded. With `retry_cnt` 7 a failure needs half a second of
+/// silence at least, however short the RTO: a host stall (a thread off its
+/// core on a busy machine) shorter than that fails nothing.
+pub const DEFAULT_RETRY_TIMEOUT: Duration = Duration::from_millis(64);
+
 /// Default number of RNR retries before a request fails (`DEFAULT_RNR_RETRY`).
 /// The value 7 means "retry forever", as in verbs.
 pub const DEFAULT_RNR_RETRY: u8 = 7;

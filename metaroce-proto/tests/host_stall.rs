@@ -9,8 +9,10 @@
 
 mod common;
 
-use common::OneWrite;
-use metaroce_proto::Ecn;
+use common::{drain_cq, pattern, write_regions, write_wr, LinkConfig, OneWrite, Pair, Verbs};
+use metaroce_proto::consts::{DEFAULT_RETRY_CNT, DEFAULT_RETRY_TIMEOUT};
+use metaroce_proto::verbs::WcStatus;
+use metaroce_proto::{Ecn, EndpointConfig};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -92,4 +94,103 @@ fn a_stall_of_every_path_fails_none() {
     );
     w.check_done(&wcs);
     assert_eq!(s.path_failures, 0, "no path failed at all: {s:?}");
+}
+
+/// WRITEs streaming from A to B (16 of 64 KiB outstanding, 8 paths, a
+/// 3.2 Gbit/s link) until `silence_from`, then nothing gets through either
+/// way until `silence_from + silence`, then the run goes on for 2 s.
+/// Returns the first failed completion (status, ms into the run) and how
+/// many WRITEs completed after the silence.
+fn stream_through_a_silence(
+    seed: u64,
+    loss: f64,
+    silence: Duration,
+) -> (Option<(WcStatus, u64)>, u64) {
+    let cfg = EndpointConfig {
+        paths: 8,
+        ..EndpointConfig::default()
+    };
+    let link = LinkConfig {
+        bytes_per_us: 400,
+        duplicate: 0.0,
+        reorder: 0.0,
+        ..LinkConfig::lossy(loss)
+    };
+    let mut p = Pair::new(cfg.clone(), cfg, seed, link);
+    p.connect();
+    let v = Verbs::setup(&mut p);
+    const MSG: u64 = 64 << 10;
+    let data = pattern(seed, 16 * MSG as usize);
+    let (src, dst) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &data);
+    let mut next = 0u64;
+    for _ in 0..16 {
+        let at = (next % 16) * MSG;
+        p.a.post_send(p.now, v.qa, write_wr(next, &src, &dst, at, MSG as u32))
+            .unwrap();
+        next += 1;
+    }
+    let silence_from = p.now + Duration::from_millis(50);
+    let silence_to = silence_from + silence;
+    let end = silence_to + Duration::from_secs(2);
+    let mut failed = None;
+    let mut done_after = 0;
+    let mut silenced = false;
+    p.run_until(end, |p| {
+        if !silenced && p.now >= silence_from {
+            p.cut_until = Some(silence_to);
+            silenced = true;
+        }
+        for wc in drain_cq(&mut p.a, v.cqa) {
+            if wc.status != WcStatus::Success {
+                failed = Some((wc.status, p.now.as_nanos() / 1_000_000));
+                return true;
+            }
+            if p.now > silence_to {
+                done_after += 1;
+            }
+            let at = (next % 16) * MSG;
+            p.a.post_send(p.now, v.qa, write_wr(next, &src, &dst, at, MSG as u32))
+                .unwrap();
+            next += 1;
+        }
+        false
+    });
+    (failed, done_after)
+}
+
+/// A host that stops for 200 ms (a thread off its core on a busy machine:
+/// nothing it sends leaves, nothing sent to it is read) in the middle of a
+/// transfer fails nothing, with or without loss. Each timeout during the
+/// silence sends one packet per path again as a probe, past windows that
+/// the packets still outstanding fill, so the first probe after the
+/// silence ends it; and the retries must have had `retry_timeout` each
+/// before the connection may fail. (Before, the probes stopped once the
+/// retransmitted probes filled the windows, and the connection failed
+/// with `RetryExceeded` about 300 ms into a 200 ms silence.)
+#[test]
+fn a_silence_of_200_ms_mid_transfer_fails_nothing() {
+    for (seed, loss) in [(1, 0.0), (2, 0.01), (3, 0.0), (4, 0.01)] {
+        let (failed, after) = stream_through_a_silence(seed, loss, Duration::from_millis(200));
+        assert_eq!(failed, None, "seed {seed}, loss {loss}");
+        assert!(
+            after > 100,
+            "seed {seed}: only {after} WRITEs after the silence"
+        );
+    }
+}
+
+/// A silence longer than the retry budget fails the connection with
+/// `RetryExceeded`, but not before `(retry_cnt + 1) × retry_timeout` of it.
+#[test]
+fn a_silence_past_the_retry_budget_fails_with_retry_exceeded() {
+    let budget = DEFAULT_RETRY_TIMEOUT * (u32::from(DEFAULT_RETRY_CNT) + 1);
+    let (failed, _) = stream_through_a_silence(5, 0.0, Duration::from_secs(3));
+    let (status, at_ms) = failed.expect("a 3 s silence fails the connection");
+    assert_eq!(status, WcStatus::RetryExceeded);
+    // The silence starts 50 ms after the connection, itself a few ms in.
+    let silent_ms = at_ms.saturating_sub(50);
+    assert!(
+        silent_ms as u128 >= budget.as_millis() && silent_ms < 3000,
+        "failed {silent_ms} ms into the silence (budget {budget:?})"
+    );
 }

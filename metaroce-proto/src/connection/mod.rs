@@ -252,6 +252,11 @@ pub(crate) struct Connection {
     /// When the last timeout that counted toward `retry_cnt` happened.
     pub(crate) last_timeout: Instant,
     pub(crate) consecutive_rto: u8,
+    /// Retransmissions a silent timeout may send past the windows (one per
+    /// path that timed out; spent as they go, voided by progress): the
+    /// packets it leaves outstanding still fill the windows, and without
+    /// these a long silence would stop the probes that end it.
+    pub(crate) timeout_probes: u8,
     pub(crate) retry_cnt: u8,
     pub(crate) last_ack_at: Instant,
     pub(crate) last_progress: Instant,
@@ -424,6 +429,7 @@ impl Connection {
             rtt,
             last_timeout: now,
             consecutive_rto: 0,
+            timeout_probes: 0,
             retry_cnt: config.retry_cnt,
             last_ack_at: now,
             last_progress: now,
@@ -694,6 +700,33 @@ impl Connection {
             };
             if better {
                 best = Some((i, load, rtt));
+            }
+        }
+        let pick = best.map(|b| b.0).or(fallback)?;
+        self.path_rr = (pick + 1) % n;
+        Some(pick)
+    }
+
+    /// A path for a timeout's probe ([`timeout_probes`](Self::timeout_probes)):
+    /// the least loaded active, open path other than `avoid` (that one if
+    /// it is the only one), whatever its window.
+    pub(crate) fn pick_probe_path(&mut self, avoid: Option<u8>) -> Option<usize> {
+        let n = self.paths_tx.len();
+        let start = self.path_rr % n.max(1);
+        let mut best: Option<(usize, f64)> = None;
+        let mut fallback = None;
+        for i in (start..n).chain(0..start) {
+            let p = &self.paths_tx[i];
+            if !self.path_open(p) || p.state != PathState::Active {
+                continue;
+            }
+            if Some(p.id) == avoid && n > 1 {
+                fallback.get_or_insert(i);
+                continue;
+            }
+            let load = p.load(0);
+            if best.is_none_or(|(_, l)| load < l - 1e-9) {
+                best = Some((i, load));
             }
         }
         let pick = best.map(|b| b.0).or(fallback)?;

@@ -536,6 +536,7 @@ impl Endpoint {
 
     /// Runs a connection's expired timers.
     pub(crate) fn on_conn_timeout(&mut self, ci: usize, now: Instant) {
+        let retry_timeout = self.config.retry_timeout;
         let Some(c) = self.conns[ci].as_mut() else {
             return;
         };
@@ -584,6 +585,7 @@ impl Endpoint {
         // Retransmission timeouts, path by path.
         let mut lost = Vec::new();
         let mut fired = false;
+        let mut silent_fires = 0u8;
         let last_delivery_elsewhere = |paths: &[crate::connection::PathTx], me: usize| {
             paths
                 .iter()
@@ -632,6 +634,7 @@ impl Endpoint {
             };
             if silent && !probing {
                 p.expire_oldest(&mut on_lost);
+                silent_fires += 1;
             } else {
                 p.expire(cutoff, crate::connection::LossCause::Timeout, &mut on_lost);
             }
@@ -669,8 +672,18 @@ impl Endpoint {
                     c.last_timeout = now;
                 }
             }
+            // A connection silent for a second counted round in a row (not
+            // one whose receiver merely drops: that one makes progress in
+            // between) may send its probes past the windows.
+            if c.consecutive_rto >= 2 {
+                let most = c.paths_tx.len().min(usize::from(u8::MAX)) as u8;
+                c.timeout_probes = c.timeout_probes.saturating_add(silent_fires).min(most);
+            }
             tracing::debug!(conn = ci, n = c.consecutive_rto, "retransmission timeout");
-            if c.consecutive_rto > c.retry_cnt {
+            // And only after the retries had their time (`retry_timeout`
+            // each): a short RTO must not turn a host stall into a failure.
+            let floor = retry_timeout * (u32::from(c.retry_cnt) + 1);
+            if c.consecutive_rto > c.retry_cnt && now.saturating_since(c.last_progress) >= floor {
                 c.ctrl = Some(Ctrl::Close(crate::wire::CloseCode::RetryExceeded));
                 self.end_connection(ci, ConnectionState::Failed, ConnectionError::RetryExceeded);
                 return;
@@ -687,12 +700,20 @@ impl Endpoint {
             if q.probe_deadline(rto).is_none_or(|d| d > now) {
                 continue;
             }
-            if q.probes >= q.probe_limit(retry_cnt) {
+            let limit = q.probe_limit(retry_cnt);
+            let floor = q.timeout.unwrap_or(retry_timeout) * u32::from(limit);
+            let given = q
+                .first_probe_at
+                .is_none_or(|t| now.saturating_since(t) >= floor);
+            if q.probes >= limit && given {
                 let oldest = q.sq.front().map(|w| w.msn);
                 tracing::debug!(?qpn, "no progress after {} probes", q.probes);
                 self.fail_qp(qpn, oldest.map(|m| (m, WcStatus::RetryExceeded)), true);
             } else {
-                q.probes += 1;
+                if q.probes == 0 {
+                    q.first_probe_at = Some(now);
+                }
+                q.probes = q.probes.saturating_add(1);
                 q.probe_pending = true;
                 q.last_progress = now;
             }
@@ -752,7 +773,7 @@ impl Endpoint {
             return false;
         }
         let paced_ok = c.pacer.ready(now);
-        if !c.retx.is_empty() && paced_ok && c.cwnd_room(c.mtu as u64) {
+        if !c.retx.is_empty() && paced_ok && (c.cwnd_room(c.mtu as u64) || c.timeout_probes > 0) {
             return true;
         }
         if !c.csn_room() {

@@ -1123,6 +1123,7 @@ impl Endpoint {
         }
         if progress {
             c.consecutive_rto = 0;
+            c.timeout_probes = 0;
             c.last_progress = now;
         }
         c.last_ack_at = now;

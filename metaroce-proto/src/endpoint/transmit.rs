@@ -368,8 +368,14 @@ impl Endpoint {
         if c.ack_due(now) && c.plane_open(c.ack_plane()) {
             return self.emit_ack(ci, now, &mut buf[..mtu], tl);
         }
-        // Retransmissions: same CSN, new PSN, preferably another path.
-        while c.cwnd_room(mtu as u64) && c.pacer.ready(now) {
+        // Retransmissions: same CSN, new PSN, preferably another path. A
+        // silent timeout's probe goes whatever the windows say.
+        loop {
+            let room = c.cwnd_room(mtu as u64);
+            let probe = !room && c.timeout_probes > 0;
+            if !(room || probe) || !c.pacer.ready(now) {
+                break;
+            }
             let Some(csn) = c.retx.pop_front() else { break };
             let Some(rec) = c.record_mut(csn) else {
                 continue;
@@ -379,7 +385,22 @@ impl Endpoint {
                 continue;
             }
             let (kind, avoid) = (rec.kind, rec.last_path);
-            let Some(path) = c.pick_path(Some(avoid), mtu as u64) else {
+            let pick = if probe {
+                c.pick_probe_path(Some(avoid))
+            } else {
+                c.pick_path(Some(avoid), mtu as u64)
+            };
+            if probe {
+                // Spent; or void when no path may take one (failed or
+                // probing paths have probes of their own), so that
+                // `wants_send` does not keep asking for it.
+                c.timeout_probes = if pick.is_some() {
+                    c.timeout_probes - 1
+                } else {
+                    0
+                };
+            }
+            let Some(path) = pick else {
                 c.retx.push_front(csn);
                 if let Some(r) = c.record_mut(csn) {
                     r.queued = true;

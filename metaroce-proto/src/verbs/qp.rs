@@ -497,6 +497,8 @@ pub(crate) struct Qp {
     pub(crate) probes: u8,
     /// A probe is owed.
     pub(crate) probe_pending: bool,
+    /// When the first of the current run of progress probes went out.
+    pub(crate) first_probe_at: Option<Instant>,
 }
 
 impl Qp {
@@ -551,6 +553,7 @@ impl Qp {
             last_progress: Instant::ZERO,
             probes: 0,
             probe_pending: false,
+            first_probe_at: None,
         }
     }
 

@@ -128,6 +128,9 @@ pub struct Pair {
     pub sent: [(u64, u64); 2],
     /// Link is cut in this direction (a->b, b->a).
     pub cut: (bool, bool),
+    /// Both directions are cut until this instant (a host stall, or an
+    /// outage that ends on time whatever the timers do).
+    pub cut_until: Option<Instant>,
     /// Earliest time each direction's wire is free (serialisation).
     wire_free: [u64; 2],
     /// Transmits are gathered ([`Endpoint::poll_transmit_gather`]) and put
@@ -168,6 +171,7 @@ impl Pair {
             dropped: 0,
             sent: [(0, 0); 2],
             cut: (false, false),
+            cut_until: None,
             wire_free: [0, 0],
             gather: None,
             region_chunks: 0,
@@ -244,6 +248,7 @@ impl Pair {
                     sent.0 += 1;
                     sent.1 += bytes.len() as u64;
                     let cut = if to_b { self.cut.0 } else { self.cut.1 };
+                    let cut = cut || self.cut_until.is_some_and(|t| self.now < t);
                     if cut || self.rng.unit() < self.link.loss {
                         self.dropped += 1;
                         continue;
