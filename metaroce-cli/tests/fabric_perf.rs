@@ -9,8 +9,8 @@
 mod common;
 
 use common::{
-    assert_success, bounded, is_root, netns_list, server_exit, start_server, Guard as ChildGuard,
-    TestFabric, BIN,
+    assert_all_verified, assert_success, bounded, is_root, netns_list, server_exit, start_server,
+    Guard as ChildGuard, TestFabric, BIN,
 };
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -221,14 +221,7 @@ fn perf_across_for(fab: &TestFabric, secs: &str) -> serde_json::Value {
         v["gbps"].as_f64().unwrap(),
         v["retransmits"]
     );
-    assert_eq!(v["corrupt_bytes"], 0, "{v}");
-    let iters = v["iterations"].as_u64().unwrap();
-    assert!(iters > 0, "{v}");
-    assert_eq!(
-        v["verified_bytes"].as_u64().unwrap(),
-        iters * v["msg_size"].as_u64().unwrap(),
-        "{v}"
-    );
+    assert_all_verified(&v);
     // The server exits 0 after its one run.
     assert!(
         server_exit(srv, Duration::from_secs(20)),

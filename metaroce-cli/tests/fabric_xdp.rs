@@ -54,14 +54,7 @@ fn run(fab: &TestFabric, server: &str, client: &str, op: &str) -> serde_json::Va
             "{v}"
         );
     }
-    assert_eq!(v["corrupt_bytes"], 0, "{v}");
-    let iters = v["iterations"].as_u64().unwrap();
-    assert!(iters > 0, "{v}");
-    assert_eq!(
-        v["verified_bytes"].as_u64().unwrap(),
-        iters * v["msg_size"].as_u64().unwrap(),
-        "{v}"
-    );
+    assert_all_verified(&v);
     assert!(
         server_exit(srv, Duration::from_secs(20)),
         "the {server} server failed ({op})"

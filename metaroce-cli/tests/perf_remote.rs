@@ -5,7 +5,10 @@
 
 mod common;
 
-use common::{assert_success, bounded, server_exit, start_server as spawn_server, Guard, BIN};
+use common::{
+    assert_all_verified, assert_success, bounded, server_exit, start_server as spawn_server, Guard,
+    BIN,
+};
 use std::net::UdpSocket;
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -46,14 +49,7 @@ fn write_read_send_between_processes() {
         let v = client_json(&addr, &[&["--op", op][..], &SHORT_PORTABLE].concat());
         assert_eq!(v["op"], op);
         assert_eq!(v["qps"], 2);
-        assert_eq!(v["corrupt_bytes"], 0, "{v}");
-        let iters = v["iterations"].as_u64().unwrap();
-        assert!(iters > 0, "{v}");
-        assert_eq!(
-            v["verified_bytes"].as_u64().unwrap(),
-            iters * v["msg_size"].as_u64().unwrap(),
-            "{v}"
-        );
+        assert_all_verified(&v);
         assert!(
             server_exit(srv, Duration::from_secs(20)),
             "the server failed ({op})"

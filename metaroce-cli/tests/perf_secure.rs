@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{assert_success, bounded, server_exit, start_server, BIN};
+use common::{assert_all_verified, assert_success, bounded, server_exit, start_server, BIN};
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -22,17 +22,6 @@ fn run_json(args: &[&str]) -> serde_json::Value {
     let out = bounded(cmd, Duration::from_secs(60));
     assert_success(&out, format!("{args:?} failed: "));
     serde_json::from_slice(&out.stdout).expect("one JSON object")
-}
-
-fn assert_all_verified(v: &serde_json::Value) {
-    assert_eq!(v["corrupt_bytes"], 0, "{v}");
-    let iters = v["iterations"].as_u64().unwrap();
-    assert!(iters > 0, "{v}");
-    assert_eq!(
-        v["verified_bytes"].as_u64().unwrap(),
-        iters * v["msg_size"].as_u64().unwrap(),
-        "{v}"
-    );
 }
 
 #[test]

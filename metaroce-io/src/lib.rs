@@ -57,6 +57,7 @@ mod mtu;
 mod pair;
 mod portable;
 mod sockets;
+mod turn;
 #[cfg(target_os = "linux")]
 mod uring;
 mod waker;

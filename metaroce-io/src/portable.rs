@@ -165,43 +165,9 @@ impl PortableDriver {
         self.poll_turn(max_wait).map(|_| ())
     }
 
-    /// [`poll`](Self::poll), saying whether the turn did anything (sent or
-    /// received a datagram, ran a timer, made a completion or an event).
+    /// [`poll`](Self::poll), saying whether the turn did anything.
     fn poll_turn(&mut self, max_wait: Duration) -> Result<bool, DriverError> {
-        let unpolled = self.ep.unpolled();
-        let sent = self.flush()?;
-        let got = self.receive()? | self.release();
-        // Completions or events this turn made (a request that failed
-        // locally when its turn to be sent came sends nothing) are the
-        // caller's to see before the turn may sleep.
-        let made = self.ep.unpolled() != unpolled;
-        if !sent && !got && !made {
-            let now = self.clock.now();
-            let wait = fault::timer_wait(&mut self.ep, self.faults.as_deref(), now, max_wait);
-            if !wait.is_zero() {
-                let deadline = now + wait;
-                if self.busy_poll(wait)? {
-                    self.stats.busy_polls += 1;
-                } else {
-                    // What the busy poll spent counts against the wait.
-                    let left = self.clock.until(deadline);
-                    if !left.is_zero() {
-                        self.stats.waits += 1;
-                        self.wait_readable(left)?;
-                    }
-                }
-                self.receive()?;
-                self.release();
-            }
-        }
-        let now = self.clock.now();
-        let mut timers = false;
-        if self.ep.poll_timeout().is_some_and(|t| t <= now) {
-            self.ep.handle_timeout(now);
-            timers = true;
-        }
-        let sent_after = self.flush()?;
-        Ok(sent || got || made || timers || sent_after)
+        crate::turn::poll_turn(self, max_wait)
     }
 
     /// One turn that never sleeps, for a caller that waits between turns
@@ -408,5 +374,31 @@ impl PortableDriver {
             }
         }
         Ok(r > 0)
+    }
+}
+
+impl crate::turn::TurnParts for PortableDriver {
+    fn parts(&mut self) -> (&mut Endpoint, &Clock, Option<&Faults>, &mut DriverStats) {
+        (
+            &mut self.ep,
+            &self.clock,
+            self.faults.as_deref(),
+            &mut self.stats,
+        )
+    }
+    fn flush(&mut self) -> Result<bool, DriverError> {
+        PortableDriver::flush(self)
+    }
+    fn receive(&mut self) -> Result<bool, DriverError> {
+        PortableDriver::receive(self)
+    }
+    fn release(&mut self) -> bool {
+        PortableDriver::release(self)
+    }
+    fn busy_poll(&mut self, wait: Duration) -> Result<bool, DriverError> {
+        PortableDriver::busy_poll(self, wait)
+    }
+    fn wait_readable(&mut self, timeout: Duration) -> Result<bool, DriverError> {
+        PortableDriver::wait_readable(self, timeout)
     }
 }

@@ -21,6 +21,19 @@ pub fn assert_success(out: &Output, what: impl std::fmt::Display) {
     );
 }
 
+/// Checks a perf `--json` report: messages ran, every byte of each was
+/// verified, none was corrupt.
+pub fn assert_all_verified(v: &serde_json::Value) {
+    assert_eq!(v["corrupt_bytes"], 0, "{v}");
+    let iters = v["iterations"].as_u64().unwrap();
+    assert!(iters > 0, "{v}");
+    assert_eq!(
+        v["verified_bytes"].as_u64().unwrap(),
+        iters * v["msg_size"].as_u64().unwrap(),
+        "{v}"
+    );
+}
+
 /// A child process killed when dropped (a failing test leaves nothing behind).
 pub struct Guard(pub Child);
 

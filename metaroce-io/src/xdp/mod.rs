@@ -368,47 +368,22 @@ impl XdpDriver {
     }
 
     fn poll_turn(&mut self, max_wait: Duration) -> Result<bool, DriverError> {
-        let unpolled = self.ep.unpolled();
-        // The side channels (route changes, datagrams the program passed
-        // to the kernel's socket) cost a system call each to look at: at
-        // most once a millisecond, or when a wait saw them readable.
+        crate::turn::poll_turn(self, max_wait)
+    }
+
+    /// The side channels (route changes, datagrams the program passed to
+    /// the kernel's socket) cost a system call each to look at: at most
+    /// once a millisecond, or when a wait saw them readable. Whether the
+    /// socket had anything.
+    fn side_channels(&mut self) -> Result<bool, DriverError> {
         let now = self.clock.now();
-        let mut side = false;
-        if self.side_due || now >= self.side_next {
-            self.side_due = false;
-            self.side_next = now + SIDE_CHANNEL_EVERY;
-            self.routes.refresh();
-            side = self.receive_kernel()?;
+        if !self.side_due && now < self.side_next {
+            return Ok(false);
         }
-        let sent = self.flush()?;
-        let got = side | self.receive()? | self.release();
-        let made = self.ep.unpolled() != unpolled;
-        if !sent && !got && !made {
-            let now = self.clock.now();
-            let wait = fault::timer_wait(&mut self.ep, self.faults.as_deref(), now, max_wait);
-            if !wait.is_zero() {
-                let deadline = now + wait;
-                if self.busy_poll(wait)? {
-                    self.stats.busy_polls += 1;
-                } else {
-                    let left = self.clock.until(deadline);
-                    if !left.is_zero() {
-                        self.stats.waits += 1;
-                        self.wait_readable(left)?;
-                    }
-                }
-                self.receive()?;
-                self.release();
-            }
-        }
-        let now = self.clock.now();
-        let mut timers = false;
-        if self.ep.poll_timeout().is_some_and(|t| t <= now) {
-            self.ep.handle_timeout(now);
-            timers = true;
-        }
-        let sent_after = self.flush()?;
-        Ok(sent || got || made || timers || sent_after)
+        self.side_due = false;
+        self.side_next = now + SIDE_CHANNEL_EVERY;
+        self.routes.refresh();
+        self.receive_kernel()
     }
 
     pub(crate) fn turn(&mut self) -> Result<bool, DriverError> {
@@ -653,6 +628,35 @@ impl XdpDriver {
             self.side_due = true;
         }
         Ok(r > 0)
+    }
+}
+
+impl crate::turn::TurnParts for XdpDriver {
+    fn parts(&mut self) -> (&mut Endpoint, &Clock, Option<&Faults>, &mut DriverStats) {
+        (
+            &mut self.ep,
+            &self.clock,
+            self.faults.as_deref(),
+            &mut self.stats,
+        )
+    }
+    fn before(&mut self) -> Result<bool, DriverError> {
+        self.side_channels()
+    }
+    fn flush(&mut self) -> Result<bool, DriverError> {
+        XdpDriver::flush(self)
+    }
+    fn receive(&mut self) -> Result<bool, DriverError> {
+        XdpDriver::receive(self)
+    }
+    fn release(&mut self) -> bool {
+        XdpDriver::release(self)
+    }
+    fn busy_poll(&mut self, wait: Duration) -> Result<bool, DriverError> {
+        XdpDriver::busy_poll(self, wait)
+    }
+    fn wait_readable(&mut self, timeout: Duration) -> Result<bool, DriverError> {
+        XdpDriver::wait_readable(self, timeout)
     }
 }
 
