@@ -79,21 +79,9 @@ pub const PAGE_CHUNK_MAX_PAYLOAD: u16 = (MAX_RX_FRAME - HEADERS) as u16;
 pub struct XdpDriver {
     ep: Endpoint,
     clock: Clock,
-    xsk: Xsk,
-    routes: Routes,
-    /// The UDP sockets of the endpoint's ports: they keep the ports taken,
-    /// and carry what the AF_XDP path cannot (see the module docs).
-    sockets: Sockets,
-    local: SocketAddrV4,
-    ifname: String,
-    mac: [u8; 6],
-    counters: bpf::Map,
+    /// The socket, its program, the route cache and the UDP sockets.
+    port: Port,
     cpus: usize,
-    // Drop order: the link (detaching the program) before the maps.
-    _link: OwnedFd,
-    _prog: bpf::Program,
-    _xsk_map: bpf::Map,
-    attach_mode: &'static str,
     tx_buf: Vec<u8>,
     turn_send_bytes: usize,
     turn_recv_bytes: usize,
@@ -113,9 +101,9 @@ const SIDE_CHANNEL_EVERY: Duration = Duration::from_millis(1);
 impl std::fmt::Debug for XdpDriver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("XdpDriver")
-            .field("local", &self.local)
-            .field("iface", &self.ifname)
-            .field("mode", &self.xsk.mode)
+            .field("local", &self.port.local)
+            .field("iface", &self.port.ifname)
+            .field("mode", &self.port.xsk.mode)
             .field("stats", &self.stats)
             .finish_non_exhaustive()
     }
@@ -137,16 +125,19 @@ fn unavailable(what: &str, e: std::io::Error) -> DriverError {
 pub(crate) struct Port {
     pub(crate) xsk: Xsk,
     pub(crate) routes: Routes,
+    /// The UDP sockets of the endpoint's ports: they keep the ports taken,
+    /// and carry what the AF_XDP path cannot (see the module docs).
     pub(crate) sockets: Sockets,
     pub(crate) local: SocketAddrV4,
     pub(crate) ifname: String,
     pub(crate) mac: [u8; 6],
     pub(crate) if_mtu: u32,
     pub(crate) counters: bpf::Map,
-    // Drop order: the link (detaching the program) before the maps.
-    pub(crate) link: OwnedFd,
-    pub(crate) prog: bpf::Program,
-    pub(crate) xsk_map: bpf::Map,
+    /// Held for as long as the port lives: dropping the link detaches the
+    /// program, then the program and the socket map go.
+    _link: OwnedFd,
+    _prog: bpf::Program,
+    _xsk_map: bpf::Map,
     pub(crate) attach_mode: &'static str,
 }
 
@@ -214,11 +205,28 @@ impl Port {
             mac,
             if_mtu,
             counters,
-            link,
-            prog,
-            xsk_map,
+            _link: link,
+            _prog: prog,
+            _xsk_map: xsk_map,
             attach_mode,
         })
+    }
+
+    /// Mode, hook and interface.
+    pub(crate) fn info(&self) -> XdpInfo {
+        XdpInfo {
+            mode: self.xsk.mode,
+            attach: self.attach_mode,
+            iface: self.ifname.clone(),
+        }
+    }
+
+    /// The largest UDP payload a frame may carry: one UMEM chunk, within
+    /// the interface's MTU.
+    pub(crate) fn max_payload(&self) -> u16 {
+        self.if_mtu
+            .saturating_sub(28)
+            .min(u32::from(PAGE_CHUNK_MAX_PAYLOAD)) as u16
     }
 }
 
@@ -227,36 +235,19 @@ impl XdpDriver {
     /// XDP program, binds the UDP sockets of the endpoint's ports and
     /// creates the endpoint.
     pub fn bind(cfg: DriverConfig) -> Result<Self, DriverError> {
-        let Port {
-            xsk,
-            routes,
-            sockets,
-            local,
-            ifname,
-            mac,
-            if_mtu,
-            counters,
-            link,
-            prog,
-            xsk_map,
-            attach_mode,
-        } = Port::open(&cfg)?;
-        let mut ecfg = sockets.endpoint_config(cfg.endpoint.clone());
-        // A frame fits one UMEM chunk and the interface's MTU.
-        let if_payload = if_mtu
-            .saturating_sub(28)
-            .min(u32::from(PAGE_CHUNK_MAX_PAYLOAD)) as u16;
-        ecfg.mtu = ecfg.mtu.min(if_payload);
+        let port = Port::open(&cfg)?;
+        let mut ecfg = port.sockets.endpoint_config(cfg.endpoint.clone());
+        ecfg.mtu = ecfg.mtu.min(port.max_payload());
         ecfg.max_gso_segments = 1;
         let ep = Endpoint::new(ecfg, cfg.endpoint_seed())?;
-        let mode = xsk.mode;
+        let (mode, attach_mode) = (port.xsk.mode, port.attach_mode);
         tracing::info!(
-            %local,
-            iface = %ifname,
+            local = %port.local,
+            iface = %port.ifname,
             queue = cfg.xdp.queue,
             %mode,
             attach = attach_mode,
-            frames = xsk.rx_frames + xsk.tx_frames,
+            frames = port.xsk.rx_frames + port.xsk.tx_frames,
             mtu = ep.config().mtu,
             "AF_XDP driver bound: {mode} mode, XDP program attached in {attach_mode} mode"
         );
@@ -268,18 +259,8 @@ impl XdpDriver {
         Ok(XdpDriver {
             ep,
             clock: Clock::new(),
-            xsk,
-            routes,
-            sockets,
-            local,
-            ifname,
-            mac,
-            counters,
+            port,
             cpus: bpf::possible_cpus(),
-            _link: link,
-            _prog: prog,
-            _xsk_map: xsk_map,
-            attach_mode,
             tx_buf: vec![0u8; 65_536],
             turn_send_bytes: cfg.turn_send_bytes,
             turn_recv_bytes: cfg.turn_recv_bytes,
@@ -299,7 +280,7 @@ impl XdpDriver {
 
     /// The address peers reach this endpoint at.
     pub fn local_addr(&self) -> SocketAddr {
-        SocketAddr::V4(self.local)
+        SocketAddr::V4(self.port.local)
     }
 
     /// The current time on the driver's clock.
@@ -309,32 +290,28 @@ impl XdpDriver {
 
     /// The interface the socket is bound to.
     pub fn interface(&self) -> &str {
-        &self.ifname
+        &self.port.ifname
     }
 
     /// Zero copy or copy.
     pub fn mode(&self) -> XdpMode {
-        self.xsk.mode
+        self.port.xsk.mode
     }
 
     /// How the XDP program is attached: `driver` (the interface's own
     /// hook) or `generic`.
     pub fn attach_mode(&self) -> &'static str {
-        self.attach_mode
+        self.port.attach_mode
     }
 
     /// Mode, hook and interface, as `perf` reports them.
     pub fn info(&self) -> XdpInfo {
-        XdpInfo {
-            mode: self.xsk.mode,
-            attach: self.attach_mode,
-            iface: self.ifname.clone(),
-        }
+        self.port.info()
     }
 
     /// The driver's counters, with the socket's and the XDP program's.
     pub fn stats(&self) -> DriverStats {
-        let x = self.xsk.stats();
+        let x = self.port.xsk.stats();
         let mut s = self.stats;
         s.xdp_rx_dropped = x.rx_dropped;
         s.xdp_rx_ring_full = x.rx_ring_full;
@@ -343,12 +320,17 @@ impl XdpDriver {
         s.xdp_tx_dropped = x.tx_dropped;
         s.xdp_fill_level = u64::from(x.fill_level);
         s.xdp_tx_free = u64::from(x.tx_free);
-        s.xdp_passed = self.counters.sum(bpf::COUNT_PASS, self.cpus).unwrap_or(0);
+        s.xdp_passed = self
+            .port
+            .counters
+            .sum(bpf::COUNT_PASS, self.cpus)
+            .unwrap_or(0);
         s.xdp_redirected = self
+            .port
             .counters
             .sum(bpf::COUNT_REDIRECT, self.cpus)
             .unwrap_or(0);
-        s.route_lookups = self.routes.lookups;
+        s.route_lookups = self.port.routes.lookups;
         s
     }
 
@@ -382,7 +364,7 @@ impl XdpDriver {
         }
         self.side_due = false;
         self.side_next = now + SIDE_CHANNEL_EVERY;
-        self.routes.refresh();
+        self.port.routes.refresh();
         self.receive_kernel()
     }
 
@@ -398,9 +380,9 @@ impl XdpDriver {
 
     pub(crate) fn wait_fds(&self) -> Vec<std::os::fd::RawFd> {
         vec![
-            self.xsk.fd(),
-            self.sockets.recv[0].as_raw_fd(),
-            self.routes.event_fd(),
+            self.port.xsk.fd(),
+            self.port.sockets.recv[0].as_raw_fd(),
+            self.port.routes.event_fd(),
         ]
     }
 
@@ -412,11 +394,15 @@ impl XdpDriver {
         let XdpDriver {
             ep,
             clock,
-            xsk,
-            routes,
-            sockets,
-            local,
-            mac,
+            port:
+                Port {
+                    xsk,
+                    routes,
+                    sockets,
+                    local,
+                    mac,
+                    ..
+                },
             stats,
             ..
         } = self;
@@ -482,8 +468,7 @@ impl XdpDriver {
         let XdpDriver {
             ep,
             clock,
-            xsk,
-            local,
+            port: Port { xsk, local, .. },
             stats,
             faults,
             ..
@@ -528,7 +513,7 @@ impl XdpDriver {
             clock,
             stats,
             faults,
-            sockets,
+            port: Port { sockets, .. },
             tx_buf,
             ..
         } = self;
@@ -570,7 +555,7 @@ impl XdpDriver {
         let until = std::time::Instant::now() + spin;
         let mut k = 0u32;
         loop {
-            if self.xsk.rx_pending() {
+            if self.port.xsk.rx_pending() {
                 return Ok(true);
             }
             k = k.wrapping_add(1);
@@ -590,16 +575,16 @@ impl XdpDriver {
     /// waker is readable, at most `timeout`. True if one is.
     fn wait_readable(&mut self, timeout: Duration) -> Result<bool, DriverError> {
         // Frames published while the kernel was busy go out first.
-        self.xsk.retry_kick()?;
+        self.port.xsk.retry_kick()?;
         let pollfd = |fd| libc::pollfd {
             fd,
             events: libc::POLLIN,
             revents: 0,
         };
         let mut pfd = [
-            pollfd(self.xsk.fd()),
-            pollfd(self.sockets.recv[0].as_raw_fd()),
-            pollfd(self.routes.event_fd()),
+            pollfd(self.port.xsk.fd()),
+            pollfd(self.port.sockets.recv[0].as_raw_fd()),
+            pollfd(self.port.routes.event_fd()),
             pollfd(-1),
         ];
         if let Some(w) = &self.wake {

@@ -39,11 +39,9 @@ impl RawXdp {
     /// Opens the socket on the configured address's interface (see
     /// [`XdpDriver::bind`](super::XdpDriver::bind) for what it checks).
     pub fn open(cfg: &DriverConfig) -> Result<RawXdp, DriverError> {
-        let port = Port::open(cfg)?;
-        for s in port.sockets.recv.iter().chain(&port.sockets.send) {
-            s.set_nonblocking(true)?;
-        }
-        Ok(RawXdp { port })
+        Ok(RawXdp {
+            port: Port::open(cfg)?,
+        })
     }
 
     /// The address datagrams are received at.
@@ -53,19 +51,13 @@ impl RawXdp {
 
     /// Mode, hook and interface.
     pub fn info(&self) -> XdpInfo {
-        XdpInfo {
-            mode: self.port.xsk.mode,
-            attach: self.port.attach_mode,
-            iface: self.port.ifname.clone(),
-        }
+        self.port.info()
     }
 
     /// The largest payload a datagram may carry (one UMEM chunk, within the
     /// interface's MTU).
     pub fn max_payload(&self) -> usize {
-        (self.port.if_mtu as usize)
-            .saturating_sub(28)
-            .min(usize::from(super::PAGE_CHUNK_MAX_PAYLOAD))
+        usize::from(self.port.max_payload())
     }
 
     /// Sends up to `n` copies of `payload` to `dst` from the local address,
