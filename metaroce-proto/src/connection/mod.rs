@@ -674,6 +674,20 @@ impl Connection {
     /// ties broken by RTT, then round robin. `avoid` (the path a packet was
     /// lost on) is used only when no other path has room.
     pub(crate) fn pick_path(&mut self, avoid: Option<u8>, bytes: u64) -> Option<usize> {
+        // A failed path carries NOP probes only (`probe_path`) until it
+        // delivers again: data sent into a dead route (a failed plane keeps
+        // every new source port dead) would hold up its message for a
+        // timeout.
+        self.pick_among(avoid, bytes, |c, p| c.path_room(p, bytes))
+    }
+
+    /// [`pick_path`](Self::pick_path) among the paths `usable` lets through.
+    fn pick_among(
+        &mut self,
+        avoid: Option<u8>,
+        bytes: u64,
+        usable: impl Fn(&Self, &PathTx) -> bool,
+    ) -> Option<usize> {
         let n = self.paths_tx.len();
         let mut best: Option<(usize, f64, Duration)> = None;
         let mut fallback = None;
@@ -681,11 +695,7 @@ impl Connection {
         let start = self.path_rr % n.max(1);
         for i in (start..n).chain(0..start) {
             let p = &self.paths_tx[i];
-            // A failed path carries NOP probes only (`probe_path`) until it
-            // delivers again: data sent into a dead route (a failed plane
-            // keeps every new source port dead) would hold up its message
-            // for a timeout.
-            if !self.path_room(p, bytes) {
+            if !usable(self, p) {
                 continue;
             }
             if Some(p.id) == avoid && n > 1 {
@@ -708,30 +718,12 @@ impl Connection {
     }
 
     /// A path for a timeout's probe ([`timeout_probes`](Self::timeout_probes)):
-    /// the least loaded active, open path other than `avoid` (that one if
-    /// it is the only one), whatever its window.
+    /// as [`pick_path`](Self::pick_path), among the active, open paths
+    /// whatever their windows.
     pub(crate) fn pick_probe_path(&mut self, avoid: Option<u8>) -> Option<usize> {
-        let n = self.paths_tx.len();
-        let start = self.path_rr % n.max(1);
-        let mut best: Option<(usize, f64)> = None;
-        let mut fallback = None;
-        for i in (start..n).chain(0..start) {
-            let p = &self.paths_tx[i];
-            if !self.path_open(p) || p.state != PathState::Active {
-                continue;
-            }
-            if Some(p.id) == avoid && n > 1 {
-                fallback.get_or_insert(i);
-                continue;
-            }
-            let load = p.load(0);
-            if best.is_none_or(|(_, l)| load < l - 1e-9) {
-                best = Some((i, load));
-            }
-        }
-        let pick = best.map(|b| b.0).or(fallback)?;
-        self.path_rr = (pick + 1) % n;
-        Some(pick)
+        self.pick_among(avoid, 0, |c, p| {
+            c.path_open(p) && p.state == PathState::Active
+        })
     }
 
     /// Judges the paths' new RTT samples and returns those too slow for
