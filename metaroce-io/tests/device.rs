@@ -6,7 +6,10 @@
 //! the io_uring variants print `skipped: io_uring unavailable: <reason>`
 //! and pass. The `*_on_runtime_*` variants run the same tests with every
 //! device opened by `Device::open_on_runtime` (its endpoint a task of the
-//! test's runtime, not a thread).
+//! test's runtime, not a thread), the `polled::*` ones with every device
+//! opened by `Device::open_polled` and nobody calling `progress` (its
+//! endpoint thread alone drives it); `polled_progress_*` drive polled
+//! devices from the test's thread.
 
 use metaroce_io::{
     AccessFlags, ApiError, Backend, CompletionQueue, Connection, Device, DriverConfig, FaultConfig,
@@ -32,18 +35,39 @@ fn config(backend: Backend, faults: FaultConfig) -> DriverConfig {
     c
 }
 
-thread_local! {
-    /// Whether this test's devices run on its runtime (`Device::open_on_runtime`).
-    static ON_RUNTIME: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+/// How a test's devices run their endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// `Device::open`: a thread each.
+    Thread,
+    /// `Device::open_on_runtime`: a task of the test's runtime.
+    Runtime,
+    /// `Device::open_polled`, nobody calling `progress`.
+    Polled,
 }
 
-/// Opens a device as this test runs them: on a thread, or on the runtime.
+thread_local! {
+    static MODE: std::cell::Cell<Mode> = const { std::cell::Cell::new(Mode::Thread) };
+}
+
+/// Opens a device as this test runs them.
 async fn open(cfg: DriverConfig) -> Result<Device, ApiError> {
-    if ON_RUNTIME.with(|r| r.get()) {
-        Device::open_on_runtime(cfg).await
-    } else {
-        Device::open(cfg).await
+    match MODE.with(|m| m.get()) {
+        Mode::Thread => Device::open(cfg).await,
+        Mode::Runtime => Device::open_on_runtime(cfg).await,
+        Mode::Polled => Device::open_polled(cfg).await,
     }
+}
+
+/// [`run`], with every device the test opens running as `mode` says.
+fn run_in<F, Fut>(mode: Mode, backend: Backend, f: F)
+where
+    F: FnOnce(Backend) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    MODE.with(|m| m.set(mode));
+    run(backend, f);
+    MODE.with(|m| m.set(Mode::Thread));
 }
 
 /// [`run`], with every device the test opens running as a task of its
@@ -53,9 +77,7 @@ where
     F: FnOnce(Backend) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
-    ON_RUNTIME.with(|r| r.set(true));
-    run(backend, f);
-    ON_RUNTIME.with(|r| r.set(false));
+    run_in(Mode::Runtime, backend, f);
 }
 
 /// Runs `f` on a fresh runtime with `backend`, unless it cannot run here.
@@ -1409,6 +1431,163 @@ on_runtime! {
     scatter_gather_lists_both_backends: scatter_gather_lists;
 }
 
+/// The tests above with every device opened by `Device::open_polled` and
+/// no `progress` call: the polled device's endpoint thread drives it.
+macro_rules! polled {
+    ($($name:ident: $f:expr;)*) => {
+        mod polled {
+            use super::*;
+            $(
+                #[test]
+                fn $name() {
+                    run_in(Mode::Polled, Backend::Portable, $f);
+                    run_in(Mode::Polled, Backend::Uring, $f);
+                }
+            )*
+        }
+    };
+}
+
+polled! {
+    every_operation_both_backends: every_operation;
+    completion_queue_posting_both_backends: completion_queue_posting;
+    error_statuses_both_backends: error_statuses;
+    write_through_loss_both_backends: |b| async move {
+        write_through_loss(b, 0.01).await;
+    };
+    two_plane_devices_both_backends: two_plane_devices;
+    local_errors_complete_at_once_both_backends: local_errors_complete_at_once;
+    batched_and_unsignaled_posts_both_backends: batched_and_unsignaled_posts;
+    receive_chains_both_backends: receive_chains;
+}
+
+/// Polls `f` once, without waiting.
+fn poll_once<F: std::future::Future + Unpin>(f: &mut F) -> Option<F::Output> {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match std::pin::Pin::new(f).poll(&mut cx) {
+        std::task::Poll::Ready(v) => Some(v),
+        std::task::Poll::Pending => None,
+    }
+}
+
+/// Two polled devices driven by the test's thread alone, as an RDMA
+/// progress loop drives them: 2,000 SEND round trips and a 4 MiB WRITE
+/// with immediate data, each request polled without blocking between
+/// `progress` calls. The turns that move the data are the caller's (most
+/// `progress` calls do something while traffic flows), every byte
+/// arrives, and a device of `Device::open` does nothing when asked.
+async fn polled_progress(backend: Backend) {
+    MODE.with(|m| m.set(Mode::Polled));
+    let (a, b) = pair(backend, FaultConfig::default()).await;
+    MODE.with(|m| m.set(Mode::Thread));
+    // Out of tokio's cooperative budget: the loops below poll the
+    // requests' futures many times without yielding to the runtime, as a
+    // progress loop on a thread of its own does.
+    tokio::task::unconstrained(polled_progress_loops(backend, a, b)).await;
+}
+
+async fn polled_progress_loops(backend: Backend, a: Side, b: Side) {
+    let drive = || {
+        let x = a.dev.progress();
+        let y = b.dev.progress();
+        x || y
+    };
+    // Spins the two endpoints until `f` is done; counts the turns that did
+    // something.
+    fn spin<F: std::future::Future + Unpin>(
+        f: &mut F,
+        drive: &dyn Fn() -> bool,
+        busy: &mut u64,
+    ) -> F::Output {
+        let deadline = std::time::Instant::now() + LIMIT;
+        loop {
+            if drive() {
+                *busy += 1;
+            }
+            if let Some(v) = poll_once(f) {
+                return v;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a request never completed"
+            );
+        }
+    }
+    let size = 64u32;
+    let ra =
+        a.pd.reg_mr(pattern(5, 2 * size as usize), AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    let rb =
+        b.pd.reg_mr(vec![0u8; size as usize], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+    let (req, resp) = (
+        ra.sge(0, size).unwrap(),
+        ra.sge(u64::from(size), size).unwrap(),
+    );
+    let echo = rb.sge(0, size).unwrap();
+    let mut busy = 0u64;
+    let rounds = 2_000;
+    for _ in 0..rounds {
+        let mut got_b = b.qp.recv(echo);
+        let mut got_a = a.qp.recv(resp);
+        let mut sent_a = a.qp.send(req);
+        spin(&mut got_b, &drive, &mut busy).unwrap();
+        let mut sent_b = b.qp.send(echo);
+        let wc = spin(&mut got_a, &drive, &mut busy).unwrap();
+        assert_eq!(wc.byte_len, size);
+        spin(&mut sent_a, &drive, &mut busy).unwrap();
+        spin(&mut sent_b, &drive, &mut busy).unwrap();
+    }
+    assert!(
+        busy >= 2 * rounds as u64,
+        "only {busy} of the caller's turns moved anything in {rounds} round trips"
+    );
+    assert_eq!(
+        ra.read(u64::from(size), size as usize).await.unwrap(),
+        pattern(5, size as usize)
+    );
+    // A bulk WRITE with immediate data, driven the same way.
+    let len = 4u32 << 20;
+    let src =
+        a.pd.reg_mr(pattern(9, len as usize), AccessFlags::NONE)
+            .await
+            .unwrap();
+    let dst =
+        b.pd.reg_mr(
+            vec![0u8; len as usize],
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        )
+        .await
+        .unwrap();
+    let mut got = b.qp.recv(rb.sge(0, 0).unwrap());
+    let mut w = a.qp.write_imm(
+        src.sge(0, len).unwrap(),
+        dst.remote().at(0, len).unwrap(),
+        77,
+    );
+    spin(&mut w, &drive, &mut busy).unwrap();
+    let wc = spin(&mut got, &drive, &mut busy).unwrap();
+    assert_eq!((wc.imm, wc.byte_len), (Some(77), len));
+    assert!(dst.read(0, len as usize).await.unwrap() == pattern(9, len as usize));
+    // Asked of a device whose own thread drives it: nothing.
+    let t = Device::open(config(backend, FaultConfig::default()))
+        .await
+        .unwrap();
+    assert!(!t.progress());
+}
+
+#[test]
+fn polled_progress_portable() {
+    run(Backend::Portable, polled_progress);
+}
+
+#[test]
+fn polled_progress_io_uring() {
+    run(Backend::Uring, polled_progress);
+}
+
 /// On a multi-thread runtime the endpoint task moves between the
 /// runtime's threads (the io_uring receive is armed again by whichever
 /// runs it): every operation still completes, byte-exact.
@@ -1423,7 +1602,7 @@ fn on_a_multi_thread_runtime_every_operation_works() {
         // Every thread of the runtime opens its devices on the runtime.
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
-            .on_thread_start(|| ON_RUNTIME.with(|r| r.set(true)))
+            .on_thread_start(|| MODE.with(|m| m.set(Mode::Runtime)))
             .enable_all()
             .build()
             .unwrap();

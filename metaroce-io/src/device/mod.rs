@@ -179,6 +179,8 @@ enum Wake {
     Thread(Waker),
     /// The endpoint task waits on the runtime.
     Task(Arc<Notify>),
+    /// The application's threads drive the endpoint, or its thread does.
+    Polled(Arc<worker::Polled>),
 }
 
 impl Wake {
@@ -186,6 +188,15 @@ impl Wake {
         match self {
             Wake::Thread(w) => w.wake(),
             Wake::Task(n) => n.notify_one(),
+            Wake::Polled(p) => p.wake(),
+        }
+    }
+
+    /// Wakes the thread or task whether or not a caller drives.
+    fn wake_owner(&self) {
+        match self {
+            Wake::Polled(p) => p.wake_thread(),
+            w => w.wake(),
         }
     }
 }
@@ -204,7 +215,7 @@ impl Drop for Shared {
     fn drop(&mut self) {
         // The queue's sender goes with us: the thread (or task) sees it
         // closed and ends.
-        self.waker.wake();
+        self.waker.wake_owner();
     }
 }
 
@@ -358,6 +369,103 @@ impl Device {
             backend,
             in_rx,
         ))
+    }
+
+    /// Like [`open`](Self::open), but the application's own threads drive
+    /// the endpoint, each call of [`progress`](Self::progress) taking one
+    /// turn of it on the calling thread: what arrived is received and
+    /// placed, completions are handed on, and what is due is sent, with no
+    /// other thread woken on the way. This is how a polling loop gets the
+    /// round trip of a busy-polling NIC driver from a software endpoint:
+    /// an RDMA application's progress loop, NCCL's proxy thread.
+    ///
+    /// The device also has an endpoint thread, which takes the turns
+    /// whenever no caller does: for 1 ms after each `progress` call it
+    /// leaves the endpoint to the callers, and after that it drives it as
+    /// the thread of [`open`](Self::open) does (acknowledgements,
+    /// retransmissions and requests posted while nobody polls still go
+    /// out). So the rest of the API behaves as on any device; a request
+    /// posted between two `progress` calls goes out at the next call.
+    /// The driver's `busy_poll` is not used: the callers are the busy poll.
+    ///
+    /// A progress loop polls the requests' futures without a waker (a
+    /// no-op one), many times; it belongs on a thread of its own. Inside a
+    /// tokio task, wrap it in `tokio::task::unconstrained`, or tokio's
+    /// cooperative budget makes the futures pending until the task yields.
+    ///
+    /// ```no_run
+    /// # async fn demo(qp: metaroce_io::QueuePair, mr: metaroce_io::MemoryRegion,
+    /// #     remote: metaroce_io::RemoteAddr) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::{Device, DriverConfig};
+    /// let dev = Device::open_polled(DriverConfig::new("127.0.0.1:0".parse().unwrap())).await?;
+    /// // ... a connected QP on `dev`, a region, the peer's region ...
+    /// use std::future::Future;
+    /// use std::task::{Context, Poll, Waker};
+    /// let mut wr = qp.write(mr.sge(0, 8)?, remote);
+    /// let wc = loop {
+    ///     dev.progress();
+    ///     // Polled without blocking, as a progress loop polls its CQ.
+    ///     let mut cx = Context::from_waker(Waker::noop());
+    ///     if let Poll::Ready(wc) = std::pin::Pin::new(&mut wr).poll(&mut cx) {
+    ///         break wc?;
+    ///     }
+    /// };
+    /// println!("{:?}", wc.status);
+    /// # Ok(()) }
+    /// ```
+    pub async fn open_polled(cfg: DriverConfig) -> Result<Device, ApiError> {
+        Self::start_polled(cfg, None)
+    }
+
+    /// [`open_polled`](Self::open_polled), keeping `metrics` up to date as
+    /// [`open_with_metrics`](Self::open_with_metrics) does.
+    pub async fn open_polled_with_metrics(
+        cfg: DriverConfig,
+        metrics: Metrics,
+    ) -> Result<Device, ApiError> {
+        Self::start_polled(cfg, Some(metrics))
+    }
+
+    fn start_polled(cfg: DriverConfig, metrics: Option<Metrics>) -> Result<Device, ApiError> {
+        let (tx, rx) = mpsc::channel();
+        let (in_tx, in_rx) = tmpsc::unbounded_channel();
+        let (local, backend, polled) = worker::start_polled(cfg, metrics, rx, in_tx)?;
+        Ok(Device::from_parts(
+            tx,
+            Wake::Polled(polled),
+            local,
+            backend,
+            in_rx,
+        ))
+    }
+
+    /// Takes one turn of the endpoint on the calling thread, if this is a
+    /// device of [`open_polled`](Self::open_polled) and no other thread is
+    /// taking one: the requests posted so far go to the endpoint, what
+    /// arrived is received and placed, completions reach their requests
+    /// and completion queues, and what is due is sent. Never blocks.
+    /// Returns whether the turn did anything; `false` on a device whose
+    /// own thread or task drives it, where it does nothing.
+    ///
+    /// ```no_run
+    /// # fn demo(dev: metaroce_io::Device, cq: metaroce_io::CompletionQueue) {
+    /// // A progress loop: drive the endpoint, then poll the CQ.
+    /// let wcs = loop {
+    ///     dev.progress();
+    ///     let wcs = cq.poll(16);
+    ///     if !wcs.is_empty() {
+    ///         break wcs;
+    ///     }
+    ///     std::thread::yield_now();
+    /// };
+    /// println!("{} completions", wcs.len());
+    /// # }
+    /// ```
+    pub fn progress(&self) -> bool {
+        match &self.shared.waker {
+            Wake::Polled(p) => p.progress(),
+            _ => false,
+        }
     }
 
     /// The address peers connect to.

@@ -4,6 +4,7 @@
 //! one-shot channels and completion-queue sinks.
 
 use super::{ApiError, CqSink, Incoming};
+use crate::waker::WakeReceiver;
 use crate::{Driver, DriverConfig, DriverError, Metrics, Waker};
 use metaroce_proto::verbs::*;
 use metaroce_proto::{
@@ -13,6 +14,7 @@ use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, TryRecvError};
 use std::sync::Arc;
 use std::task::Poll;
@@ -223,6 +225,186 @@ pub(super) fn start_on_runtime(
     let w = Worker::new(drv, metrics, rx, incoming);
     tokio::spawn(run_task(w, waits, timer, notify));
     Ok((local, backend))
+}
+
+/// How long a caller of [`Device::progress`](super::Device::progress) is
+/// taken to go on calling it: for that long after each call the endpoint
+/// thread of a polled device leaves the driver to the callers.
+pub(super) const PROGRESS_LEASE: Duration = Duration::from_millis(1);
+
+/// Turns the endpoint thread of a polled device takes in a row before it
+/// lets a caller in.
+const THREAD_BURST: usize = 64;
+
+/// A polled device's endpoint (see
+/// [`Device::open_polled`](super::Device::open_polled)): the worker behind
+/// a lock that the application's threads take for a turn when they call
+/// `progress` and the lock is free, and that the endpoint thread takes
+/// while nobody calls.
+pub(super) struct Polled {
+    /// `None` once the endpoint stopped (every handle gone, or a driver
+    /// error).
+    worker: std::sync::Mutex<Option<Worker>>,
+    epoch: std::time::Instant,
+    /// Until when (nanoseconds after `epoch`) the callers drive.
+    lease_until: AtomicU64,
+    /// What the endpoint thread waits on beside the driver's descriptors.
+    wake: WakeReceiver,
+    waker: Waker,
+}
+
+impl Polled {
+    fn now_ns(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Whether a caller drives the endpoint now.
+    fn leased(&self) -> bool {
+        self.now_ns() < self.lease_until.load(Ordering::Acquire)
+    }
+
+    /// One turn on the calling thread if no other thread is taking one;
+    /// whether it did anything.
+    pub(super) fn progress(&self) -> bool {
+        let until = self
+            .now_ns()
+            .saturating_add(PROGRESS_LEASE.as_nanos() as u64);
+        self.lease_until.fetch_max(until, Ordering::AcqRel);
+        let mut g = match self.worker.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
+        let Some(w) = g.as_mut() else {
+            return false;
+        };
+        match w.turn_once() {
+            Ok(Some(p)) => p,
+            Ok(None) => {
+                *g = None;
+                false
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "metaroce polled endpoint stopped on a driver error");
+                *g = None;
+                false
+            }
+        }
+    }
+
+    /// Wakes the endpoint thread for a new command, unless a caller drives
+    /// (its next call takes the command).
+    pub(super) fn wake(&self) {
+        if !self.leased() {
+            self.waker.wake();
+        }
+    }
+
+    /// Wakes the endpoint thread whoever drives (the last handle is gone).
+    pub(super) fn wake_thread(&self) {
+        self.waker.wake();
+    }
+}
+
+/// Binds the driver on the calling thread and starts the thread that
+/// drives a polled device's endpoint while no caller does.
+pub(super) fn start_polled(
+    cfg: DriverConfig,
+    metrics: Option<Metrics>,
+    rx: mpsc::Receiver<Command>,
+    incoming: tmpsc::UnboundedSender<Incoming>,
+) -> Result<(SocketAddr, crate::Backend, Arc<Polled>), ApiError> {
+    let drv = Driver::bind(cfg)?;
+    let (local, backend) = (drv.local_addr(), drv.backend());
+    let mut fds = drv.wait_fds();
+    let wake = WakeReceiver::new().map_err(DriverError::Io)?;
+    fds.push(wake.fd());
+    let waker = wake.waker();
+    let polled = Arc::new(Polled {
+        worker: std::sync::Mutex::new(Some(Worker::new(drv, metrics, rx, incoming))),
+        epoch: std::time::Instant::now(),
+        lease_until: AtomicU64::new(0),
+        wake,
+        waker,
+    });
+    let p = polled.clone();
+    std::thread::Builder::new()
+        .name("metaroce-endpoint".into())
+        .spawn(move || run_polled(&p, &fds))
+        .map_err(DriverError::Io)?;
+    Ok((local, backend, polled))
+}
+
+/// The endpoint thread of a polled device: stays off while a caller
+/// drives; else takes turns until one finds nothing to do, then waits for
+/// a descriptor of the driver, a command or the core's next timer.
+fn run_polled(p: &Polled, fds: &[RawFd]) {
+    loop {
+        let now = p.now_ns();
+        let until = p.lease_until.load(Ordering::Acquire);
+        if now < until {
+            std::thread::sleep(Duration::from_nanos(until - now));
+            continue;
+        }
+        // Wakes from here on are seen by the wait below.
+        p.wake.drain();
+        let wait = {
+            let mut g = p.worker.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(w) = g.as_mut() else { return };
+            let mut wait = Duration::ZERO;
+            for _ in 0..THREAD_BURST {
+                match w.turn_once() {
+                    Ok(Some(true)) => continue,
+                    Ok(Some(false)) => {
+                        wait = w.drv.idle_wait().unwrap_or(Duration::ZERO);
+                        break;
+                    }
+                    Ok(None) => {
+                        *g = None;
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "metaroce endpoint thread stopped on a driver error");
+                        *g = None;
+                        return;
+                    }
+                }
+            }
+            wait
+        };
+        if !wait.is_zero() {
+            // Metrics keep their cadence: no wait is longer than 100 ms.
+            wait_readable(fds, wait.min(Duration::from_millis(100)));
+        }
+    }
+}
+
+/// Waits until one of `fds` is readable or `timeout` passed (to the
+/// microsecond).
+fn wait_readable(fds: &[RawFd], timeout: Duration) {
+    let mut pfds: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+    };
+    // SAFETY: `pfds` is a valid array of `pfds.len()` pollfds, `ts` a valid
+    // timespec; no signal mask is given. An error (EINTR) is a wake like
+    // any other: the caller looks for work again.
+    unsafe {
+        libc::ppoll(
+            pfds.as_mut_ptr(),
+            pfds.len() as libc::nfds_t,
+            &ts,
+            std::ptr::null(),
+        );
+    }
 }
 
 /// A descriptor the driver owns, watched by the runtime's reactor (the
