@@ -7,7 +7,9 @@
 //! | `METAROCE_BACKEND` | `auto`, `uring`, `portable` or `af_xdp` (root; `METAROCE_ADDRS` an Ethernet interface's address) | `auto` |
 //! | `METAROCE_PATHS` | paths (source ports) per connection | the core's default |
 //! | `METAROCE_SPEED_MBPS` | the speed `getProperties` reports, Mbps | `100000` |
-//! | `METAROCE_BUSY_POLL_US` | how long the endpoint thread polls before it sleeps, µs | `0` |
+//! | `METAROCE_PROGRESS` | who drives each device's endpoint: `caller` (NCCL's proxy thread, in each `test`, `isend` and `irecv`, with the endpoint thread taking over while they are not called; see `Device::open_polled`) or `thread` (the endpoint thread alone) | `caller` |
+//! | `METAROCE_EAGER_BYTES` | messages up to this size go at once into buffers the receiver keeps posted, and are copied from there, instead of waiting for the receiver to announce NCCL's buffer (at most 262144; 0: never; both sides use the smaller value) | `8192` |
+//! | `METAROCE_BUSY_POLL_US` | how long the endpoint thread polls before it sleeps, µs (`thread` progress only) | `0` |
 //! | `METAROCE_CONNECT_TIMEOUT_MS` | how long `connect`/`accept` may take before they fail | `60000` |
 //! | `METAROCE_FAULT_DROP` | probability that a received datagram is dropped (testing) | `0` |
 //! | `METAROCE_FAULT_SEED` | seed of the fault injector | `1` |
@@ -49,6 +51,23 @@ pub struct DeviceSpec {
     pub name: String,
 }
 
+/// `METAROCE_EAGER_BYTES` unless set.
+pub(crate) const DEFAULT_EAGER_BYTES: usize = 8192;
+/// The largest `METAROCE_EAGER_BYTES` (each receive comm keeps 32 buffers
+/// of this size posted).
+pub(crate) const MAX_EAGER_BYTES: usize = 256 << 10;
+
+/// Who drives a device's endpoint (`METAROCE_PROGRESS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// The threads that call the plugin (NCCL's proxy thread), each call a
+    /// turn of the endpoint; the endpoint thread drives it while nobody
+    /// calls ([`metaroce_io::Device::open_polled`]).
+    Caller,
+    /// The endpoint thread alone ([`metaroce_io::Device::open`]).
+    Thread,
+}
+
 /// Everything the plugin reads from the environment.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -60,6 +79,10 @@ pub struct Config {
     pub paths: Option<u8>,
     /// Reported speed, Mbps.
     pub speed_mbps: i32,
+    /// Who drives the endpoints.
+    pub progress: Progress,
+    /// Messages up to this size go eagerly.
+    pub eager_bytes: usize,
     /// Busy polling of the endpoint thread.
     pub busy_poll: Duration,
     /// Bound on `connect`/`accept`.
@@ -164,10 +187,35 @@ impl Config {
                 why: "not in [0, 1]".into(),
             });
         }
+        let eager_bytes: usize = parse(
+            "METAROCE_EAGER_BYTES",
+            get("METAROCE_EAGER_BYTES"),
+            DEFAULT_EAGER_BYTES,
+        )?;
+        if eager_bytes > MAX_EAGER_BYTES {
+            return Err(ConfigError {
+                var: "METAROCE_EAGER_BYTES",
+                value: eager_bytes.to_string(),
+                why: format!("more than {MAX_EAGER_BYTES}"),
+            });
+        }
+        let progress = match get("METAROCE_PROGRESS").as_deref().map(str::trim) {
+            None | Some("caller") => Progress::Caller,
+            Some("thread") => Progress::Thread,
+            Some(other) => {
+                return Err(ConfigError {
+                    var: "METAROCE_PROGRESS",
+                    value: other.into(),
+                    why: "neither caller nor thread".into(),
+                })
+            }
+        };
         Ok(Config {
             devices,
             backend,
             paths,
+            progress,
+            eager_bytes,
             speed_mbps: parse("METAROCE_SPEED_MBPS", get("METAROCE_SPEED_MBPS"), 100_000)?,
             busy_poll: Duration::from_micros(parse(
                 "METAROCE_BUSY_POLL_US",
@@ -268,6 +316,17 @@ mod tests {
         let e =
             Config::from_lookup(|k| (k == "METAROCE_FAULT_DROP").then(|| "2".into())).unwrap_err();
         assert_eq!(e.var, "METAROCE_FAULT_DROP");
+        let e =
+            Config::from_lookup(|k| (k == "METAROCE_PROGRESS").then(|| "nic".into())).unwrap_err();
+        assert_eq!(e.var, "METAROCE_PROGRESS");
+        let e = Config::from_lookup(|k| (k == "METAROCE_EAGER_BYTES").then(|| "1000000".into()))
+            .unwrap_err();
+        assert_eq!(e.var, "METAROCE_EAGER_BYTES");
+        let c = Config::from_lookup(|_| None).unwrap();
+        assert_eq!(c.progress, Progress::Caller);
+        let c =
+            Config::from_lookup(|k| (k == "METAROCE_PROGRESS").then(|| "thread".into())).unwrap();
+        assert_eq!(c.progress, Progress::Thread);
     }
 
     #[test]

@@ -61,7 +61,7 @@ mod log;
 mod memory;
 mod net;
 
-pub use config::{Config, ConfigError, DeviceSpec};
+pub use config::{Config, ConfigError, DeviceSpec, Progress};
 pub use error::NetError;
 pub use export::{
     ncclNetPlugin_v10, ncclNetPlugin_v11, ncclNetPlugin_v12, ncclNetPlugin_v8, ncclNetPlugin_v9,

@@ -2,44 +2,64 @@
 //!
 //! # Connections
 //!
-//! Each plugin device has one [`Device`] (an endpoint thread on a free UDP
-//! port of the device's address), opened on first use and shared by all its
-//! comms. `listen` opens a TCP listener beside it and returns a handle
-//! naming both. `connect` (on the peer) and `accept` each start a thread that
-//! sets the comm up while NCCL keeps calling them (they return a NULL comm
-//! until it is ready, as NCCL expects): each side makes a QP, they trade QP
-//! numbers and endpoint addresses over TCP (as NCCL's IB transport does),
-//! the connecting side opens its connection to the peer endpoint (or reuses
-//! the one it has: one per peer endpoint and direction, carrying the QPs of
-//! every comm between them), both QPs are brought to RTS, and a last byte
-//! each way says so. One QP carries one direction: send comm to receive
-//! comm.
+//! Each plugin device has one [`Device`] on a free UDP port of the
+//! device's address, opened on first use and shared by all its comms. By
+//! default it is a polled device ([`Device::open_polled`]): NCCL's proxy
+//! thread drives it in each `test`, `isend` and `irecv` (a turn of the
+//! endpoint on the calling thread, no other thread woken), and its endpoint
+//! thread takes over while they are not called (`METAROCE_PROGRESS`).
+//! `listen` opens a TCP listener beside it and returns a handle naming
+//! both. `connect` (on the peer) and `accept` each start a thread that sets
+//! the comm up while NCCL keeps calling them (they return a NULL comm until
+//! it is ready, as NCCL expects): each side makes a QP, they trade QP
+//! numbers, endpoint addresses and eager limits over TCP (as NCCL's IB
+//! transport does), and both bring their QPs to RTS on the one connection
+//! between the two endpoints, which carries the QPs of every comm between
+//! them both ways: the endpoint with the lower address opens it (or reuses
+//! the one it has), the other waits for it. A last byte each way says the
+//! comm is ready. One QP carries one direction: send comm to receive comm.
 //!
 //! # Messages
 //!
-//! Receiver-driven, as NCCL's IB transport: `irecv` posts one empty
-//! receive per buffer of the group, then SENDs the peer a *clear-to-send*
-//! naming the group (an id) and, per buffer, its tag, remote key, address
-//! and size. The send comm keeps a ring of receives for these messages.
-//! `isend` takes the oldest announced buffer with its tag that is still
-//! empty and RDMA-WRITEs the message from NCCL's registered buffer into
-//! it, with immediate data naming the group and the buffer; that WRITE
-//! consumes one of the receiver's empty receives, whose completion gives
-//! the buffer and the message's size. No byte is copied on either side
-//! (see `memory`). An `isend` whose buffer the peer has not announced yet
-//! returns a NULL request, and NCCL calls it again; a group's messages may
-//! come in any order. A message longer than its buffer is refused by the
-//! sender. The clear-to-send bytes come from the peer and are checked
-//! (size, counts, id) before use; a WRITE can only reach the regions this
-//! side registered for receiving, inside their bounds.
+//! Receiver-driven, as NCCL's IB transport, except for small messages.
+//! Every message of a comm has a sequence number among the comm's messages
+//! of its tag, and every buffer an `irecv` posts one among the buffers of
+//! its tag; message *k* of a tag fills buffer *k* of that tag. A receive
+//! comm keeps 32 receives posted, into bounce buffers of the eager size
+//! (`METAROCE_EAGER_BYTES`, the smaller of the two sides'); every message
+//! consumes one, in order.
+//!
+//! - A message up to the eager size goes at once, a SEND with its tag as
+//!   immediate data, whether or not its buffer is posted yet: no
+//!   announcement travels before it. The receiver copies it from the
+//!   bounce buffer into NCCL's buffer, or, if the `irecv` has not come yet,
+//!   keeps it (copied aside, 64 at most, then in its bounce buffer; the
+//!   sender waits, RNR, when all 32 are taken) until it comes.
+//! - A larger message waits for its buffer to be announced: `irecv` SENDs
+//!   the peer a *clear-to-send* naming the group (an id) and, per buffer
+//!   that may take a message too large to come eagerly, its tag, sequence
+//!   number, remote key, address and size. The send comm keeps a ring of
+//!   receives for these. `isend` RDMA-WRITEs the message from NCCL's
+//!   registered buffer into the announced one, with immediate data naming
+//!   the group and the buffer: no byte copied on either side (see
+//!   `memory`). An `isend` whose buffer is not announced yet returns a NULL
+//!   request, and NCCL calls it again.
+//!
+//! Buffers that only take eager messages are announced too if no message
+//! filled them within 1 ms, so that a sender with a message too large for
+//! them learns their size and fails instead of waiting; a message longer
+//! than its buffer is refused (by the sender, or by the receiver for an
+//! eager one). The clear-to-send bytes come from the peer and are checked
+//! (size, counts, id, index) before use; a WRITE can only reach the
+//! regions this side registered for receiving, inside their bounds.
 
 use crate::abi::NCCL_NET_MAX_REQUESTS;
-use crate::config::{Config, DeviceSpec};
+use crate::config::{Config, DeviceSpec, Progress};
 use crate::error::NetError;
 use crate::memory::{block_on, poll_now, AppRegion, EMPTY_SGE};
 use metaroce_io::{
     AccessFlags, CompletionQueue, Connection, Device, MemoryRegion, ProtectionDomain, QpCaps,
-    QueuePair, RcAttrs, RegionBuf, RemoteAddr, WorkRequest,
+    QueuePair, RcAttrs, RegionBuf, RemoteAddr, WcOpcode, WorkRequest,
 };
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
@@ -56,7 +76,7 @@ pub const MAX_MESSAGE: usize = 1 << 30;
 
 const HANDLE_MAGIC: &[u8; 4] = b"MRNC";
 const HELLO_MAGIC: u32 = 0x4d52_4e48; // "MRNH"
-const WIRE_VERSION: u8 = 1;
+const WIRE_VERSION: u8 = 2;
 /// Where `connect` keeps its progress in the handle (NCCL passes the same
 /// handle memory to every call of one connection).
 const HANDLE_STATE: usize = 64;
@@ -138,7 +158,11 @@ fn node(p: &Plugin, dev: usize, spec: &DeviceSpec) -> Result<Arc<Node>, NetError
         return Ok(n.clone());
     }
     let salt = SALT.fetch_add(1, Ordering::Relaxed) ^ u64::from(std::process::id()) << 20;
-    let d = block_on(Device::open(p.cfg.driver(spec, salt)))?;
+    let cfg = p.cfg.driver(spec, salt);
+    let d = match p.cfg.progress {
+        Progress::Caller => block_on(Device::open_polled(cfg))?,
+        Progress::Thread => block_on(Device::open(cfg))?,
+    };
     let n = Arc::new(Node {
         dev: d,
         outgoing: Mutex::new(HashMap::new()),
@@ -194,7 +218,8 @@ impl Node {
     fn incoming(&self, peer: SocketAddr, deadline: Instant) -> Result<Connection, NetError> {
         let mut inc = self.incoming.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            if let Some(c) = inc.get(&peer) {
+            // One that failed is replaced when the peer opens a new one.
+            if let Some(c) = inc.get(&peer).filter(|c| established(c)) {
                 return Ok(c.clone());
             }
             let now = Instant::now();
@@ -205,9 +230,27 @@ impl Node {
             }
             inc = self
                 .arrived
-                .wait_timeout(inc, deadline - now)
+                .wait_timeout(inc, (deadline - now).min(Duration::from_millis(10)))
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
+        }
+    }
+
+    /// The one connection between this endpoint (`me`) and the endpoint
+    /// `peer`, which carries the QPs of every comm between the two, both
+    /// ways: the endpoint with the lower address opens it (or reuses the
+    /// one it has), the other waits for it. So a message and the
+    /// acknowledgement of one that came the other way share a datagram.
+    fn shared(
+        &self,
+        me: SocketAddr,
+        peer: SocketAddr,
+        deadline: Instant,
+    ) -> Result<Connection, NetError> {
+        if me < peer {
+            self.outgoing(peer, deadline)
+        } else {
+            self.incoming(peer, deadline)
         }
     }
 }
@@ -277,10 +320,15 @@ struct Link {
     qp: QueuePair,
     _cq: CompletionQueue,
     conn: Connection,
-    _node: Arc<Node>,
+    node: Arc<Node>,
 }
 
 impl Link {
+    /// The device's endpoint.
+    fn dev(&self) -> &Device {
+        &self.node.dev
+    }
+
     /// A PD, CQ and QP on the device's endpoint, not yet connected.
     fn open(node: &Node) -> Result<(ProtectionDomain, CompletionQueue, QueuePair), NetError> {
         let dev = &node.dev;
@@ -393,19 +441,32 @@ impl Drop for ListenComm {
     }
 }
 
-/// The set-up message each side sends the other over TCP: the handle's
-/// nonce, its QP number and its endpoint's address.
-fn hello(nonce: u64, qpn: u32, endpoint: SocketAddr) -> [u8; 36] {
-    let mut b = [0u8; 36];
+/// The set-up message each side sends the other over TCP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Hello {
+    qpn: u32,
+    /// Its endpoint's address.
+    endpoint: SocketAddr,
+    /// The largest message it sends or takes eagerly (both sides use the
+    /// smaller of the two).
+    eager: u32,
+}
+
+const HELLO_LEN: usize = 40;
+
+/// The bytes of `h` for the handle's nonce.
+fn hello(nonce: u64, h: Hello) -> [u8; HELLO_LEN] {
+    let mut b = [0u8; HELLO_LEN];
     b[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
     b[4..12].copy_from_slice(&nonce.to_le_bytes());
-    b[12..16].copy_from_slice(&qpn.to_le_bytes());
-    put_addr(&mut b[16..36], endpoint);
+    b[12..16].copy_from_slice(&h.qpn.to_le_bytes());
+    put_addr(&mut b[16..36], h.endpoint);
+    b[36..40].copy_from_slice(&h.eager.to_le_bytes());
     b
 }
 
-fn read_hello(s: &mut TcpStream, nonce: u64) -> Result<(u32, SocketAddr), NetError> {
-    let mut b = [0u8; 36];
+fn read_hello(s: &mut TcpStream, nonce: u64) -> Result<Hello, NetError> {
+    let mut b = [0u8; HELLO_LEN];
     s.read_exact(&mut b)?;
     let magic = u32::from_le_bytes(b[0..4].try_into().unwrap_or_default());
     let their = u64::from_le_bytes(b[4..12].try_into().unwrap_or_default());
@@ -415,9 +476,14 @@ fn read_hello(s: &mut TcpStream, nonce: u64) -> Result<(u32, SocketAddr), NetErr
         ));
     }
     let qpn = u32::from_le_bytes(b[12..16].try_into().unwrap_or_default());
-    let addr = get_addr(&b[16..36])
+    let endpoint = get_addr(&b[16..36])
         .ok_or_else(|| NetError::Remote("set-up message with a bad address".into()))?;
-    Ok((qpn, addr))
+    let eager = u32::from_le_bytes(b[36..40].try_into().unwrap_or_default());
+    Ok(Hello {
+        qpn,
+        endpoint,
+        eager,
+    })
 }
 
 /// `listen`: fills `handle`, returns the listen comm.
@@ -437,6 +503,7 @@ pub(crate) fn listen(
     let stop = Arc::new(AtomicBool::new(false));
     let stopped = stop.clone();
     let timeout = p.cfg.connect_timeout;
+    let eager_bytes = p.cfg.eager_bytes as u32;
     let pending = Pending::spawn("metaroce-accept", move || {
         // Wait for the peer's TCP connection as long as the comm lives.
         let mut s = loop {
@@ -454,26 +521,49 @@ pub(crate) fn listen(
         s.set_nonblocking(false)?;
         s.set_read_timeout(Some(timeout))?;
         s.set_nodelay(true)?;
-        let (peer_qpn, peer) = read_hello(&mut s, h.nonce)?;
+        let theirs = read_hello(&mut s, h.nonce)?;
         let (pd, cq, qp) = Link::open(&node)?;
-        s.write_all(&hello(h.nonce, qp.qpn().0, node.dev.local_addr()))?;
-        // The peer opens (or reuses) its connection to us, then says so.
+        let ours = Hello {
+            qpn: qp.qpn().0,
+            endpoint: node.dev.local_addr(),
+            eager: eager_bytes,
+        };
+        s.write_all(&hello(h.nonce, ours))?;
+        // The peer has its side of the connection between us (it opened
+        // it, or waits for it), then says so.
         let mut ready = [0u8; 1];
         s.read_exact(&mut ready)?;
-        let conn = node.incoming(peer, Instant::now() + timeout)?;
-        block_on(qp.connect_with(&conn, metaroce_io::Qpn(peer_qpn), rc_attrs()))?;
-        s.write_all(&[1])?;
-        RecvComm::new(
+        let conn = node.shared(ours.endpoint, theirs.endpoint, Instant::now() + timeout)?;
+        block_on(qp.connect_with(&conn, metaroce_io::Qpn(theirs.qpn), rc_attrs()))?;
+        // The receives the first messages consume are posted before the
+        // peer may send.
+        let comm = RecvComm::new(
             pd,
             Link {
                 qp,
                 _cq: cq,
                 conn,
-                _node: node,
+                node,
             },
-        )
+            ours.eager.min(theirs.eager) as usize,
+        )?;
+        s.write_all(&[1])?;
+        Ok(comm)
     })?;
     Ok(Box::new(ListenComm { stop, pending }))
+}
+
+/// Waits for `f` on a thread that drives the endpoint meanwhile (on a
+/// polled device; elsewhere `progress` does nothing and this only waits).
+fn wait_driving<F: std::future::Future + Unpin>(dev: &Device, mut f: F) -> F::Output {
+    loop {
+        if let Some(v) = poll_now(&mut f) {
+            return v;
+        }
+        if !dev.progress() {
+            std::thread::yield_now();
+        }
+    }
 }
 
 /// Awaits `f` until `deadline` (a timer thread wakes the waiter).
@@ -529,28 +619,45 @@ pub(crate) fn connect(
         let h = Handle::read(handle)?;
         let id = fresh_nonce();
         let timeout = p.cfg.connect_timeout;
+        let eager_bytes = p.cfg.eager_bytes as u32;
         let pending = Pending::spawn("metaroce-connect", move || {
             let (pd, cq, qp) = Link::open(&node)?;
             let mut s = TcpStream::connect_timeout(&h.tcp, timeout)?;
             s.set_read_timeout(Some(timeout))?;
             s.set_nodelay(true)?;
-            s.write_all(&hello(h.nonce, qp.qpn().0, node.dev.local_addr()))?;
-            let (peer_qpn, _) = read_hello(&mut s, h.nonce)?;
-            let conn = node.outgoing(h.udp, Instant::now() + timeout)?;
-            s.write_all(&[1])?;
-            block_on(qp.connect_with(&conn, metaroce_io::Qpn(peer_qpn), rc_attrs()))?;
-            // The peer's QP is connected too: sends may start.
-            let mut ready = [0u8; 1];
-            s.read_exact(&mut ready)?;
-            SendComm::new(
+            let ours = Hello {
+                qpn: qp.qpn().0,
+                endpoint: node.dev.local_addr(),
+                eager: eager_bytes,
+            };
+            s.write_all(&hello(h.nonce, ours))?;
+            let theirs = read_hello(&mut s, h.nonce)?;
+            let deadline = Instant::now() + timeout;
+            let conn = if ours.endpoint < theirs.endpoint {
+                let c = node.shared(ours.endpoint, theirs.endpoint, deadline)?;
+                s.write_all(&[1])?;
+                c
+            } else {
+                // The peer opens it once it reads this.
+                s.write_all(&[1])?;
+                node.shared(ours.endpoint, theirs.endpoint, deadline)?
+            };
+            block_on(qp.connect_with(&conn, metaroce_io::Qpn(theirs.qpn), rc_attrs()))?;
+            let comm = SendComm::new(
                 pd,
                 Link {
                     qp,
                     _cq: cq,
                     conn,
-                    _node: node,
+                    node,
                 },
-            )
+                ours.eager.min(theirs.eager) as usize,
+            )?;
+            // The peer's QP is connected and its receives are posted:
+            // sends may start.
+            let mut ready = [0u8; 1];
+            s.read_exact(&mut ready)?;
+            Ok(comm)
         })?;
         map.insert(id, pending);
         handle[HANDLE_STATE..HANDLE_STATE + 8].copy_from_slice(&id.to_le_bytes());
@@ -574,34 +681,56 @@ pub(crate) fn connect(
 /// each side (at most `NCCL_NET_MAX_REQUESTS` receives are outstanding).
 const CTS_RING: usize = 2 * NCCL_NET_MAX_REQUESTS;
 /// A clear-to-send message: group id (4), buffer count (1), 3 bytes of
-/// padding, then per buffer its tag (4), remote key (4), address (8) and
-/// size (8).
+/// padding, then per buffer its tag (4), remote key (4), address (8), size
+/// (4), sequence number among the comm's buffers of its tag (4), index in
+/// the group (1) and 3 bytes of padding.
 const CTS_HEAD: usize = 8;
-const CTS_ENTRY: usize = 24;
+const CTS_ENTRY: usize = 28;
 const CTS_BYTES: usize = CTS_HEAD + MAX_RECVS * CTS_ENTRY;
 /// A group id fits in the immediate data beside the buffer's index.
 const ID_MASK: u32 = u32::MAX >> 3;
+/// Receives each receive comm keeps posted: every message, eager or
+/// written, consumes one; an eager one lands in its bounce buffer.
+const BOUNCE_RECVS: usize = 32;
+/// Eager messages a receive comm copies aside while no `irecv` is posted
+/// for them; past this many it keeps them in their bounce buffers (and the
+/// sender waits, RNR, once all are taken).
+const STASH_MAX: usize = 64;
+/// How long a posted receive whose buffers all take eager messages waits
+/// for them before it is announced after all: a sender with a message too
+/// large for such a buffer then learns its size and fails, instead of
+/// waiting for an announcement forever.
+const ANNOUNCE_LATE: Duration = Duration::from_millis(1);
 
-/// One buffer of a receive the peer posted.
+/// Whether sequence number `a` comes before `b` (they wrap).
+fn seq_before(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) < 0
+}
+
+/// One buffer of a receive, as announced to the sender.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct CtsSlot {
     tag: i32,
     rkey: u32,
     addr: u64,
-    size: u64,
-    used: bool,
+    size: u32,
+    /// Its place among the comm's buffers of this tag.
+    seq: u32,
+    /// Its index in the group.
+    index: u8,
 }
 
-/// A receive (group) the peer posted and announced.
+/// A receive (group) announced to the sender: the buffers a WRITE may
+/// fill.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Cts {
     id: u32,
     slots: Vec<CtsSlot>,
-    left: usize,
 }
 
 impl Cts {
     fn encode(&self, b: &mut [u8; CTS_BYTES]) -> usize {
+        b[..CTS_HEAD].fill(0);
         b[0..4].copy_from_slice(&self.id.to_le_bytes());
         b[4] = self.slots.len() as u8;
         for (i, s) in self.slots.iter().enumerate() {
@@ -609,7 +738,10 @@ impl Cts {
             e[0..4].copy_from_slice(&s.tag.to_le_bytes());
             e[4..8].copy_from_slice(&s.rkey.to_le_bytes());
             e[8..16].copy_from_slice(&s.addr.to_le_bytes());
-            e[16..24].copy_from_slice(&s.size.to_le_bytes());
+            e[16..20].copy_from_slice(&s.size.to_le_bytes());
+            e[20..24].copy_from_slice(&s.seq.to_le_bytes());
+            e[24] = s.index;
+            e[25..28].fill(0);
         }
         CTS_HEAD + self.slots.len() * CTS_ENTRY
     }
@@ -630,16 +762,32 @@ impl Cts {
         let le8 = |x: &[u8]| <[u8; 8]>::try_from(x).map_err(|_| bad());
         let mut slots = Vec::with_capacity(n);
         for e in b[CTS_HEAD..].chunks_exact(CTS_ENTRY) {
+            let size = u32::from_le_bytes(le4(&e[16..20])?);
+            if size as usize > MAX_MESSAGE || usize::from(e[24]) >= MAX_RECVS {
+                return Err(bad());
+            }
             slots.push(CtsSlot {
                 tag: i32::from_le_bytes(le4(&e[0..4])?),
                 rkey: u32::from_le_bytes(le4(&e[4..8])?),
                 addr: u64::from_le_bytes(le8(&e[8..16])?),
-                size: u64::from_le_bytes(le8(&e[16..24])?),
-                used: false,
+                size,
+                seq: u32::from_le_bytes(le4(&e[20..24])?),
+                index: e[24],
             });
         }
-        Ok(Cts { id, slots, left: n })
+        Ok(Cts { id, slots })
     }
+}
+
+/// A buffer the peer announced, waiting for the message of its tag and
+/// sequence number.
+#[derive(Debug, Clone, Copy)]
+struct Announced {
+    rkey: u32,
+    addr: u64,
+    size: u32,
+    /// The immediate data of the WRITE that fills it (group id, index).
+    imm: u32,
 }
 
 /// A send comm.
@@ -648,16 +796,20 @@ pub(crate) struct SendComm {
     head: CommHead,
     link: Link,
     outstanding: Arc<AtomicU64>,
+    /// Messages up to this size go eagerly (agreed with the peer).
+    eager: usize,
     /// Where the peer's clear-to-send messages land, `CTS_RING` slots.
     fifo: MemoryRegion,
     /// The receives posted into `fifo`, oldest first, with their slot.
     fifo_posted: VecDeque<(WorkRequest, usize)>,
-    /// Receives the peer announced that still have buffers to fill.
-    ready: VecDeque<Cts>,
+    /// Buffers the peer announced, by tag and sequence number.
+    ready: HashMap<(i32, u32), Announced>,
+    /// The sequence number of the next message of each tag.
+    sent: HashMap<i32, u32>,
 }
 
 impl SendComm {
-    fn new(pd: ProtectionDomain, link: Link) -> Result<SendComm, NetError> {
+    fn new(pd: ProtectionDomain, link: Link, eager: usize) -> Result<SendComm, NetError> {
         let fifo = block_on(pd.reg_mr(
             RegionBuf::zeroed(CTS_RING * CTS_BYTES),
             AccessFlags::LOCAL_WRITE,
@@ -674,9 +826,11 @@ impl SendComm {
             },
             link,
             outstanding: Arc::new(AtomicU64::new(0)),
+            eager,
             fifo,
             fifo_posted,
-            ready: VecDeque::new(),
+            ready: HashMap::new(),
+            sent: HashMap::new(),
         })
     }
 
@@ -698,7 +852,8 @@ impl SendComm {
     }
 
     /// Takes the clear-to-send messages that came in, in order, and posts
-    /// their receives again.
+    /// their receives again. A buffer announced for a message that already
+    /// went eagerly is dropped.
     fn take_cts(&mut self) -> Result<(), NetError> {
         while let Some((wr, _)) = self.fifo_posted.front_mut() {
             let Some(r) = poll_now(wr) else { break };
@@ -714,15 +869,33 @@ impl SendComm {
             // posted again below, after they are decoded.
             let bytes = unsafe { std::slice::from_raw_parts(self.fifo.as_ptr().add(off), len) };
             let cts = Cts::decode(bytes)?;
-            self.ready.push_back(cts);
+            for c in cts.slots {
+                let next = self.sent.get(&c.tag).copied().unwrap_or(0);
+                if seq_before(c.seq, next) {
+                    continue;
+                }
+                let a = Announced {
+                    rkey: c.rkey,
+                    addr: c.addr,
+                    size: c.size,
+                    imm: cts.id << 3 | u32::from(c.index),
+                };
+                if self.ready.insert((c.tag, c.seq), a).is_some() {
+                    return Err(NetError::Remote(format!(
+                        "buffer {} of tag {} announced twice",
+                        c.seq, c.tag
+                    )));
+                }
+            }
             let sge = self.fifo.sge(off as u64, CTS_BYTES as u32)?;
             self.fifo_posted.push_back((self.link.qp.recv(sge), slot));
         }
         Ok(())
     }
 
-    /// `isend`: `None` when NCCL should try again later (the peer has not
-    /// posted the receive yet, or too many sends are in flight).
+    /// `isend`: `None` when NCCL should try again later (too many sends in
+    /// flight, or a message too large to go eagerly whose buffer the peer
+    /// has not announced yet).
     pub(crate) fn isend(
         &mut self,
         data: *const u8,
@@ -737,41 +910,53 @@ impl SendComm {
         if self.outstanding.load(Ordering::Relaxed) >= NCCL_NET_MAX_REQUESTS as u64 {
             return Ok(None);
         }
-        self.take_cts()?;
-        // The oldest announced buffer with this tag.
-        let found = self.ready.iter().enumerate().find_map(|(ci, c)| {
-            c.slots
-                .iter()
-                .position(|s| !s.used && s.tag == tag)
-                .map(|si| (ci, si))
-        });
-        let Some((ci, si)) = found else {
-            return Ok(None);
+        let seq = self.sent.get(&tag).copied().unwrap_or(0);
+        let wr = if size <= self.eager {
+            // Eager: into the next bounce receive the peer keeps posted,
+            // announced or not; the tag rides in the immediate data.
+            self.take_cts()?;
+            self.ready.remove(&(tag, seq));
+            self.link.qp.send_imm(local, tag as u32)
+        } else {
+            // The buffer the peer announced for this message; if it has
+            // not come in yet, a turn of the endpoint (on a polled device)
+            // may bring it.
+            let mut found = None;
+            for turn in [false, true] {
+                if turn && !self.link.dev().progress() {
+                    break;
+                }
+                self.take_cts()?;
+                found = self.ready.remove(&(tag, seq));
+                if found.is_some() {
+                    break;
+                }
+            }
+            let Some(a) = found else {
+                return Ok(None);
+            };
+            if size as u64 > u64::from(a.size) {
+                return Err(NetError::InvalidArgument(format!(
+                    "isend of {size} bytes for tag {tag}: the peer's buffer holds {}",
+                    a.size
+                )));
+            }
+            let remote = RemoteAddr {
+                rkey: a.rkey,
+                addr: a.addr,
+            };
+            self.link.qp.write_imm(local, remote, a.imm)
         };
-        let c = &mut self.ready[ci];
-        let s = &mut c.slots[si];
-        if size as u64 > s.size {
-            return Err(NetError::InvalidArgument(format!(
-                "isend of {size} bytes for tag {tag}: the peer's buffer holds {}",
-                s.size
-            )));
-        }
-        s.used = true;
-        let remote = RemoteAddr {
-            rkey: s.rkey,
-            addr: s.addr,
-        };
-        let imm = c.id << 3 | si as u32;
-        c.left -= 1;
-        if c.left == 0 {
-            self.ready.remove(ci);
-        }
-        let wr = self.link.qp.write_imm(local, remote, imm);
+        self.sent.insert(tag, seq.wrapping_add(1));
         self.outstanding.fetch_add(1, Ordering::Relaxed);
+        // Out now, not at the next `test`.
+        let dev = self.link.dev().clone();
+        dev.progress();
         Ok(Some(Box::new(Request::Send(SendReq {
             wr,
             size,
             outstanding: self.outstanding.clone(),
+            dev,
         }))))
     }
 }
@@ -781,6 +966,8 @@ pub(crate) struct SendReq {
     wr: WorkRequest,
     size: usize,
     outstanding: Arc<AtomicU64>,
+    /// The endpoint `test` drives.
+    dev: Device,
 }
 
 impl Drop for SendReq {
@@ -789,8 +976,17 @@ impl Drop for SendReq {
     }
 }
 
+/// One buffer of a posted receive.
 struct Slot {
+    /// NCCL's buffer (an address: the engine moves between threads).
+    ptr: usize,
     cap: usize,
+    tag: i32,
+    seq: u32,
+    /// Its remote key and address, for the announcement.
+    rkey: u32,
+    addr: u64,
+    announced: bool,
     got: Option<usize>,
 }
 
@@ -798,16 +994,38 @@ struct Group {
     id: u32,
     slots: Vec<Slot>,
     remaining: usize,
+    /// When it was posted, while buffers of it that take eager messages
+    /// are not announced.
+    quiet_since: Option<Instant>,
 }
 
-/// The receive side of one comm: the receives each message's WRITE with
-/// immediate consumes, groups waiting, the clear-to-send messages sent.
+/// An eager message that came before its `irecv`.
+enum Stashed {
+    /// Copied aside; its bounce buffer is posted again.
+    Copied(Vec<u8>),
+    /// Still in bounce buffer `idx` (the copies aside are full).
+    Held { idx: usize, len: usize },
+}
+
+/// The receive side of one comm: the bounce receives every message
+/// consumes, the groups waiting, eager messages waiting for their `irecv`,
+/// the clear-to-send messages sent.
 struct RecvEngine {
-    posted: VecDeque<WorkRequest>,
+    /// Messages up to this size come eagerly (agreed with the peer).
+    eager: usize,
+    /// Bounce buffers, `BOUNCE_RECVS` of `eager` bytes.
+    bounce: MemoryRegion,
+    /// The receives posted into them, oldest first, with their buffer.
+    posted: VecDeque<(WorkRequest, usize)>,
     groups: VecDeque<Group>,
     done: HashMap<u32, Vec<usize>>,
     failed: Option<(crate::abi::NcclResult, String)>,
     next_id: u32,
+    /// The sequence number of the next buffer posted, by tag.
+    posted_seq: HashMap<i32, u32>,
+    /// The sequence number of the next message to arrive, by tag.
+    arrived_seq: HashMap<i32, u32>,
+    stash: HashMap<(i32, u32), Stashed>,
     /// Where clear-to-send messages are sent from, `CTS_RING` slots.
     cts: MemoryRegion,
     /// The SEND of each slot's last message.
@@ -815,43 +1033,246 @@ struct RecvEngine {
 }
 
 impl RecvEngine {
-    /// Takes the messages that are in: each one's immediate data names its
-    /// group and buffer, its length is what it placed there.
-    fn progress(&mut self) -> Result<(), NetError> {
-        while let Some(wr) = self.posted.front_mut() {
+    fn new(pd: &ProtectionDomain, link: &Link, eager: usize) -> Result<RecvEngine, NetError> {
+        let cts = block_on(pd.reg_mr(RegionBuf::zeroed(CTS_RING * CTS_BYTES), AccessFlags::NONE))?;
+        let bounce = block_on(pd.reg_mr(
+            RegionBuf::zeroed(BOUNCE_RECVS * eager.max(1)),
+            AccessFlags::LOCAL_WRITE,
+        ))?;
+        let mut e = RecvEngine {
+            eager,
+            bounce,
+            posted: VecDeque::with_capacity(BOUNCE_RECVS),
+            groups: VecDeque::new(),
+            done: HashMap::new(),
+            failed: None,
+            next_id: 0,
+            posted_seq: HashMap::new(),
+            arrived_seq: HashMap::new(),
+            stash: HashMap::new(),
+            cts,
+            cts_sent: (0..CTS_RING).map(|_| None).collect(),
+        };
+        for idx in 0..BOUNCE_RECVS {
+            e.repost(link, idx)?;
+        }
+        Ok(e)
+    }
+
+    /// Posts bounce receive `idx` (again).
+    fn repost(&mut self, link: &Link, idx: usize) -> Result<(), NetError> {
+        let sge = if self.eager == 0 {
+            EMPTY_SGE
+        } else {
+            self.bounce
+                .sge((idx * self.eager) as u64, self.eager as u32)?
+        };
+        self.posted.push_back((link.qp.recv(sge), idx));
+        Ok(())
+    }
+
+    /// Copies an eager message, `bytes`, into `slot`.
+    fn place(slot: &mut Slot, bytes: &[u8]) -> Result<(), NetError> {
+        if bytes.len() > slot.cap {
+            return Err(NetError::Remote(format!(
+                "a message of {} bytes for a buffer of {}",
+                bytes.len(),
+                slot.cap
+            )));
+        }
+        if !bytes.is_empty() {
+            // SAFETY: `slot.ptr` is NCCL's buffer of `slot.cap` bytes from
+            // an `irecv` not reported done yet, which NCCL leaves alone
+            // until then; `bytes` are a bounce buffer or a stash, which do
+            // not overlap it.
+            unsafe {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), slot.ptr as *mut u8, bytes.len())
+            };
+        }
+        slot.got = Some(bytes.len());
+        Ok(())
+    }
+
+    /// Bounce buffer `idx`'s first `len` bytes.
+    ///
+    /// # Safety
+    /// Its receive completed and it is not posted again while the slice
+    /// lives.
+    unsafe fn bounced(&self, idx: usize, len: usize) -> &[u8] {
+        // SAFETY: the caller's promise; `len` is at most `eager`, checked
+        // by the transport (the receive's buffer is that long).
+        unsafe { std::slice::from_raw_parts(self.bounce.as_ptr().add(idx * self.eager), len) }
+    }
+
+    /// The group and buffer waiting for message `seq` of `tag`.
+    fn find(&self, tag: i32, seq: u32) -> Option<(usize, usize)> {
+        self.groups.iter().enumerate().find_map(|(gi, g)| {
+            g.slots
+                .iter()
+                .position(|s| s.tag == tag && s.seq == seq && s.got.is_none())
+                .map(|si| (gi, si))
+        })
+    }
+
+    /// One buffer of group `gi` filled: the group is done once all are.
+    fn filled(&mut self, gi: usize) {
+        let g = &mut self.groups[gi];
+        g.remaining -= 1;
+        // Groups finish in any order; keep the finished ones for `test`.
+        if g.remaining == 0 {
+            let g = self.groups.remove(gi).unwrap_or_else(|| unreachable!());
+            self.done
+                .insert(g.id, g.slots.iter().map(|s| s.got.unwrap_or(0)).collect());
+        }
+    }
+
+    /// Takes the messages that are in, in order: a WRITE with immediate
+    /// names its group and buffer, an eager SEND its tag (it is the next
+    /// message of that tag). Then announces the receives that waited too
+    /// long for eager messages.
+    fn progress(&mut self, link: &Link) -> Result<(), NetError> {
+        while let Some((wr, _)) = self.posted.front_mut() {
             let Some(r) = poll_now(wr) else { break };
-            self.posted.pop_front();
+            let (_, idx) = self.posted.pop_front().unwrap_or_else(|| unreachable!());
             let wc = r?;
             let imm = wc
                 .imm
                 .ok_or_else(|| NetError::Remote("a message without immediate data".into()))?;
-            let (id, si) = (imm >> 3, (imm & 7) as usize);
             let len = wc.byte_len as usize;
-            let gi =
-                self.groups.iter().position(|g| g.id == id).ok_or_else(|| {
-                    NetError::Remote(format!("a message for no receive ({imm:#x})"))
-                })?;
-            let g = &mut self.groups[gi];
-            let slot = g
-                .slots
-                .get_mut(si)
-                .filter(|s| s.got.is_none())
-                .ok_or_else(|| NetError::Remote(format!("a message for no buffer ({imm:#x})")))?;
-            if len > slot.cap {
-                return Err(NetError::Remote(format!(
-                    "a message of {len} bytes for a buffer of {}",
-                    slot.cap
-                )));
-            }
-            slot.got = Some(len);
-            g.remaining -= 1;
-            // Groups finish in any order; keep the finished ones for `test`.
-            if g.remaining == 0 {
-                let g = self.groups.remove(gi).unwrap_or_else(|| unreachable!());
-                self.done
-                    .insert(g.id, g.slots.iter().map(|s| s.got.unwrap_or(0)).collect());
+            if wc.opcode == WcOpcode::RecvRdmaWithImm {
+                self.repost(link, idx)?;
+                self.written(imm, len)?;
+            } else {
+                self.eager_in(link, idx, imm as i32, len)?;
             }
         }
+        let now = Instant::now();
+        let late: Vec<u32> = self
+            .groups
+            .iter()
+            .filter(|g| g.quiet_since.is_some_and(|t| now - t >= ANNOUNCE_LATE))
+            .map(|g| g.id)
+            .collect();
+        for id in late {
+            self.announce(link, id, false)?;
+        }
+        Ok(())
+    }
+
+    /// A WRITE with immediate `imm` placed `len` bytes.
+    fn written(&mut self, imm: u32, len: usize) -> Result<(), NetError> {
+        let (id, si) = (imm >> 3, (imm & 7) as usize);
+        let gi = self
+            .groups
+            .iter()
+            .position(|g| g.id == id)
+            .ok_or_else(|| NetError::Remote(format!("a message for no receive ({imm:#x})")))?;
+        let slot = self.groups[gi]
+            .slots
+            .get_mut(si)
+            .filter(|s| s.got.is_none())
+            .ok_or_else(|| NetError::Remote(format!("a message for no buffer ({imm:#x})")))?;
+        if len > slot.cap {
+            return Err(NetError::Remote(format!(
+                "a message of {len} bytes for a buffer of {}",
+                slot.cap
+            )));
+        }
+        let next = self.arrived_seq.entry(slot.tag).or_insert(0);
+        if *next != slot.seq {
+            return Err(NetError::Remote(format!(
+                "message {} of tag {} written where {} was due",
+                slot.seq, slot.tag, *next
+            )));
+        }
+        *next = slot.seq.wrapping_add(1);
+        slot.got = Some(len);
+        self.filled(gi);
+        Ok(())
+    }
+
+    /// An eager message of `len` bytes of `tag` in bounce buffer `idx`.
+    fn eager_in(&mut self, link: &Link, idx: usize, tag: i32, len: usize) -> Result<(), NetError> {
+        if len > self.eager {
+            return Err(NetError::Remote(format!(
+                "an eager message of {len} bytes (at most {})",
+                self.eager
+            )));
+        }
+        let next = self.arrived_seq.entry(tag).or_insert(0);
+        let seq = *next;
+        *next = seq.wrapping_add(1);
+        match self.find(tag, seq) {
+            Some((gi, si)) => {
+                // SAFETY: the receive completed; the buffer is posted again
+                // only below, after the copy.
+                let bytes = unsafe { self.bounced(idx, len) }.to_vec();
+                Self::place(&mut self.groups[gi].slots[si], &bytes)?;
+                self.filled(gi);
+                self.repost(link, idx)?;
+            }
+            None => {
+                let stashed = if self.stash.len() < STASH_MAX {
+                    // SAFETY: as above.
+                    let bytes = unsafe { self.bounced(idx, len) }.to_vec();
+                    self.repost(link, idx)?;
+                    Stashed::Copied(bytes)
+                } else {
+                    Stashed::Held { idx, len }
+                };
+                self.stash.insert((tag, seq), stashed);
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends the clear-to-send of group `id`: its buffers still empty and
+    /// not announced, all of them or (`big_only`) those that may take a
+    /// message too large to come eagerly.
+    fn announce(&mut self, link: &Link, id: u32, big_only: bool) -> Result<(), NetError> {
+        let eager = self.eager;
+        let Some(g) = self.groups.iter_mut().find(|g| g.id == id) else {
+            return Ok(());
+        };
+        let mut slots = Vec::new();
+        for (i, s) in g.slots.iter_mut().enumerate() {
+            if s.got.is_some() || s.announced || (big_only && s.cap <= eager) {
+                continue;
+            }
+            s.announced = true;
+            slots.push(CtsSlot {
+                tag: s.tag,
+                rkey: s.rkey,
+                addr: s.addr,
+                size: s.cap as u32,
+                seq: s.seq,
+                index: i as u8,
+            });
+        }
+        g.quiet_since = g
+            .slots
+            .iter()
+            .any(|s| s.got.is_none() && !s.announced)
+            .then(Instant::now);
+        if slots.is_empty() {
+            return Ok(());
+        }
+        // Out of its ring slot once that slot's last message is through
+        // (long ago: 2 * NCCL_NET_MAX_REQUESTS receives).
+        let ring = id as usize % CTS_RING;
+        if let Some(prev) = self.cts_sent[ring].take() {
+            wait_driving(link.dev(), prev)?;
+        }
+        let mut msg = [0u8; CTS_BYTES];
+        let n = Cts { id, slots }.encode(&mut msg);
+        let off = ring * CTS_BYTES;
+        // SAFETY: the slot's bytes are in the region; the SEND that last
+        // read them completed above, and no other transfer uses them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(msg.as_ptr(), self.cts.as_mut_ptr().add(off), n);
+        }
+        let sge = self.cts.sge(off as u64, n as u32)?;
+        self.cts_sent[ring] = Some(link.qp.send(sge));
         Ok(())
     }
 }
@@ -860,28 +1281,20 @@ impl RecvEngine {
 #[repr(C)]
 pub(crate) struct RecvComm {
     head: CommHead,
-    link: Link,
+    link: Arc<Link>,
     engine: Arc<Mutex<RecvEngine>>,
 }
 
 impl RecvComm {
-    fn new(pd: ProtectionDomain, link: Link) -> Result<RecvComm, NetError> {
-        let cts = block_on(pd.reg_mr(RegionBuf::zeroed(CTS_RING * CTS_BYTES), AccessFlags::NONE))?;
+    fn new(pd: ProtectionDomain, link: Link, eager: usize) -> Result<RecvComm, NetError> {
+        let engine = RecvEngine::new(&pd, &link, eager)?;
         Ok(RecvComm {
             head: CommHead {
                 side: Side::Recv,
                 pd,
             },
-            link,
-            engine: Arc::new(Mutex::new(RecvEngine {
-                posted: VecDeque::new(),
-                groups: VecDeque::new(),
-                done: HashMap::new(),
-                failed: None,
-                next_id: 0,
-                cts,
-                cts_sent: (0..CTS_RING).map(|_| None).collect(),
-            })),
+            link: Arc::new(link),
+            engine: Arc::new(Mutex::new(engine)),
         })
     }
 
@@ -903,57 +1316,65 @@ impl RecvComm {
                 return Err(NetError::InvalidArgument(format!("irecv of {size} bytes")));
             }
             let (rkey, addr) = mr.remote(ptr, size)?;
-            slots.push(CtsSlot {
+            slots.push(Slot {
+                ptr: ptr as usize,
+                cap: size,
                 tag,
+                seq: 0,
                 rkey,
                 addr,
-                size: size as u64,
-                used: false,
+                announced: false,
+                got: None,
             });
         }
         let mut eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
+        let eng = &mut *eng;
         if eng.groups.len() + eng.done.len() >= NCCL_NET_MAX_REQUESTS {
             return Ok(None);
         }
         let id = eng.next_id;
         eng.next_id = (id + 1) & ID_MASK;
-        // A receive for each message's WRITE with immediate, posted before
-        // the peer may send it.
-        for _ in bufs {
-            let wr = self.link.qp.recv(EMPTY_SGE);
-            eng.posted.push_back(wr);
+        let mut remaining = slots.len();
+        for s in &mut slots {
+            let next = eng.posted_seq.entry(s.tag).or_insert(0);
+            s.seq = *next;
+            *next = s.seq.wrapping_add(1);
+            // An eager message that came first.
+            match eng.stash.remove(&(s.tag, s.seq)) {
+                Some(Stashed::Copied(bytes)) => {
+                    RecvEngine::place(s, &bytes)?;
+                    remaining -= 1;
+                }
+                Some(Stashed::Held { idx, len }) => {
+                    // SAFETY: held since its receive completed; posted
+                    // again only below, after the copy.
+                    let bytes = unsafe { eng.bounced(idx, len) }.to_vec();
+                    RecvEngine::place(s, &bytes)?;
+                    remaining -= 1;
+                    eng.repost(&self.link, idx)?;
+                }
+                None => {}
+            }
         }
-        // The clear-to-send, out of its ring slot once that slot's last
-        // message is through (long ago: 2 * NCCL_NET_MAX_REQUESTS receives).
-        let ring = id as usize % CTS_RING;
-        if let Some(prev) = eng.cts_sent[ring].take() {
-            block_on(prev)?;
+        if remaining == 0 {
+            eng.done
+                .insert(id, slots.iter().map(|s| s.got.unwrap_or(0)).collect());
+        } else {
+            eng.groups.push_back(Group {
+                id,
+                slots,
+                remaining,
+                quiet_since: None,
+            });
+            // The buffers a message too large to come eagerly may fill are
+            // announced now (the announcement goes out at the next turn:
+            // `test`, `isend`); the others only if no eager message filled
+            // them in time.
+            eng.announce(&self.link, id, true)?;
         }
-        let mut msg = [0u8; CTS_BYTES];
-        let n = Cts {
-            id,
-            slots,
-            left: bufs.len(),
-        }
-        .encode(&mut msg);
-        let off = ring * CTS_BYTES;
-        // SAFETY: the slot's bytes are in the region; the SEND that last
-        // read them completed above, and no other transfer uses them.
-        unsafe {
-            std::ptr::copy_nonoverlapping(msg.as_ptr(), eng.cts.as_mut_ptr().add(off), n);
-        }
-        let sge = eng.cts.sge(off as u64, n as u32)?;
-        eng.cts_sent[ring] = Some(self.link.qp.send(sge));
-        eng.groups.push_back(Group {
-            id,
-            slots: bufs
-                .iter()
-                .map(|&(_, cap, _, _)| Slot { cap, got: None })
-                .collect(),
-            remaining: bufs.len(),
-        });
         Ok(Some(Box::new(Request::Recv(RecvReq {
             engine: self.engine.clone(),
+            link: self.link.clone(),
             id,
             n: bufs.len(),
         }))))
@@ -963,6 +1384,8 @@ impl RecvComm {
 /// A (grouped) receive in flight.
 pub(crate) struct RecvReq {
     engine: Arc<Mutex<RecvEngine>>,
+    /// The comm's QP and endpoint, which `test` drives.
+    link: Arc<Link>,
     id: u32,
     n: usize,
 }
@@ -979,21 +1402,27 @@ impl Request {
     /// `test`: the sizes once done (one per buffer of a receive).
     pub(crate) fn test(&mut self) -> Result<Option<Vec<usize>>, NetError> {
         match self {
-            Request::Send(s) => match poll_now(&mut s.wr) {
-                None => Ok(None),
-                Some(r) => {
-                    r?;
-                    Ok(Some(vec![s.size]))
+            Request::Send(s) => {
+                // A turn of a polled endpoint first: what it brings is
+                // seen below.
+                s.dev.progress();
+                match poll_now(&mut s.wr) {
+                    None => Ok(None),
+                    Some(r) => {
+                        r?;
+                        Ok(Some(vec![s.size]))
+                    }
                 }
-            },
+            }
             Request::Recv(r) => {
+                r.link.dev().progress();
                 let mut eng = r.engine.lock().unwrap_or_else(|e| e.into_inner());
                 if let Some((code, msg)) = &eng.failed {
                     return Err(NetError::Remote(format!(
                         "receive comm failed earlier ({code}): {msg}"
                     )));
                 }
-                if let Err(e) = eng.progress() {
+                if let Err(e) = eng.progress(&r.link) {
                     eng.failed = Some((e.code(), e.to_string()));
                     return Err(e);
                 }
@@ -1048,11 +1477,24 @@ mod tests {
         let addr = l.local_addr().unwrap();
         let mut c = TcpStream::connect(addr).unwrap();
         let (mut s, _) = l.accept().unwrap();
-        let ep: SocketAddr = "10.1.2.3:4792".parse().unwrap();
-        c.write_all(&hello(7, 42, ep)).unwrap();
-        assert_eq!(read_hello(&mut s, 7).unwrap(), (42, ep));
-        c.write_all(&hello(8, 42, ep)).unwrap();
+        let h = Hello {
+            qpn: 42,
+            endpoint: "10.1.2.3:4792".parse().unwrap(),
+            eager: 8192,
+        };
+        c.write_all(&hello(7, h)).unwrap();
+        assert_eq!(read_hello(&mut s, 7).unwrap(), h);
+        c.write_all(&hello(8, h)).unwrap();
         assert!(matches!(read_hello(&mut s, 7), Err(NetError::Remote(_))));
+    }
+
+    #[test]
+    fn sequence_numbers_compare_across_the_wrap() {
+        assert!(seq_before(1, 2));
+        assert!(!seq_before(2, 2));
+        assert!(!seq_before(3, 2));
+        assert!(seq_before(u32::MAX, 0));
+        assert!(!seq_before(0, u32::MAX));
     }
 
     #[test]
@@ -1065,10 +1507,10 @@ mod tests {
                     rkey: 0xabcd_0000 + i as u32,
                     addr: 0x7f00_0000_0000 + i as u64 * 4096,
                     size: 1 << 30,
-                    used: false,
+                    seq: u32::MAX - i as u32,
+                    index: i as u8,
                 })
                 .collect(),
-            left: MAX_RECVS,
         };
         let mut b = [0u8; CTS_BYTES];
         let n = c.encode(&mut b);
@@ -1085,10 +1527,16 @@ mod tests {
         let mut x = b;
         x[3] = 0xff;
         assert!(Cts::decode(&x).is_err());
+        // A buffer index past the group, a size past the largest message.
+        let mut x = b;
+        x[CTS_HEAD + 24] = MAX_RECVS as u8;
+        assert!(Cts::decode(&x).is_err());
+        let mut x = b;
+        x[CTS_HEAD + 16..CTS_HEAD + 20].copy_from_slice(&(MAX_MESSAGE as u32 + 1).to_le_bytes());
+        assert!(Cts::decode(&x).is_err());
         let one = Cts {
             id: 3,
             slots: c.slots[..1].to_vec(),
-            left: 1,
         };
         let n = one.encode(&mut b);
         assert_eq!(n, CTS_HEAD + CTS_ENTRY);

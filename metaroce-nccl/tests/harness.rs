@@ -45,6 +45,10 @@ fn newest_version_over_loopback_every_byte() {
             err.contains("grouped receives of 8 tags"),
             "rank {rank}: no grouped run"
         );
+        assert!(
+            err.contains("sent before their receives were posted"),
+            "rank {rank}: no late-receiver run"
+        );
         // The harness's deliberate bad regMr came back as an error code
         // with a warning through the logger it gave init.
         assert!(
@@ -55,10 +59,15 @@ fn newest_version_over_loopback_every_byte() {
     }
 }
 
-/// The v8 table (int sizes) does the same work.
+/// The v8 table (int sizes) does the same work, with the endpoint thread
+/// alone driving each endpoint and every message waiting for its receive
+/// (no eager messages): the other way the plugin can be configured.
 #[test]
 fn v8_over_loopback_every_byte() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut env = loopback();
+    env.push(("METAROCE_PROGRESS", "thread".into()));
+    env.push(("METAROCE_EAGER_BYTES", "0".into()));
     let outs = run_ranks(
         "v8",
         &[
@@ -70,13 +79,15 @@ fn v8_over_loopback_every_byte() {
             "4M",
             "verify",
         ],
-        &loopback(),
+        &env,
         |_| Vec::new(),
         Duration::from_secs(600),
     );
     assert_ok(&outs);
     for o in &outs {
-        assert!(String::from_utf8_lossy(&o.stderr).contains("ncclNetPlugin_v8"));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("ncclNetPlugin_v8"));
+        assert!(err.contains("sent before their receives were posted"));
     }
 }
 

@@ -939,6 +939,11 @@ fn run() -> Result<(), String> {
         let n = (max_recvs as usize).min(MAX_GROUP);
         run_grouped(&c, a.rank, n, 64, &mut b)?;
         eprintln!("[rank {}] verified 64 grouped receives of {n} tags", a.rank);
+        let ahead = run_late(&c, a.rank, LATE_COUNT, &mut b)?;
+        eprintln!(
+            "[rank {}] verified {LATE_COUNT} x {LATE_SIZE} B sent before their receives were posted ({ahead} before the first)",
+            a.rank
+        );
         println!("rank {} verify ok", a.rank);
     } else {
         bench(&c, &a, &mut b)?;
@@ -1005,6 +1010,151 @@ fn request_limit(c: &Comms, b: &mut Bufs) -> Result<(), String> {
         std::thread::yield_now();
     }
     Ok(())
+}
+
+/// Messages of the late-receiver run, and their size.
+const LATE_COUNT: usize = 150;
+const LATE_SIZE: usize = 100;
+
+/// The sender runs ahead: for 300 ms each rank only sends (`count`
+/// messages of `LATE_SIZE` bytes, tag 5) and tests its sends, with no
+/// receive of tag 5 posted, only one of tag 6, which it tests all along;
+/// then it posts its tag-5 receives and checks every message, in order, and
+/// last sends the peer a tag-6 message for its first receive. A message
+/// small enough to go eagerly is sent before its receive exists, and the
+/// receiving side keeps it until then (its sender waits once that side
+/// holds as many as it can); a larger one waits for its receive. Returns
+/// how many of this rank's tag-5 messages were sent before it posted its
+/// own tag-5 receives; with eager messages on (`METAROCE_EAGER_BYTES`, 8192
+/// unless set, at least `LATE_SIZE`) that must be more than the receiving
+/// side copies aside (64).
+fn run_late(c: &Comms, rank: usize, count: usize, b: &mut Bufs) -> Result<usize, String> {
+    let t = c.t;
+    let peer = 1 - rank;
+    let eager = std::env::var("METAROCE_EAGER_BYTES")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(8192);
+    let (sbuf, rbuf, smh, rmh) = (&mut b.sbuf, &mut b.rbuf, b.smh, b.rmh);
+    if (count + 1) * LATE_SIZE > sbuf.len().min(rbuf.len()) {
+        return Err("buffers too small for the late-receiver run".into());
+    }
+    for m in 0..=count {
+        fill(
+            &mut sbuf[m * LATE_SIZE..(m + 1) * LATE_SIZE],
+            rank,
+            LATE_SIZE,
+            m,
+        );
+    }
+    let (mut posted_s, mut sent) = (0, 0);
+    let mut sends: std::collections::VecDeque<Ptr> = Default::default();
+    let mut recvs: std::collections::VecDeque<(Ptr, usize)> = Default::default();
+    let (mut posted_r, mut recvd) = (0, 0);
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(120);
+    let mut ahead = None;
+    // The receive of tag 6, at the end of the buffer; and the send of the
+    // peer's, once every tag-5 message is through.
+    let other = rbuf[count * LATE_SIZE..].as_mut_ptr();
+    let mut other_recv = Some(loop {
+        if let Some(r) = t.irecv(c.recv, &[(other, LATE_SIZE, 6)], rmh)? {
+            break r;
+        }
+    });
+    let mut other_send: Option<Option<Ptr>> = None;
+    while sent < count || recvd < count || other_recv.is_some() || other_send != Some(None) {
+        let receiving = start.elapsed() >= Duration::from_millis(300);
+        if receiving && ahead.is_none() {
+            ahead = Some(sent);
+        }
+        while posted_s < count && sends.len() < NCCL_NET_MAX_REQUESTS {
+            let p = sbuf[posted_s * LATE_SIZE..].as_ptr();
+            match t.isend(c.send, p, LATE_SIZE, 5, smh)? {
+                Some(r) => {
+                    sends.push_back(r);
+                    posted_s += 1;
+                }
+                None => break,
+            }
+        }
+        while receiving && posted_r < count && recvs.len() < NCCL_NET_MAX_REQUESTS {
+            let p = rbuf[posted_r * LATE_SIZE..].as_mut_ptr();
+            match t.irecv(c.recv, &[(p, LATE_SIZE, 5)], rmh)? {
+                Some(r) => {
+                    recvs.push_back((r, posted_r));
+                    posted_r += 1;
+                }
+                None => break,
+            }
+        }
+        let mut progressed = false;
+        while let Some(&r) = sends.front() {
+            if t.test(r, 1)?.is_none() {
+                break;
+            }
+            sends.pop_front();
+            sent += 1;
+            progressed = true;
+        }
+        if sent == count && other_send.is_none() {
+            let p = sbuf[count * LATE_SIZE..].as_ptr();
+            if let Some(r) = t.isend(c.send, p, LATE_SIZE, 6, smh)? {
+                other_send = Some(Some(r));
+            }
+        }
+        if let Some(Some(r)) = other_send {
+            if t.test(r, 1)?.is_some() {
+                other_send = Some(None);
+                progressed = true;
+            }
+        }
+        if let Some(r) = other_recv {
+            if let Some(sz) = t.test(r, 1)? {
+                if sz[0] as usize != LATE_SIZE {
+                    return Err(format!("tag-6 message: {} bytes", sz[0]));
+                }
+                verify_bytes(
+                    &rbuf[count * LATE_SIZE..(count + 1) * LATE_SIZE],
+                    peer,
+                    LATE_SIZE,
+                    count,
+                )?;
+                other_recv = None;
+                progressed = true;
+            }
+        }
+        while let Some(&(r, m)) = recvs.front() {
+            let Some(sz) = t.test(r, 1)? else { break };
+            if sz[0] as usize != LATE_SIZE {
+                return Err(format!("late message {m}: {} bytes", sz[0]));
+            }
+            verify_bytes(
+                &rbuf[m * LATE_SIZE..(m + 1) * LATE_SIZE],
+                peer,
+                LATE_SIZE,
+                m,
+            )?;
+            recvs.pop_front();
+            recvd += 1;
+            progressed = true;
+        }
+        if !progressed {
+            std::thread::yield_now();
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "late receiver: {sent}/{count} sent, {recvd}/{count} received after 120 s"
+            ));
+        }
+    }
+    let ahead = ahead.unwrap_or(sent);
+    if eager >= LATE_SIZE && ahead <= 64 {
+        return Err(format!(
+            "only {ahead} eager messages went before any receive was posted"
+        ));
+    }
+    Ok(ahead)
 }
 
 /// Tags of a grouped receive the harness tests at most.
