@@ -1146,15 +1146,17 @@ impl RecvEngine {
                 self.eager_in(link, idx, imm as i32, len)?;
             }
         }
-        let now = Instant::now();
-        let late: Vec<u32> = self
-            .groups
-            .iter()
-            .filter(|g| g.quiet_since.is_some_and(|t| now - t >= ANNOUNCE_LATE))
-            .map(|g| g.id)
-            .collect();
-        for id in late {
-            self.announce(link, id, false)?;
+        if self.groups.iter().any(|g| g.quiet_since.is_some()) {
+            let now = Instant::now();
+            let late: Vec<u32> = self
+                .groups
+                .iter()
+                .filter(|g| g.quiet_since.is_some_and(|t| now - t >= ANNOUNCE_LATE))
+                .map(|g| g.id)
+                .collect();
+            for id in late {
+                self.announce(link, id, false)?;
+            }
         }
         Ok(())
     }
@@ -1205,9 +1207,12 @@ impl RecvEngine {
         match self.find(tag, seq) {
             Some((gi, si)) => {
                 // SAFETY: the receive completed; the buffer is posted again
-                // only below, after the copy.
-                let bytes = unsafe { self.bounced(idx, len) }.to_vec();
-                Self::place(&mut self.groups[gi].slots[si], &bytes)?;
+                // only below, after the copy. The bounce region is not the
+                // slot's memory (NCCL's), so the two do not overlap.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(self.bounce.as_ptr().add(idx * self.eager), len)
+                };
+                Self::place(&mut self.groups[gi].slots[si], bytes)?;
                 self.filled(gi);
                 self.repost(link, idx)?;
             }
@@ -1403,10 +1408,12 @@ impl Request {
     pub(crate) fn test(&mut self) -> Result<Option<Vec<usize>>, NetError> {
         match self {
             Request::Send(s) => {
-                // A turn of a polled endpoint first: what it brings is
-                // seen below.
-                s.dev.progress();
-                match poll_now(&mut s.wr) {
+                // If not done, a turn of a polled endpoint may bring it.
+                let mut r = poll_now(&mut s.wr);
+                if r.is_none() && s.dev.progress() {
+                    r = poll_now(&mut s.wr);
+                }
+                match r {
                     None => Ok(None),
                     Some(r) => {
                         r?;
@@ -1415,24 +1422,27 @@ impl Request {
                 }
             }
             Request::Recv(r) => {
-                r.link.dev().progress();
-                let mut eng = r.engine.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some((code, msg)) = &eng.failed {
-                    return Err(NetError::Remote(format!(
-                        "receive comm failed earlier ({code}): {msg}"
-                    )));
-                }
-                if let Err(e) = eng.progress(&r.link) {
-                    eng.failed = Some((e.code(), e.to_string()));
-                    return Err(e);
-                }
-                match eng.done.remove(&r.id) {
-                    Some(sizes) => {
-                        debug_assert_eq!(sizes.len(), r.n);
-                        Ok(Some(sizes))
+                // If not done, a turn of a polled endpoint may bring it.
+                for turn in [false, true] {
+                    if turn && !r.link.dev().progress() {
+                        break;
                     }
-                    None => Ok(None),
+                    let mut eng = r.engine.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some((code, msg)) = &eng.failed {
+                        return Err(NetError::Remote(format!(
+                            "receive comm failed earlier ({code}): {msg}"
+                        )));
+                    }
+                    if let Err(e) = eng.progress(&r.link) {
+                        eng.failed = Some((e.code(), e.to_string()));
+                        return Err(e);
+                    }
+                    if let Some(sizes) = eng.done.remove(&r.id) {
+                        debug_assert_eq!(sizes.len(), r.n);
+                        return Ok(Some(sizes));
+                    }
                 }
+                Ok(None)
             }
         }
     }

@@ -380,9 +380,10 @@ impl Device {
     /// an RDMA application's progress loop, NCCL's proxy thread.
     ///
     /// The device also has an endpoint thread, which takes the turns
-    /// whenever no caller does: for 1 ms after each `progress` call it
-    /// leaves the endpoint to the callers, and after that it drives it as
-    /// the thread of [`open`](Self::open) does (acknowledgements,
+    /// whenever no caller does: it looks once a millisecond, leaves the
+    /// endpoint to the callers while `progress` was called since it last
+    /// looked, and otherwise drives it as the thread of
+    /// [`open`](Self::open) does (acknowledgements,
     /// retransmissions and requests posted while nobody polls still go
     /// out). So the rest of the API behaves as on any device; a request
     /// posted between two `progress` calls goes out at the next call.

@@ -14,7 +14,7 @@ use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, TryRecvError};
 use std::sync::Arc;
 use std::task::Poll;
@@ -228,8 +228,8 @@ pub(super) fn start_on_runtime(
 }
 
 /// How long a caller of [`Device::progress`](super::Device::progress) is
-/// taken to go on calling it: for that long after each call the endpoint
-/// thread of a polled device leaves the driver to the callers.
+/// taken to go on calling it: while calls come at least this often, the
+/// endpoint thread of a polled device leaves the driver to the callers.
 pub(super) const PROGRESS_LEASE: Duration = Duration::from_millis(1);
 
 /// Turns the endpoint thread of a polled device takes in a row before it
@@ -245,31 +245,24 @@ pub(super) struct Polled {
     /// `None` once the endpoint stopped (every handle gone, or a driver
     /// error).
     worker: std::sync::Mutex<Option<Worker>>,
-    epoch: std::time::Instant,
-    /// Until when (nanoseconds after `epoch`) the callers drive.
-    lease_until: AtomicU64,
+    /// A caller called `progress` since the endpoint thread last looked
+    /// (no clock is read per call: the thread looks once a lease).
+    touched: AtomicBool,
+    /// The endpoint thread found callers driving when it last looked, and
+    /// stays off the driver.
+    callers_drive: AtomicBool,
     /// What the endpoint thread waits on beside the driver's descriptors.
     wake: WakeReceiver,
     waker: Waker,
 }
 
 impl Polled {
-    fn now_ns(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
-    }
-
-    /// Whether a caller drives the endpoint now.
-    fn leased(&self) -> bool {
-        self.now_ns() < self.lease_until.load(Ordering::Acquire)
-    }
-
     /// One turn on the calling thread if no other thread is taking one;
     /// whether it did anything.
     pub(super) fn progress(&self) -> bool {
-        let until = self
-            .now_ns()
-            .saturating_add(PROGRESS_LEASE.as_nanos() as u64);
-        self.lease_until.fetch_max(until, Ordering::AcqRel);
+        if !self.touched.load(Ordering::Relaxed) {
+            self.touched.store(true, Ordering::Release);
+        }
         let mut g = match self.worker.try_lock() {
             Ok(g) => g,
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
@@ -295,7 +288,7 @@ impl Polled {
     /// Wakes the endpoint thread for a new command, unless a caller drives
     /// (its next call takes the command).
     pub(super) fn wake(&self) {
-        if !self.leased() {
+        if !self.callers_drive.load(Ordering::Acquire) {
             self.waker.wake();
         }
     }
@@ -322,8 +315,8 @@ pub(super) fn start_polled(
     let waker = wake.waker();
     let polled = Arc::new(Polled {
         worker: std::sync::Mutex::new(Some(Worker::new(drv, metrics, rx, incoming))),
-        epoch: std::time::Instant::now(),
-        lease_until: AtomicU64::new(0),
+        touched: AtomicBool::new(false),
+        callers_drive: AtomicBool::new(false),
         wake,
         waker,
     });
@@ -340,12 +333,14 @@ pub(super) fn start_polled(
 /// a descriptor of the driver, a command or the core's next timer.
 fn run_polled(p: &Polled, fds: &[RawFd]) {
     loop {
-        let now = p.now_ns();
-        let until = p.lease_until.load(Ordering::Acquire);
-        if now < until {
-            std::thread::sleep(Duration::from_nanos(until - now));
+        if p.touched.swap(false, Ordering::AcqRel) {
+            // A caller drives: look again after a lease.
+            p.callers_drive.store(true, Ordering::Release);
+            std::thread::sleep(PROGRESS_LEASE);
             continue;
         }
+        // Nobody called for a lease: commands wake this thread again.
+        p.callers_drive.store(false, Ordering::Release);
         // Wakes from here on are seen by the wait below.
         p.wake.drain();
         let wait = {
