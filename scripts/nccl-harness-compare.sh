@@ -10,8 +10,10 @@
 # bandwidth (both ranks send and receive, 512 KiB pieces, 8 outstanding, as
 # NCCL pipelines) against `metaroce perf --op send -s 512K -t 8 --bidir`, per
 # direction. `fabric` (root) builds `metaroce fabric up --spines 4` and runs
-# each round lossless and at 1% loss, with 16 paths; it is torn down at exit.
-# Prints one line per round and path, and the ratios.
+# each round lossless and at 1% loss, with 16 paths, and there also TCP in
+# NCCL's socket-transport shape (`iperf3 -P 4 --bidir`: 4 streams each way,
+# per direction); it is torn down at exit. Prints one line per round and
+# path, and the ratios.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -85,12 +87,32 @@ one() {
     p0=$(perf_json "$ns0" "$ns1" "$server" --op send -s 8 -t 1 -D 2 --busy-poll 0 "$@" | python3 -c "$py_lat")
     hb=$(harness "$ns0" "$a0" "$ns1" "$a1" --max-size 8M --iters 20 --pingpongs 100 | python3 -c "$py_bw")
     pb=$(perf_json "$ns0" "$ns1" "$server" --op send -s 512K -t 8 -D 3 --bidir "$@" | python3 -c "$py_dir")
-    python3 - "$name" "$hl" "$p50" "$p0" "$hb" "$pb" <<'EOF'
+    local tcp=0
+    if [ "$ns0" != - ]; then
+        tcp=$(tcp4 "$ns0" "$ns1" "${server%:*}")
+    fi
+    python3 - "$name" "$hl" "$p50" "$p0" "$hb" "$pb" "$tcp" <<'EOF'
 import sys
-n, hl, p50, p0, hb, pb = sys.argv[1], *map(float, sys.argv[2:])
+n, hl, p50, p0, hb, pb, tcp = sys.argv[1], *map(float, sys.argv[2:])
+t = f"  TCP x4 {tcp:6.3f} (x{hb/tcp:.2f})" if tcp > 0 else ""
 print(f"{n:12} rtt harness {hl:7.1f} us  perf {p50:6.1f} (x{hl/p50:.2f})  perf sleeping {p0:6.1f} (x{hl/p0:.2f})"
-      f" | 8 MiB harness {hb:6.3f} Gbit/s  perf {pb:6.3f} (x{hb/pb:.2f})")
+      f" | 8 MiB harness {hb:6.3f} Gbit/s  perf {pb:6.3f} (x{hb/pb:.2f}){t}")
 EOF
+}
+
+# tcp4 NS0 NS1 ADDR: iperf3 -P 4 --bidir from NS0 to a server in NS1 at
+# ADDR, 4 s; Gbit/s per direction (the mean of the two).
+tcp4() {
+    local ns0="$1" ns1="$2" addr="$3"
+    run_in "$ns1" iperf3 -s -1 -p 5299 >/dev/null 2>&1 &
+    local pid=$!
+    sleep 0.5
+    run_in "$ns0" iperf3 -c "$addr" -p 5299 -P 4 --bidir -t 4 -J 2>/dev/null | python3 -c '
+import json, sys
+e = json.load(sys.stdin)["end"]
+print(round((e["sum_sent"]["bits_per_second"] + e["sum_received_bidir_reverse"]["bits_per_second"]) / 2e9, 3))' || echo 0
+    kill "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
 }
 
 EXTRA=""

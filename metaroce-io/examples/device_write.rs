@@ -4,7 +4,7 @@
 //! the crate sees against what the `perf` tool gets.
 //!
 //! ```text
-//! cargo run --release -p metaroce-io --example device_write -- [--size 64M] [--depth 2] [--seconds 4] [--backend auto|io_uring|portable] [--busy-poll US] [--on-runtime] [--no-verify]
+//! cargo run --release -p metaroce-io --example device_write -- [--size 64M] [--depth 2] [--seconds 4] [--backend auto|io_uring|portable] [--busy-poll US] [--on-runtime | --polled] [--no-verify]
 //! metaroce perf --op write -s 64M -t 2 -D 4 --json   # the baseline
 //! ```
 //!
@@ -17,11 +17,48 @@
 //! object: bytes moved, seconds, Gbit/s, messages, messages checked.
 //! `--on-runtime` runs both endpoints as tasks of this program's
 //! current-thread runtime ([`Device::open_on_runtime`]): everything on one
-//! thread.
+//! thread. `--polled` opens both with [`Device::open_polled`] and runs the
+//! receiver on a thread of its own: each side's thread drives its endpoint
+//! ([`Device::progress`]) while it waits for a request, as a progress loop
+//! does, and the endpoint's own thread takes over while it checks a
+//! message.
 
 use metaroce_io::{connect_qp_pair, AccessFlags, Backend, Device, DriverConfig, SgList};
 use std::collections::VecDeque;
+use std::future::Future;
 use std::time::{Duration, Instant};
+
+/// How the devices run their endpoints.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Thread,
+    Runtime,
+    Polled,
+}
+
+/// Awaits `f`, taking a turn of `dev`'s endpoint (a polled device) each
+/// time it is not ready: the caller's thread is the busy poll. Elsewhere a
+/// plain await.
+async fn driving<F: Future>(dev: &Device, polled: bool, f: F) -> F::Output {
+    if !polled {
+        return f.await;
+    }
+    let mut f = std::pin::pin!(f);
+    std::future::poll_fn(|cx| {
+        if let std::task::Poll::Ready(v) = f.as_mut().poll(cx) {
+            return std::task::Poll::Ready(v);
+        }
+        dev.progress();
+        match f.as_mut().poll(cx) {
+            std::task::Poll::Ready(v) => std::task::Poll::Ready(v),
+            std::task::Poll::Pending => {
+                cx.waker().wake_by_ref();
+                std::task::Poll::Pending
+            }
+        }
+    })
+    .await
+}
 
 fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
@@ -48,21 +85,15 @@ fn pattern(len: usize) -> Vec<u8> {
         .collect()
 }
 
-async fn run(
-    cfg: DriverConfig,
-    len: usize,
-    depth: usize,
-    secs: f64,
-    verify: bool,
-    on_runtime: bool,
-) {
+async fn run(cfg: DriverConfig, len: usize, depth: usize, secs: f64, verify: bool, mode: Mode) {
     let open = || async {
-        if on_runtime {
-            Device::open_on_runtime(cfg.clone()).await
-        } else {
-            Device::open(cfg.clone()).await
+        match mode {
+            Mode::Runtime => Device::open_on_runtime(cfg.clone()).await,
+            Mode::Polled => Device::open_polled(cfg.clone()).await,
+            Mode::Thread => Device::open(cfg.clone()).await,
         }
     };
+    let polled = mode == Mode::Polled;
     let (a, b) = (
         open().await.expect("client device"),
         open().await.expect("server device"),
@@ -105,14 +136,18 @@ async fn run(
     // The receiver: one receive per slot (WRITE_IMM consumes one), checks
     // each message in place, then returns its slot.
     let server_side = qb;
-    let server = tokio::spawn(async move {
+    let server_dev = b.clone();
+    let server = async move {
+        let b = server_dev;
         let server_qp = &server_side.qp;
         let mut recvs: VecDeque<_> = (0..slots)
             .map(|_| server_qp.recv(SgList::default()))
             .collect();
         let (mut checked, mut bad) = (0u64, 0u64);
         while let Some(r) = recvs.pop_front() {
-            let Ok(wc) = r.await else { break };
+            let Ok(wc) = driving(&b, polled, r).await else {
+                break;
+            };
             let i = u64::from(wc.imm.expect("WRITE_IMM carries its index"));
             let slot = i as usize % slots;
             if verify {
@@ -129,17 +164,28 @@ async fn run(
                 checked += 1;
             }
             recvs.push_back(server_qp.recv(SgList::default()));
-            if server_qp
-                .send(credit_out.sge(0, 8).expect("credit"))
-                .await
-                .is_err()
-            {
+            let credit = server_qp.send(credit_out.sge(0, 8).expect("credit"));
+            if driving(&b, polled, credit).await.is_err() {
                 break;
             }
         }
         drop(dst);
         (checked, bad)
-    });
+    };
+    // Polled: the receiver on a thread of its own (its own runtime), as
+    // the two sides of perf run on two.
+    let server = if polled {
+        let t = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime")
+                .block_on(tokio::task::unconstrained(server))
+        });
+        tokio::task::spawn_blocking(move || t.join().expect("receiver thread"))
+    } else {
+        tokio::spawn(server)
+    };
 
     let credit_recvs: Vec<_> = (0..slots)
         .map(|s| {
@@ -159,7 +205,7 @@ async fn run(
             if posted >= slots as u64 {
                 // The slot's earlier message must have been checked.
                 let c = credits.pop_front().expect("a credit per slot");
-                c.await.expect("credit");
+                driving(&a, polled, c).await.expect("credit");
                 let s = posted % slots as u64;
                 credits.push_back(qa.qp.recv(credit_in.sge(8 * s, 8).expect("credit slot")));
             }
@@ -186,7 +232,7 @@ async fn run(
         let Some(wr) = inflight.pop_front() else {
             break;
         };
-        wr.await.expect("WRITE_IMM");
+        driving(&a, polled, wr).await.expect("WRITE_IMM");
         done += 1;
     }
     let elapsed = t0.elapsed().as_secs_f64();
@@ -196,8 +242,9 @@ async fn run(
     let bytes = done * len as u64;
     println!(
         "{{\"backend\":\"{}\",\"size\":{len},\"depth\":{depth},\"messages\":{done},\
-         \"on_runtime\":{on_runtime},\"busy_poll_us\":{},\"checked\":{checked},\"corrupt\":{bad},\"seconds\":{elapsed:.3},\"gbit_s\":{:.3}}}",
+         \"on_runtime\":{},\"polled\":{polled},\"busy_poll_us\":{},\"checked\":{checked},\"corrupt\":{bad},\"seconds\":{elapsed:.3},\"gbit_s\":{:.3}}}",
         a.backend(),
+        mode == Mode::Runtime,
         cfg.busy_poll.as_micros(),
         bytes as f64 * 8.0 / elapsed / 1e9
     );
@@ -209,7 +256,13 @@ fn main() {
     let depth: usize = arg("--depth").map_or(2, |s| s.parse().expect("--depth N"));
     let secs: f64 = arg("--seconds").map_or(4.0, |s| s.parse().expect("--seconds S"));
     let verify = !std::env::args().any(|a| a == "--no-verify");
-    let on_runtime = std::env::args().any(|a| a == "--on-runtime");
+    let mode = if std::env::args().any(|a| a == "--on-runtime") {
+        Mode::Runtime
+    } else if std::env::args().any(|a| a == "--polled") {
+        Mode::Polled
+    } else {
+        Mode::Thread
+    };
     let mut cfg = DriverConfig::new("127.0.0.1:0".parse().expect("address"));
     cfg.backend = arg("--backend").map_or(Backend::Auto, |s| s.parse().expect("--backend"));
     cfg.busy_poll =
@@ -218,5 +271,12 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
-    rt.block_on(run(cfg, len, depth.max(1), secs, verify, on_runtime));
+    rt.block_on(tokio::task::unconstrained(run(
+        cfg,
+        len,
+        depth.max(1),
+        secs,
+        verify,
+        mode,
+    )));
 }
