@@ -127,6 +127,42 @@ fn injected_loss_over_loopback_every_byte() {
     }
 }
 
+/// Messages longer than their buffers fail with an error on the side that
+/// finds out (the sender for one that waits for its buffer's announcement,
+/// the receiver for an eager one), within seconds, and no byte lands past a
+/// buffer.
+#[test]
+fn messages_longer_than_their_buffers_are_refused() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let outs = run_ranks(
+        "misuse",
+        &["misuse"],
+        &loopback(),
+        |_| Vec::new(),
+        Duration::from_secs(120),
+    );
+    assert_ok(&outs);
+    let err0 = String::from_utf8_lossy(&outs[0].stderr);
+    let err1 = String::from_utf8_lossy(&outs[1].stderr);
+    assert!(
+        err0.contains("a 100 B eager message for a 16 B buffer"),
+        "{err0}"
+    );
+    assert!(
+        err1.contains("a 64 KiB message for a 16 B buffer"),
+        "{err1}"
+    );
+    // Each error went through NCCL's logger as a warning, with its reason.
+    assert!(
+        err0.contains("NCCL WARN NET/metaroce: test") && err0.contains("for a buffer of 16"),
+        "{err0}"
+    );
+    assert!(
+        err1.contains("NCCL WARN NET/metaroce: isend") && err1.contains("holds 16"),
+        "{err1}"
+    );
+}
+
 /// The bench mode prints sendrecv_perf's columns as JSON.
 #[test]
 fn bench_reports_sendrecv_columns() {

@@ -475,9 +475,9 @@ fn parse_args() -> Result<Args, String> {
             }
             "--budget" => a.budget = parse_size(&val()?)?,
             "--json" => a.json = true,
-            "verify" | "bench" => a.mode = arg,
+            "verify" | "bench" | "misuse" => a.mode = arg,
             "-h" | "--help" => {
-                println!("usage: metaroce-nccl-harness --rank 0|1 --rendezvous DIR [--plugin NAME] [--version N] [--max-size SIZE] [--chunk SIZE] [--window N] [--iters N] [--budget SIZE] [--pingpongs N] [--json] verify|bench");
+                println!("usage: metaroce-nccl-harness --rank 0|1 --rendezvous DIR [--plugin NAME] [--version N] [--max-size SIZE] [--chunk SIZE] [--window N] [--iters N] [--budget SIZE] [--pingpongs N] [--json] verify|bench|misuse");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -945,6 +945,9 @@ fn run() -> Result<(), String> {
             a.rank
         );
         println!("rank {} verify ok", a.rank);
+    } else if a.mode == "misuse" {
+        misuse(&c, a.rank, &mut b)?;
+        println!("rank {} misuse ok", a.rank);
     } else {
         bench(&c, &a, &mut b)?;
     }
@@ -1008,6 +1011,97 @@ fn request_limit(c: &Comms, b: &mut Bufs) -> Result<(), String> {
         }
         reqs = left;
         std::thread::yield_now();
+    }
+    Ok(())
+}
+
+/// Messages longer than the buffers they are for, one of each way a
+/// message travels: rank 0 posts two 16-byte receives (tags 7 and 8, small
+/// enough to take only eager messages, so not announced at once); rank 1
+/// sends 64 KiB with tag 7, which waits for its buffer to be announced and
+/// must then be refused by `isend`, and 100 B with tag 8, which goes
+/// eagerly and must be refused by the receiver's `test`. Neither may hang,
+/// and no byte may land past a buffer (the bytes after each are checked).
+fn misuse(c: &Comms, rank: usize, b: &mut Bufs) -> Result<(), String> {
+    let t = c.t;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    if rank == 0 {
+        b.rbuf[..256].fill(0xee);
+        let p = b.rbuf.as_mut_ptr();
+        let r7 = loop {
+            if let Some(r) = t.irecv(c.recv, &[(p, 16, 7)], b.rmh)? {
+                break r;
+            }
+        };
+        let r8 = loop {
+            if let Some(r) = t.irecv(c.recv, &[(p.wrapping_add(64), 16, 8)], b.rmh)? {
+                break r;
+            }
+        };
+        // The bad message fails the receive comm: whichever receive is
+        // tested first reports it.
+        loop {
+            let r = match t.test(r7, 1) {
+                Ok(Some(_)) => return Err("a receive of tag 7 completed: nothing fits it".into()),
+                Ok(None) => t.test(r8, 1),
+                Err(e) => Err(e),
+            };
+            match r {
+                // ncclRemoteError; the reason went to the logger.
+                Err(e) if e.ends_with(&format!("ncclResult {NCCL_REMOTE_ERROR}")) => {
+                    eprintln!("[rank 0] a 100 B eager message for a 16 B buffer: {e}");
+                    break;
+                }
+                Err(e) => return Err(format!("tag 8: unexpected error {e}")),
+                Ok(Some(_)) => return Err("a 100 B message completed a 16 B receive".into()),
+                Ok(None) => {}
+            }
+            if Instant::now() > deadline {
+                return Err("the 100 B message was never refused".into());
+            }
+            std::thread::yield_now();
+        }
+        if b.rbuf[16..64]
+            .iter()
+            .chain(&b.rbuf[80..256])
+            .any(|&x| x != 0xee)
+        {
+            return Err("bytes landed past a 16 B buffer".into());
+        }
+    } else {
+        let p = b.sbuf.as_ptr();
+        loop {
+            match t.isend(c.send, p, 64 << 10, 7, b.smh) {
+                // ncclInvalidArgument; the reason went to the logger.
+                Err(e) if e.ends_with(&format!("ncclResult {NCCL_INVALID_ARGUMENT}")) => {
+                    eprintln!("[rank 1] a 64 KiB message for a 16 B buffer: {e}");
+                    break;
+                }
+                Err(e) => return Err(format!("tag 7: unexpected error {e}")),
+                Ok(Some(_)) => return Err("a 64 KiB send to a 16 B buffer was taken".into()),
+                Ok(None) => {}
+            }
+            if Instant::now() > deadline {
+                return Err("the 64 KiB send was never refused".into());
+            }
+            std::thread::yield_now();
+        }
+        let r = loop {
+            if let Some(r) = t.isend(c.send, p, 100, 8, b.smh)? {
+                break r;
+            }
+            if Instant::now() > deadline {
+                return Err("the 100 B send was never taken".into());
+            }
+        };
+        // It goes eagerly: the transport delivers it (the receiver refuses
+        // it above the transport), so the send completes.
+        while t.test(r, 1)?.is_none() {
+            if Instant::now() > deadline {
+                return Err("the 100 B send never completed".into());
+            }
+            std::thread::yield_now();
+        }
     }
     Ok(())
 }
