@@ -362,6 +362,18 @@ impl Driver {
         each!(self, d => d.turn())
     }
 
+    /// Whether a [`turn`](Self::turn) now would surely find nothing to do
+    /// (io_uring only, where it is known without a system call; `false`
+    /// elsewhere). The caller must not rely on it after changing the
+    /// endpoint itself.
+    pub(crate) fn quiet(&mut self) -> bool {
+        match self {
+            #[cfg(target_os = "linux")]
+            Driver::Uring(d) => d.quiet(),
+            _ => false,
+        }
+    }
+
     /// How long such a caller may wait before the next turn (the core's
     /// next timer; `Duration::MAX` if none); `None`: a turn is due now.
     pub(crate) fn idle_wait(&mut self) -> Option<Duration> {

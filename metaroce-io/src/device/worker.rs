@@ -577,6 +577,12 @@ impl Worker {
         let Some(commands) = self.take_commands() else {
             return Ok(None);
         };
+        // Nothing came and nothing is due: no turn of the driver (a
+        // polling caller's usual case).
+        if !commands && self.drv.quiet() {
+            self.after_turn();
+            return Ok(Some(false));
+        }
         let progress = commands | self.drv.turn()?;
         self.after_turn();
         Ok(Some(progress))

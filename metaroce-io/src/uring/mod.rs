@@ -163,6 +163,12 @@ pub struct UringDriver {
     /// kernel taking nothing from it (`sys::Ring::push`) and waits for the
     /// next turn, which this one must not sleep before.
     backlog: bool,
+    /// The last turn did nothing, and nothing is due before this instant
+    /// (the core's next timer; `Instant::MAX` if none): until then a turn
+    /// finds nothing unless a datagram or a command comes ([`quiet`]).
+    ///
+    /// [`quiet`]: Self::quiet
+    quiet_until: Option<Instant>,
     /// GSO still works (downgraded on EIO/EINVAL).
     gso: bool,
     /// Zero copy enabled and still working.
@@ -279,6 +285,7 @@ impl UringDriver {
             busy_poll: cfg.busy_poll,
             recv_starved: false,
             backlog: false,
+            quiet_until: None,
             gso,
             zc,
             zc_threshold: u.zero_copy_threshold,
@@ -430,6 +437,22 @@ impl UringDriver {
         self.poll_turn(Duration::ZERO)
     }
 
+    /// Whether a [`turn`](Self::turn) now would find nothing to do, known
+    /// without running one (a few loads from memory shared with the
+    /// kernel, one clock reading): the last turn did nothing, no completion
+    /// waits in the ring or as the kernel's task work, nothing waits to be
+    /// submitted, and the core's next timer is still ahead. The caller
+    /// must run a turn anyway after it changed the endpoint (a post, a
+    /// connect). For a thread that polls: NCCL's proxy thread calls the
+    /// plugin's `test` millions of times a second.
+    pub(crate) fn quiet(&mut self) -> bool {
+        !self.backlog
+            && !self.ring.queued()
+            && !self.ring.completions_ready()
+            && !self.ring.kernel_holds_completions()
+            && self.quiet_until.is_some_and(|t| self.clock.now() < t)
+    }
+
     /// How long a caller that runs [`turn`](Self::turn)s itself may wait
     /// for [`wait_fds`](Self::wait_fds) before the next turn: until the
     /// core's next timer (`Duration::MAX` if none); `None` if a turn must
@@ -518,7 +541,8 @@ impl UringDriver {
         }
         // Timers run after what already arrived: an ACK that is here must
         // not lose the race against a retransmission timeout.
-        if self.ep.poll_timeout().is_some_and(|t| t <= now) {
+        let next = self.ep.poll_timeout();
+        if next.is_some_and(|t| t <= now) {
             self.drain_before_late_timers(now)?;
             // What the timers did (events, failed requests) is the caller's
             // to see before this turn may sleep.
@@ -530,6 +554,10 @@ impl UringDriver {
         // locally when its turn to be sent came sends nothing) are the
         // caller's to see before this turn may sleep.
         progress |= self.ep.unpolled() != unpolled;
+        // A turn that did nothing left the core as it found it: its next
+        // timer stands.
+        self.quiet_until = (!progress && self.faults.is_none())
+            .then(|| next.unwrap_or(Instant::from_nanos(u64::MAX)));
         self.arm_receives()?;
         self.arm_wake()?;
         Ok(progress)
@@ -986,6 +1014,91 @@ mod tests {
     use super::*;
     use metaroce_proto::verbs::*;
     use metaroce_proto::EndpointConfig;
+
+    /// `quiet` says a turn would find nothing only while that is so: after
+    /// an idle turn, until a datagram arrives (its completion is in the ring
+    /// or held by the kernel) or the core's next timer is due; and never
+    /// before a turn has run.
+    #[test]
+    fn quiet_only_while_a_turn_would_do_nothing() {
+        if let Err(why) = uring_probe() {
+            println!("skipped: io_uring unavailable: {why}");
+            return;
+        }
+        let limit = Duration::from_secs(10);
+        let cfg = DriverConfig::new("127.0.0.1:0".parse().unwrap());
+        let mut a = UringDriver::bind(cfg.clone()).unwrap();
+        let mut b = UringDriver::bind(cfg).unwrap();
+        assert!(!a.quiet(), "quiet before any turn");
+        let (ca, cb) = crate::connect_pair(&mut a, &mut b, limit).unwrap();
+        // Idle turns until one does nothing (the handshake's leftovers).
+        let settle = |d: &mut UringDriver| {
+            let t0 = std::time::Instant::now();
+            while d.turn().unwrap() {
+                assert!(t0.elapsed() < limit, "turns never settle");
+            }
+        };
+        settle(&mut a);
+        settle(&mut b);
+        assert!(b.quiet(), "an idle turn left the driver not quiet");
+        // A datagram for b: a SEND from a to a posted receive.
+        let (pda, pdb) = (a.endpoint().alloc_pd(), b.endpoint().alloc_pd());
+        let (cqa, cqb) = (a.endpoint().create_cq(16), b.endpoint().create_cq(16));
+        let qa = a.endpoint().create_qp(QpInit::new(pda, cqa, cqa)).unwrap();
+        let qb = b.endpoint().create_qp(QpInit::new(pdb, cqb, cqb)).unwrap();
+        a.endpoint().connect_qp(qa, ca, qb).unwrap();
+        b.endpoint().connect_qp(qb, cb, qa).unwrap();
+        b.endpoint()
+            .post_recv(qb, RecvWr::new(1, SgList::default()))
+            .unwrap();
+        settle(&mut b);
+        assert!(b.quiet());
+        let now = a.now();
+        a.endpoint()
+            .post_send(now, qa, SendWr::new(2, SendOp::Send, SgList::default()))
+            .unwrap();
+        a.turn().unwrap();
+        let t0 = std::time::Instant::now();
+        while b.quiet() {
+            assert!(t0.elapsed() < limit, "a datagram came and b stays quiet");
+        }
+        // A turn takes it; the receive completes.
+        let mut wc = Vec::new();
+        while wc.is_empty() {
+            assert!(t0.elapsed() < limit, "the SEND never arrived");
+            b.turn().unwrap();
+            b.endpoint().poll_cq(cqb, 16, &mut wc).unwrap();
+        }
+        // b answered with its acknowledgement at once; a takes it.
+        let mut sent = Vec::new();
+        while sent.is_empty() {
+            assert!(t0.elapsed() < limit, "the SEND was never acknowledged");
+            b.turn().unwrap();
+            a.turn().unwrap();
+            a.endpoint().poll_cq(cqa, 16, &mut sent).unwrap();
+        }
+        assert_eq!(sent[0].status, WcStatus::Success);
+        // A timer: a SEND that b does not take (b runs no turn) leaves a
+        // with a retransmission timeout. a is quiet until it is due, and
+        // not after.
+        let now = a.now();
+        a.endpoint()
+            .post_send(now, qa, SendWr::new(3, SendOp::Send, SgList::default()))
+            .unwrap();
+        settle(&mut a);
+        let due = a
+            .endpoint()
+            .poll_timeout()
+            .expect("a timer for the unacknowledged SEND");
+        assert!(
+            a.quiet(),
+            "an idle turn with a timer ahead left a not quiet"
+        );
+        while a.now() < due {
+            assert!(a.quiet() || a.now() >= due, "not quiet before the timer");
+        }
+        assert!(!a.quiet(), "quiet past the core's next timer");
+    }
 
     /// A burst of sends larger than the submission queue (eight entries,
     /// the fewest the driver sets up; one datagram a send), in turns where
