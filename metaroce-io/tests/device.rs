@@ -544,22 +544,39 @@ async fn two_plane_devices(backend: Backend) {
 /// host: with the load average at 7 on 2 cores (other jobs, and two
 /// busy-polling endpoint threads beside this one) single rounds took up to
 /// 280 ms, so a few rounds over 20 ms are the host's, not the transport's.
-async fn no_round_trip_stalls(backend: Backend) {
-    let (a, b) = pair(backend, FaultConfig::default()).await;
-    let size = 4096u32;
+/// The regions of an echo of `size` bytes: `a`'s request (the pattern of
+/// `seed`) and room for the response, `b`'s buffer that receives the
+/// request and sends it back; and the three buffers.
+async fn echo_regions(
+    a: &Side,
+    b: &Side,
+    size: u32,
+    seed: u64,
+) -> (
+    metaroce_io::MemoryRegion,
+    metaroce_io::MemoryRegion,
+    [metaroce_io::Sge; 3],
+) {
     let ra =
-        a.pd.reg_mr(pattern(11, 2 * size as usize), AccessFlags::LOCAL_WRITE)
+        a.pd.reg_mr(pattern(seed, 2 * size as usize), AccessFlags::LOCAL_WRITE)
             .await
             .unwrap();
     let rb =
         b.pd.reg_mr(vec![0u8; size as usize], AccessFlags::LOCAL_WRITE)
             .await
             .unwrap();
-    let (req, resp) = (
+    let bufs = [
         ra.sge(0, size).unwrap(),
         ra.sge(u64::from(size), size).unwrap(),
-    );
-    let echo = rb.sge(0, size).unwrap();
+        rb.sge(0, size).unwrap(),
+    ];
+    (ra, rb, bufs)
+}
+
+async fn no_round_trip_stalls(backend: Backend) {
+    let (a, b) = pair(backend, FaultConfig::default()).await;
+    let size = 4096u32;
+    let (ra, _rb, [req, resp, echo]) = echo_regions(&a, &b, size, 11).await;
     let rounds = 5_000;
     let mut rtts = Vec::with_capacity(rounds);
     for _ in 0..rounds {
@@ -1514,19 +1531,7 @@ async fn polled_progress_loops(backend: Backend, a: Side, b: Side) {
         }
     }
     let size = 64u32;
-    let ra =
-        a.pd.reg_mr(pattern(5, 2 * size as usize), AccessFlags::LOCAL_WRITE)
-            .await
-            .unwrap();
-    let rb =
-        b.pd.reg_mr(vec![0u8; size as usize], AccessFlags::LOCAL_WRITE)
-            .await
-            .unwrap();
-    let (req, resp) = (
-        ra.sge(0, size).unwrap(),
-        ra.sge(u64::from(size), size).unwrap(),
-    );
-    let echo = rb.sge(0, size).unwrap();
+    let (ra, rb, [req, resp, echo]) = echo_regions(&a, &b, size, 5).await;
     let mut busy = 0u64;
     let rounds = 2_000;
     for _ in 0..rounds {

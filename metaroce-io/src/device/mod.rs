@@ -388,6 +388,10 @@ impl Device {
     /// out). So the rest of the API behaves as on any device; a request
     /// posted between two `progress` calls goes out at the next call.
     /// The driver's `busy_poll` is not used: the callers are the busy poll.
+    /// Any thread may call `progress`, but one thread at a time driving a
+    /// device is the efficient use: on io_uring the receive is armed by the
+    /// thread that turns (the kernel delivers its completions through that
+    /// thread), so a turn from another thread arms it anew.
     ///
     /// A progress loop polls the requests' futures without a waker (a
     /// no-op one), many times; it belongs on a thread of its own. Inside a
