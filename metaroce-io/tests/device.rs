@@ -1583,6 +1583,63 @@ async fn polled_progress_loops(backend: Backend, a: Side, b: Side) {
     assert!(!t.progress());
 }
 
+/// A polled device whose caller polls in bursts and stops between them (as
+/// NCCL's proxy thread does between collectives), so that the endpoint
+/// passes between the caller's thread and its own at every burst: 200
+/// rounds of a SEND from `a` polled until `b` has it, then `a` polled until
+/// its acknowledgement, then nobody for 3 ms. Every SEND gets through
+/// without being sent again (a retransmission is a datagram that waited
+/// for a thread). With `Backend::Auto` the device picks the portable
+/// backend.
+fn polled_device_whose_caller_stops_and_resumes() {
+    run(Backend::Portable, |_| async {
+        MODE.with(|m| m.set(Mode::Polled));
+        let (a, b) = pair(Backend::Portable, FaultConfig::default()).await;
+        MODE.with(|m| m.set(Mode::Thread));
+        let auto = Device::open_polled(config(Backend::Auto, FaultConfig::default()))
+            .await
+            .unwrap();
+        assert_eq!(auto.backend(), Backend::Portable);
+        tokio::task::unconstrained(async move {
+            let ra = a.pd.reg_mr(vec![1u8; 64], AccessFlags::NONE).await.unwrap();
+            let rb =
+                b.pd.reg_mr(vec![0u8; 64], AccessFlags::LOCAL_WRITE)
+                    .await
+                    .unwrap();
+            let deadline = std::time::Instant::now() + LIMIT;
+            for _ in 0..200 {
+                let mut got = b.qp.recv(rb.sge(0, 8).unwrap());
+                let mut sent = a.qp.send(ra.sge(0, 8).unwrap());
+                while poll_once(&mut got).is_none() {
+                    a.dev.progress();
+                    b.dev.progress();
+                    assert!(std::time::Instant::now() < deadline, "stuck");
+                }
+                while poll_once(&mut sent).is_none() {
+                    a.dev.progress();
+                    assert!(std::time::Instant::now() < deadline, "stuck");
+                }
+                std::thread::sleep(Duration::from_millis(3));
+            }
+            let st = a.conn.stats().await.unwrap().unwrap();
+            // A few for this shared host's stalls (a thread off its CPU for
+            // milliseconds), not one a round.
+            assert!(
+                st.retransmits <= 5,
+                "{} retransmissions and {} timeouts in 200 rounds",
+                st.retransmits,
+                st.rto_fires
+            );
+        })
+        .await;
+    });
+}
+
+#[test]
+fn polled_device_whose_caller_stops_and_resumes_portable() {
+    polled_device_whose_caller_stops_and_resumes();
+}
+
 #[test]
 fn polled_progress_portable() {
     run(Backend::Portable, polled_progress);

@@ -388,10 +388,11 @@ impl Device {
     /// out). So the rest of the API behaves as on any device; a request
     /// posted between two `progress` calls goes out at the next call.
     /// The driver's `busy_poll` is not used: the callers are the busy poll.
-    /// Any thread may call `progress`, but one thread at a time driving a
-    /// device is the efficient use: on io_uring the receive is armed by the
-    /// thread that turns (the kernel delivers its completions through that
-    /// thread), so a turn from another thread arms it anew.
+    /// With [`Backend::Auto`] the device runs on the portable backend:
+    /// an io_uring receive is bound to the thread that armed it, and the
+    /// endpoint passes between threads (the callers', its own); asked for
+    /// explicitly, io_uring is used, and is at its best driven by one
+    /// thread that never stops polling.
     ///
     /// A progress loop polls the requests' futures without a waker (a
     /// no-op one), many times; it belongs on a thread of its own. Inside a
@@ -431,7 +432,15 @@ impl Device {
         Self::start_polled(cfg, Some(metrics))
     }
 
-    fn start_polled(cfg: DriverConfig, metrics: Option<Metrics>) -> Result<Device, ApiError> {
+    fn start_polled(mut cfg: DriverConfig, metrics: Option<Metrics>) -> Result<Device, ApiError> {
+        // The endpoint passes between the callers' threads and its own, and
+        // an io_uring receive is bound to the thread that armed it: right
+        // after a switch a datagram can wait for the other thread (a
+        // caller that resumes polling saw millisecond stalls and
+        // retransmission timeouts). The portable backend has no such tie.
+        if cfg.backend == Backend::Auto {
+            cfg.backend = Backend::Portable;
+        }
         let (tx, rx) = mpsc::channel();
         let (in_tx, in_rx) = tmpsc::unbounded_channel();
         let (local, backend, polled) = worker::start_polled(cfg, metrics, rx, in_tx)?;

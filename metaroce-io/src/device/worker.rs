@@ -263,6 +263,12 @@ impl Polled {
         if !self.touched.load(Ordering::Relaxed) {
             self.touched.store(true, Ordering::Release);
         }
+        if !self.callers_drive.load(Ordering::Acquire) {
+            // The endpoint thread may be asleep until a far timer, blind to
+            // the timers this caller's turns set: it must look again, and
+            // from now on look once a lease (one wake a burst of calls).
+            self.waker.wake();
+        }
         let mut g = match self.worker.try_lock() {
             Ok(g) => g,
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
@@ -290,6 +296,21 @@ impl Polled {
     pub(super) fn wake(&self) {
         if !self.callers_drive.load(Ordering::Acquire) {
             self.waker.wake();
+        }
+    }
+
+    /// Whether one of the core's timers is due and no turn has served it:
+    /// a caller that called `progress` during the last lease has stopped
+    /// since (or calls too rarely), and an acknowledgement or a
+    /// retransmission it left owed must not wait another lease. Not
+    /// waiting for the lock: a caller taking a turn serves it.
+    fn timer_overdue(&self) -> bool {
+        match self.worker.try_lock() {
+            Ok(mut g) => g.as_mut().is_some_and(|w| {
+                let now = w.drv.now();
+                w.drv.endpoint().poll_timeout().is_some_and(|t| t <= now)
+            }),
+            Err(_) => false,
         }
     }
 
@@ -333,7 +354,7 @@ pub(super) fn start_polled(
 /// a descriptor of the driver, a command or the core's next timer.
 fn run_polled(p: &Polled, fds: &[RawFd]) {
     loop {
-        if p.touched.swap(false, Ordering::AcqRel) {
+        if p.touched.swap(false, Ordering::AcqRel) && !p.timer_overdue() {
             // A caller drives: look again after a lease.
             p.callers_drive.store(true, Ordering::Release);
             std::thread::sleep(PROGRESS_LEASE);
