@@ -4,7 +4,7 @@
 //! the error statuses a user can provoke, completion-queue posting, and a
 //! transfer through 1% and 10% injected loss. Where io_uring is unavailable
 //! the io_uring variants print `skipped: io_uring unavailable: <reason>`
-//! and pass. The `*_on_runtime_*` variants run the same tests with every
+//! and pass. The `on_runtime::*` variants run the same tests with every
 //! device opened by `Device::open_on_runtime` (its endpoint a task of the
 //! test's runtime, not a thread), the `polled::*` ones with every device
 //! opened by `Device::open_polled` and nobody calling `progress` (its
@@ -68,16 +68,6 @@ where
     MODE.with(|m| m.set(mode));
     run(backend, f);
     MODE.with(|m| m.set(Mode::Thread));
-}
-
-/// [`run`], with every device the test opens running as a task of its
-/// runtime.
-fn run_on_runtime<F, Fut>(backend: Backend, f: F)
-where
-    F: FnOnce(Backend) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    run_in(Mode::Runtime, backend, f);
 }
 
 /// Runs `f` on a fresh runtime with `backend`, unless it cannot run here.
@@ -1410,24 +1400,26 @@ fn scatter_gather_lists_io_uring() {
     run(Backend::Uring, scatter_gather_lists);
 }
 
-/// The tests above with every device's endpoint a task of the test's
-/// runtime (`Device::open_on_runtime`), on each backend.
-macro_rules! on_runtime {
-    ($($name:ident: $f:expr;)*) => {
-        mod on_runtime {
+/// The tests listed, in a module of their own, with every device opened
+/// as `$mode` says, on each backend.
+macro_rules! in_mode {
+    ($module:ident, $mode:expr, { $($name:ident: $f:expr;)* }) => {
+        mod $module {
             use super::*;
             $(
                 #[test]
                 fn $name() {
-                    run_on_runtime(Backend::Portable, $f);
-                    run_on_runtime(Backend::Uring, $f);
+                    run_in($mode, Backend::Portable, $f);
+                    run_in($mode, Backend::Uring, $f);
                 }
             )*
         }
     };
 }
 
-on_runtime! {
+// Every device's endpoint a task of the test's runtime
+// (`Device::open_on_runtime`).
+in_mode! { on_runtime, Mode::Runtime, {
     every_operation_both_backends: every_operation;
     completion_queue_posting_both_backends: completion_queue_posting;
     error_statuses_both_backends: error_statuses;
@@ -1446,26 +1438,11 @@ on_runtime! {
     receive_chains_both_backends: receive_chains;
     reg_mr_does_not_block_the_executor_both_backends: reg_mr_does_not_block_the_executor;
     scatter_gather_lists_both_backends: scatter_gather_lists;
-}
+}}
 
-/// The tests above with every device opened by `Device::open_polled` and
-/// no `progress` call: the polled device's endpoint thread drives it.
-macro_rules! polled {
-    ($($name:ident: $f:expr;)*) => {
-        mod polled {
-            use super::*;
-            $(
-                #[test]
-                fn $name() {
-                    run_in(Mode::Polled, Backend::Portable, $f);
-                    run_in(Mode::Polled, Backend::Uring, $f);
-                }
-            )*
-        }
-    };
-}
-
-polled! {
+// Every device opened by `Device::open_polled` and no `progress` call:
+// the polled device's endpoint thread drives it.
+in_mode! { polled, Mode::Polled, {
     every_operation_both_backends: every_operation;
     completion_queue_posting_both_backends: completion_queue_posting;
     error_statuses_both_backends: error_statuses;
@@ -1476,7 +1453,7 @@ polled! {
     local_errors_complete_at_once_both_backends: local_errors_complete_at_once;
     batched_and_unsignaled_posts_both_backends: batched_and_unsignaled_posts;
     receive_chains_both_backends: receive_chains;
-}
+}}
 
 /// Polls `f` once, without waiting.
 fn poll_once<F: std::future::Future + Unpin>(f: &mut F) -> Option<F::Output> {
