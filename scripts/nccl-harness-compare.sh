@@ -36,11 +36,12 @@ H="$target/release/metaroce-nccl-harness"
 P="$target/release/metaroce"
 export LD_LIBRARY_PATH="$plug"
 
-# run_in NS CMD...: CMD in namespace NS (or here, for "-").
+# run_in NS CMD...: CMD in namespace NS (or here, for "-"), replacing the
+# shell that runs it, so that a background run's $! is CMD's own pid.
 run_in() {
     local ns="$1"
     shift
-    if [ "$ns" = - ]; then "$@"; else ip netns exec "$ns" "$@"; fi
+    if [ "$ns" = - ]; then exec "$@"; else exec ip netns exec "$ns" "$@"; fi
 }
 
 # harness NS0 ADDR0 NS1 ADDR1 ARGS...: rank 1 in the background, rank 0's JSON.
@@ -49,9 +50,9 @@ harness() {
     shift 4
     local rv
     rv="$(mktemp -d /tmp/mr-nccl-rv.XXXXXX)"
-    run_in "$ns1" env METAROCE_ADDRS="$a1" $EXTRA "$H" --rank 1 --rendezvous "$rv" "$@" --json bench >/dev/null 2>&1 &
+    (run_in "$ns1" env METAROCE_ADDRS="$a1" $EXTRA "$H" --rank 1 --rendezvous "$rv" "$@" --json bench >/dev/null 2>&1) &
     local pid=$!
-    run_in "$ns0" env METAROCE_ADDRS="$a0" $EXTRA "$H" --rank 0 --rendezvous "$rv" "$@" --json bench 2>/dev/null
+    (run_in "$ns0" env METAROCE_ADDRS="$a0" $EXTRA "$H" --rank 0 --rendezvous "$rv" "$@" --json bench 2>/dev/null)
     wait "$pid"
     rm -rf "$rv"
 }
@@ -64,10 +65,10 @@ perf_json() {
         "$P" perf "$@" --json 2>/dev/null
         return
     fi
-    run_in "$ns1" "$P" perf server --bind "$server" >/dev/null 2>&1 &
+    (run_in "$ns1" "$P" perf server --bind "$server" >/dev/null 2>&1) &
     local pid=$!
     sleep 0.5
-    run_in "$ns0" "$P" perf client "$server" "$@" --json 2>/dev/null || true
+    (run_in "$ns0" "$P" perf client "$server" "$@" --json 2>/dev/null) || true
     kill "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
 }
@@ -104,10 +105,10 @@ EOF
 # ADDR, 4 s; Gbit/s per direction (the mean of the two).
 tcp4() {
     local ns0="$1" ns1="$2" addr="$3"
-    run_in "$ns1" iperf3 -s -1 -p 5299 >/dev/null 2>&1 &
+    (run_in "$ns1" iperf3 -s -1 -p 5299 >/dev/null 2>&1) &
     local pid=$!
     sleep 0.5
-    run_in "$ns0" iperf3 -c "$addr" -p 5299 -P 4 --bidir -t 4 -J 2>/dev/null | python3 -c '
+    (run_in "$ns0" iperf3 -c "$addr" -p 5299 -P 4 --bidir -t 4 -J 2>/dev/null) | python3 -c '
 import json, sys
 e = json.load(sys.stdin)["end"]
 print(round((e["sum_sent"]["bits_per_second"] + e["sum_received_bidir_reverse"]["bits_per_second"]) / 2e9, 3))' || echo 0
