@@ -382,8 +382,9 @@ impl Device {
     /// The device also has an endpoint thread, which takes the turns
     /// whenever no caller does: it looks once a millisecond, leaves the
     /// endpoint to the callers while `progress` was called since it last
-    /// looked, and otherwise drives it as the thread of
-    /// [`open`](Self::open) does (acknowledgements,
+    /// looked (unless a timer of the endpoint is overdue: a caller that
+    /// stopped left an acknowledgement owed), and otherwise drives it as
+    /// the thread of [`open`](Self::open) does (acknowledgements,
     /// retransmissions and requests posted while nobody polls still go
     /// out). So the rest of the API behaves as on any device; a request
     /// posted between two `progress` calls goes out at the next call.
