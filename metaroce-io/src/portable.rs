@@ -335,11 +335,7 @@ impl PortableDriver {
     /// Waits until a receive socket or the waker is readable, at most
     /// `timeout` (zero: only looks). True if one is.
     fn wait_readable(&self, timeout: Duration) -> Result<bool, DriverError> {
-        let pollfd = |fd| libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
+        let pollfd = crate::sockets::readable;
         // One receive socket per plane, and the waker: no allocation, as a
         // busy poll calls this again and again.
         let mut pfd = [pollfd(-1); MAX_PLANES + 1];
@@ -353,21 +349,7 @@ impl PortableDriver {
             pfd[n] = pollfd(w.fd());
             n += 1;
         }
-        let n = n as libc::nfds_t;
-        let ts = libc::timespec {
-            tv_sec: timeout.as_secs() as libc::time_t,
-            tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
-        };
-        // SAFETY: `pfd` holds at least `n` valid pollfds and lives across
-        // the call, `ts` is a valid timespec, and a null signal mask leaves
-        // the mask alone.
-        let r = unsafe { libc::ppoll(pfd.as_mut_ptr(), n, &ts, std::ptr::null()) };
-        if r < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(e.into());
-            }
-        }
+        let r = crate::sockets::wait_readable(&mut pfd[..n], timeout)?;
         if let Some(w) = &self.wake {
             if pfd[wake_at].revents != 0 {
                 w.drain();

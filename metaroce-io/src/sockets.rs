@@ -186,3 +186,44 @@ pub(crate) fn datagrams(batch: &[u8], stride: Option<usize>) -> impl Iterator<It
     let empty = batch.is_empty().then_some(batch);
     batch.chunks(stride).chain(empty)
 }
+
+/// A `pollfd` waiting for `fd` to be readable (a negative `fd` is ignored).
+pub(crate) fn readable(fd: std::os::fd::RawFd) -> libc::pollfd {
+    libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    }
+}
+
+/// Waits until one of `pfd` is readable or `timeout` passed (to the
+/// nanosecond; zero only looks); fills their `revents`. The number
+/// readable; an interrupted wait is a wake with none.
+pub(crate) fn wait_readable(
+    pfd: &mut [libc::pollfd],
+    timeout: std::time::Duration,
+) -> std::io::Result<usize> {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+    };
+    // SAFETY: `pfd` is a valid array of `pfd.len()` pollfds that lives
+    // across the call, `ts` a valid timespec; a null signal mask leaves the
+    // mask alone.
+    let r = unsafe {
+        libc::ppoll(
+            pfd.as_mut_ptr(),
+            pfd.len() as libc::nfds_t,
+            &ts,
+            std::ptr::null(),
+        )
+    };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+        return Ok(0);
+    }
+    Ok(r as usize)
+}

@@ -263,32 +263,16 @@ impl Polled {
         if !self.touched.load(Ordering::Relaxed) {
             self.touched.store(true, Ordering::Release);
         }
-        if !self.callers_drive.load(Ordering::Acquire) {
-            // The endpoint thread may be asleep until a far timer, blind to
-            // the timers this caller's turns set: it must look again, and
-            // from now on look once a lease (one wake a burst of calls).
-            self.waker.wake();
-        }
+        // The endpoint thread may be asleep until a far timer, blind to
+        // the timers this caller's turns set: it must look again, and from
+        // now on look once a lease (one wake a burst of calls).
+        self.wake();
         let mut g = match self.worker.try_lock() {
             Ok(g) => g,
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return false,
         };
-        let Some(w) = g.as_mut() else {
-            return false;
-        };
-        match w.turn_once() {
-            Ok(Some(p)) => p,
-            Ok(None) => {
-                *g = None;
-                false
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "metaroce polled endpoint stopped on a driver error");
-                *g = None;
-                false
-            }
-        }
+        turn_or_stop(&mut g).unwrap_or(false)
     }
 
     /// Wakes the endpoint thread for a new command, unless a caller drives
@@ -317,6 +301,25 @@ impl Polled {
     /// Wakes the endpoint thread whoever drives (the last handle is gone).
     pub(super) fn wake_thread(&self) {
         self.waker.wake();
+    }
+}
+
+/// One turn of a polled device's worker, whichever thread takes it:
+/// whether it did anything, or `None` once the endpoint stopped (every
+/// handle gone, or a driver error), when the worker is dropped.
+fn turn_or_stop(slot: &mut Option<Worker>) -> Option<bool> {
+    let w = slot.as_mut()?;
+    match w.turn_once() {
+        Ok(Some(p)) => Some(p),
+        Ok(None) => {
+            *slot = None;
+            None
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "metaroce polled endpoint stopped on a driver error");
+            *slot = None;
+            None
+        }
     }
 }
 
@@ -366,60 +369,28 @@ fn run_polled(p: &Polled, fds: &[RawFd]) {
         p.wake.drain();
         let wait = {
             let mut g = p.worker.lock().unwrap_or_else(|e| e.into_inner());
-            let Some(w) = g.as_mut() else { return };
             let mut wait = Duration::ZERO;
             for _ in 0..THREAD_BURST {
-                match w.turn_once() {
-                    Ok(Some(true)) => continue,
-                    Ok(Some(false)) => {
-                        wait = w.drv.idle_wait().unwrap_or(Duration::ZERO);
+                match turn_or_stop(&mut g) {
+                    Some(true) => continue,
+                    Some(false) => {
+                        wait = g
+                            .as_mut()
+                            .and_then(|w| w.drv.idle_wait())
+                            .unwrap_or(Duration::ZERO);
                         break;
                     }
-                    Ok(None) => {
-                        *g = None;
-                        return;
-                    }
-                    Err(e) => {
-                        tracing::error!(error = %e, "metaroce endpoint thread stopped on a driver error");
-                        *g = None;
-                        return;
-                    }
+                    None => return,
                 }
             }
             wait
         };
         if !wait.is_zero() {
             // Metrics keep their cadence: no wait is longer than 100 ms.
-            wait_readable(fds, wait.min(Duration::from_millis(100)));
+            let mut pfd: Vec<_> = fds.iter().map(|&fd| crate::sockets::readable(fd)).collect();
+            // An error is a wake like any other: the loop looks again.
+            let _ = crate::sockets::wait_readable(&mut pfd, wait.min(Duration::from_millis(100)));
         }
-    }
-}
-
-/// Waits until one of `fds` is readable or `timeout` passed (to the
-/// microsecond).
-fn wait_readable(fds: &[RawFd], timeout: Duration) {
-    let mut pfds: Vec<libc::pollfd> = fds
-        .iter()
-        .map(|&fd| libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
-        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
-    };
-    // SAFETY: `pfds` is a valid array of `pfds.len()` pollfds, `ts` a valid
-    // timespec; no signal mask is given. An error (EINTR) is a wake like
-    // any other: the caller looks for work again.
-    unsafe {
-        libc::ppoll(
-            pfds.as_mut_ptr(),
-            pfds.len() as libc::nfds_t,
-            &ts,
-            std::ptr::null(),
-        );
     }
 }
 

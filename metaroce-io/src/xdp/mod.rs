@@ -576,11 +576,7 @@ impl XdpDriver {
     fn wait_readable(&mut self, timeout: Duration) -> Result<bool, DriverError> {
         // Frames published while the kernel was busy go out first.
         self.port.xsk.retry_kick()?;
-        let pollfd = |fd| libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
+        let pollfd = crate::sockets::readable;
         let mut pfd = [
             pollfd(self.port.xsk.fd()),
             pollfd(self.port.sockets.recv[0].as_raw_fd()),
@@ -590,20 +586,7 @@ impl XdpDriver {
         if let Some(w) = &self.wake {
             pfd[3] = pollfd(w.fd());
         }
-        let ts = libc::timespec {
-            tv_sec: timeout.as_secs() as libc::time_t,
-            tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
-        };
-        // SAFETY: `pfd` holds 4 valid pollfds (a negative fd is ignored)
-        // and lives across the call; `ts` is a valid timespec; a null mask
-        // leaves the signal mask alone.
-        let r = unsafe { libc::ppoll(pfd.as_mut_ptr(), 4, &ts, std::ptr::null()) };
-        if r < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(e.into());
-            }
-        }
+        let r = crate::sockets::wait_readable(&mut pfd, timeout)?;
         if let Some(w) = &self.wake {
             if pfd[3].revents != 0 {
                 w.drain();
