@@ -702,6 +702,14 @@ const STASH_MAX: usize = 64;
 /// waiting for an announcement forever.
 const ANNOUNCE_LATE: Duration = Duration::from_millis(1);
 
+/// The next sequence number of `tag` in `seqs`, counted on.
+fn next_seq(seqs: &mut HashMap<i32, u32>, tag: i32) -> u32 {
+    let next = seqs.entry(tag).or_insert(0);
+    let seq = *next;
+    *next = seq.wrapping_add(1);
+    seq
+}
+
 /// Whether sequence number `a` comes before `b` (they wrap).
 fn seq_before(a: u32, b: u32) -> bool {
     (a.wrapping_sub(b) as i32) < 0
@@ -1093,15 +1101,16 @@ impl RecvEngine {
         Ok(())
     }
 
-    /// Bounce buffer `idx`'s first `len` bytes.
+    /// Bounce buffer `idx`'s first `len` bytes (borrowing only the bounce
+    /// region, so that a slot of the engine's groups can take them).
     ///
     /// # Safety
     /// Its receive completed and it is not posted again while the slice
     /// lives.
-    unsafe fn bounced(&self, idx: usize, len: usize) -> &[u8] {
+    unsafe fn bounced(bounce: &MemoryRegion, eager: usize, idx: usize, len: usize) -> &[u8] {
         // SAFETY: the caller's promise; `len` is at most `eager`, checked
         // by the transport (the receive's buffer is that long).
-        unsafe { std::slice::from_raw_parts(self.bounce.as_ptr().add(idx * self.eager), len) }
+        unsafe { std::slice::from_raw_parts(bounce.as_ptr().add(idx * eager), len) }
     }
 
     /// The group and buffer waiting for message `seq` of `tag`.
@@ -1201,17 +1210,13 @@ impl RecvEngine {
                 self.eager
             )));
         }
-        let next = self.arrived_seq.entry(tag).or_insert(0);
-        let seq = *next;
-        *next = seq.wrapping_add(1);
+        let seq = next_seq(&mut self.arrived_seq, tag);
         match self.find(tag, seq) {
             Some((gi, si)) => {
                 // SAFETY: the receive completed; the buffer is posted again
                 // only below, after the copy. The bounce region is not the
                 // slot's memory (NCCL's), so the two do not overlap.
-                let bytes = unsafe {
-                    std::slice::from_raw_parts(self.bounce.as_ptr().add(idx * self.eager), len)
-                };
+                let bytes = unsafe { Self::bounced(&self.bounce, self.eager, idx, len) };
                 Self::place(&mut self.groups[gi].slots[si], bytes)?;
                 self.filled(gi);
                 self.repost(link, idx)?;
@@ -1219,7 +1224,8 @@ impl RecvEngine {
             None => {
                 let stashed = if self.stash.len() < STASH_MAX {
                     // SAFETY: as above.
-                    let bytes = unsafe { self.bounced(idx, len) }.to_vec();
+                    let bytes =
+                        unsafe { Self::bounced(&self.bounce, self.eager, idx, len) }.to_vec();
                     self.repost(link, idx)?;
                     Stashed::Copied(bytes)
                 } else {
@@ -1341,9 +1347,7 @@ impl RecvComm {
         eng.next_id = (id + 1) & ID_MASK;
         let mut remaining = slots.len();
         for s in &mut slots {
-            let next = eng.posted_seq.entry(s.tag).or_insert(0);
-            s.seq = *next;
-            *next = s.seq.wrapping_add(1);
+            s.seq = next_seq(&mut eng.posted_seq, s.tag);
             // An eager message that came first.
             match eng.stash.remove(&(s.tag, s.seq)) {
                 Some(Stashed::Copied(bytes)) => {
@@ -1353,8 +1357,8 @@ impl RecvComm {
                 Some(Stashed::Held { idx, len }) => {
                     // SAFETY: held since its receive completed; posted
                     // again only below, after the copy.
-                    let bytes = unsafe { eng.bounced(idx, len) }.to_vec();
-                    RecvEngine::place(s, &bytes)?;
+                    let bytes = unsafe { RecvEngine::bounced(&eng.bounce, eng.eager, idx, len) };
+                    RecvEngine::place(s, bytes)?;
                     remaining -= 1;
                     eng.repost(&self.link, idx)?;
                 }
