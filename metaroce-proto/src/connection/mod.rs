@@ -220,6 +220,14 @@ pub(crate) struct Connection {
     // Handshake.
     pub(crate) cookie: Option<[u8; COOKIE_LEN]>,
     pub(crate) hello_attempts: u8,
+    /// When the latest HELLO went out (its COOKIE's round trip).
+    pub(crate) hello_sent_at: Instant,
+    /// Doublings of `hello_interval` before the next HELLO's deadline:
+    /// one per HELLO, back to none when a COOKIE shows the server answers.
+    pub(crate) hello_backoff: u8,
+    /// Base retransmission interval of HELLO: `handshake_rto`, then, once
+    /// a COOKIE came, an RTO from that round trip (PROTOCOL §8.2).
+    pub(crate) hello_interval: Duration,
     /// COOKIE replies taken during this handshake.
     pub(crate) cookies_taken: u8,
     pub(crate) hello_deadline: Option<Instant>,
@@ -407,6 +415,9 @@ impl Connection {
             mtu: usize::from(config.mtu),
             cookie: None,
             hello_attempts: 0,
+            hello_sent_at: now,
+            hello_backoff: 0,
+            hello_interval: config.handshake_rto,
             cookies_taken: 0,
             hello_deadline: None,
             ctrl: if is_client {

@@ -422,21 +422,29 @@ impl PathTx {
     /// catches the tail of a burst, which no SACK gap reveals, without a
     /// timeout. Sooner, once it has waited the smoothed RTT and the
     /// allowance alone, the path sends a tail-loss probe (`probe_due`).
+    ///
+    /// A path with no RTT sample of its own (its packets are acknowledged,
+    /// but no ACK echoed one of them) is judged by `conn`, the connection's
+    /// estimate (§13.3): without one, its tail would wait for the timeout.
     pub(crate) fn detect_by_time(
         &mut self,
         now: Instant,
         evidence: Instant,
         slack: Duration,
+        conn: &RttEstimator,
         out: impl FnMut(PathEvent),
     ) -> usize {
-        let (Some(srtt), Some(oldest)) = (self.rtt.srtt(), self.oldest_outstanding()) else {
+        let Some(oldest) = self.oldest_outstanding() else {
             return 0;
         };
-        let probe_wait = self.probe_wait(srtt, slack);
+        let Some(est) = self.estimate(conn) else {
+            return 0;
+        };
+        let probe_wait = Self::probe_wait(est, slack);
         // On another route a packet sent later may well overtake one in a
         // queue whose delay swings (a shaper's bucket, a stalled thread):
         // the path's own recent peak says how late its packets come.
-        let peak = self.rtt.peak();
+        let peak = est.peak();
         // Unless this path's declarations by time have lately been right
         // (few turned out spurious: a lossy network with a steady queue),
         // when waiting longer only stalls its window.
@@ -461,16 +469,28 @@ impl PathTx {
             return n;
         }
         // Not lost yet: a tail-loss probe, if its time has come.
-        self.on_probe_timer(now, slack);
+        self.on_probe_timer(now, slack, conn);
         0
+    }
+
+    /// The RTT estimate the path's loss detection and probes go by: its
+    /// own once it has a sample, else the connection's, `conn` (none
+    /// before the connection's first sample).
+    fn estimate<'a>(&'a self, conn: &'a RttEstimator) -> Option<&'a RttEstimator> {
+        if self.rtt.srtt().is_some() {
+            Some(&self.rtt)
+        } else {
+            conn.srtt().is_some().then_some(conn)
+        }
     }
 
     /// How long the oldest packet waits before a tail-loss probe goes:
     /// the smoothed RTT and a quarter, twice its variance and the peer's
     /// ACK delay; never quicker than a quarter of the minimum RTO (on a
     /// host stack RTTs jump with scheduling).
-    fn probe_wait(&self, srtt: Duration, slack: Duration) -> Duration {
-        (srtt + srtt / 4 + self.rtt.rttvar() * 2 + slack).max(self.rtt.min_rto() / 4)
+    fn probe_wait(est: &RttEstimator, slack: Duration) -> Duration {
+        let srtt = est.srtt().unwrap_or_else(|| est.rto());
+        (srtt + srtt / 4 + est.rttvar() * 2 + slack).max(est.min_rto() / 4)
     }
 
     /// When the tail-loss probe for the oldest packet is due, if it has
@@ -482,20 +502,20 @@ impl PathTx {
     /// keep coming, the next one will show any gap (a probe for every
     /// packet of a standing queue would double the traffic into it). And
     /// the next probe waits a whole RTO after the last.
-    pub(crate) fn probe_deadline(&self, slack: Duration) -> Option<Instant> {
-        self.next_probe(slack).map(|(_, at)| at)
+    pub(crate) fn probe_deadline(&self, slack: Duration, conn: &RttEstimator) -> Option<Instant> {
+        self.next_probe(slack, conn).map(|(_, at)| at)
     }
 
     /// The oldest packet's PSN and when its probe is due (see
     /// [`probe_deadline`](Self::probe_deadline)).
-    fn next_probe(&self, slack: Duration) -> Option<(u32, Instant)> {
+    fn next_probe(&self, slack: Duration, conn: &RttEstimator) -> Option<(u32, Instant)> {
         if self.state != PathState::Active || self.probe_due {
             return None;
         }
-        let srtt = self.rtt.srtt()?;
+        let est = self.estimate(conn)?;
         let (psn, oldest) = self.oldest_outstanding_psn()?;
         (self.probed_psn != Some(psn)).then(|| {
-            let wait = self.probe_wait(srtt, slack);
+            let wait = Self::probe_wait(est, slack);
             let after_last = self.probed_at.map_or(Instant::ZERO, |t| t + self.rto());
             let at = (oldest + wait)
                 .max(self.last_delivery + wait / 2)
@@ -506,8 +526,8 @@ impl PathTx {
 
     /// Runs the probe timer (see [`probe_deadline`](Self::probe_deadline)):
     /// arms the probe once it is due.
-    pub(crate) fn on_probe_timer(&mut self, now: Instant, slack: Duration) {
-        if let Some((psn, at)) = self.next_probe(slack) {
+    pub(crate) fn on_probe_timer(&mut self, now: Instant, slack: Duration, conn: &RttEstimator) {
+        if let Some((psn, at)) = self.next_probe(slack, conn) {
             if at <= now {
                 self.probe_due = true;
                 self.probed_psn = Some(psn);
@@ -897,6 +917,15 @@ impl PathRx {
 mod tests {
     use super::*;
 
+    /// A connection estimate without a sample: paths go by their own.
+    fn conn_rtt() -> RttEstimator {
+        RttEstimator::new(
+            Duration::from_millis(1),
+            Duration::from_micros(10),
+            Duration::from_secs(1),
+        )
+    }
+
     fn tx() -> PathTx {
         PathTx::new(
             0,
@@ -1055,7 +1084,7 @@ mod tests {
         t.record_send(10, ms(0), 100, false);
         let mut ev = Vec::new();
         assert_eq!(
-            t.detect_by_time(ms(7), ms(6), Duration::ZERO, |e| ev.push(e)),
+            t.detect_by_time(ms(7), ms(6), Duration::ZERO, &conn_rtt(), |e| ev.push(e)),
             1
         );
         assert_eq!(ev, vec![PathEvent::Lost { csn: 10 }]);
@@ -1084,8 +1113,14 @@ mod tests {
         // The next packet is not given up on before it is that old (the
         // time rule alone would wait about 3.8 ms).
         t.record_send(11, ms(20), 100, false);
-        assert_eq!(t.detect_by_time(ms(25), ms(28), Duration::ZERO, |_| {}), 0);
-        assert_eq!(t.detect_by_time(ms(27), ms(28), Duration::ZERO, |_| {}), 1);
+        assert_eq!(
+            t.detect_by_time(ms(25), ms(28), Duration::ZERO, &conn_rtt(), |_| {}),
+            0
+        );
+        assert_eq!(
+            t.detect_by_time(ms(27), ms(28), Duration::ZERO, &conn_rtt(), |_| {}),
+            1
+        );
         // Delivering ACKs make the floor fade; a new route starts from none.
         let raw = t.late_floor;
         t.record_send(12, ms(40), 100, false);
@@ -1180,21 +1215,22 @@ mod tests {
         // Something sent later was delivered; 4 ms on, the RTT rule says
         // overdue, the peak says not yet: a probe, no loss.
         assert_eq!(
-            t.detect_by_time(ms(104), ms(101), Duration::ZERO, |_| {}),
+            t.detect_by_time(ms(104), ms(101), Duration::ZERO, &conn_rtt(), |_| {}),
             0
         );
         assert!(t.probe_due);
         t.probe_sent(Instant::ZERO);
         assert_eq!(t.stats.tail_probes, 1);
         assert_eq!(
-            t.detect_by_time(ms(105), ms(101), Duration::ZERO, |_| {}),
+            t.detect_by_time(ms(105), ms(101), Duration::ZERO, &conn_rtt(), |_| {}),
             0
         );
         assert!(!t.probe_due, "one probe per oldest packet");
         // Past twice the peak (12 ms): lost, by time.
         let mut ev = Vec::new();
         assert_eq!(
-            t.detect_by_time(ms(113), ms(101), Duration::ZERO, |e| ev.push(e)),
+            t.detect_by_time(ms(113), ms(101), Duration::ZERO, &conn_rtt(), |e| ev
+                .push(e)),
             1
         );
         assert_eq!(ev, vec![PathEvent::Lost { csn: 7 }]);
@@ -1211,22 +1247,68 @@ mod tests {
         let mut t = tx();
         t.rtt.sample_at(ms(0), Duration::from_millis(2));
         t.record_send(1, ms(10), 100, false);
-        let due = t.probe_deadline(Duration::ZERO).unwrap();
+        let due = t.probe_deadline(Duration::ZERO, &conn_rtt()).unwrap();
         assert!(
             due > ms(10) && due < t.deadline().unwrap(),
             "before the RTO"
         );
-        t.on_probe_timer(Instant::from_nanos(due.as_nanos() - 1), Duration::ZERO);
+        t.on_probe_timer(
+            Instant::from_nanos(due.as_nanos() - 1),
+            Duration::ZERO,
+            &conn_rtt(),
+        );
         assert!(!t.probe_due);
-        t.on_probe_timer(due, Duration::ZERO);
+        t.on_probe_timer(due, Duration::ZERO, &conn_rtt());
         assert!(t.probe_due);
-        assert_eq!(t.probe_deadline(Duration::ZERO), None, "armed once");
+        assert_eq!(
+            t.probe_deadline(Duration::ZERO, &conn_rtt()),
+            None,
+            "armed once"
+        );
         t.probe_sent(Instant::ZERO);
         assert_eq!(
-            t.probe_deadline(Duration::ZERO),
+            t.probe_deadline(Duration::ZERO, &conn_rtt()),
             None,
             "sent for this packet"
         );
+    }
+
+    /// A path whose packets are acknowledged but never echoed (the
+    /// receiver echoes the packet it got last, which may be another
+    /// path's every time) has no RTT of its own: its overdue tail is
+    /// probed and declared lost by the connection's estimate, not left to
+    /// the timeout.
+    #[test]
+    fn a_path_without_samples_goes_by_the_connections_rtt() {
+        let ms = |n: u64| Instant::from_nanos(n * 1_000_000);
+        let mut t = tx();
+        let mut conn = conn_rtt();
+        for k in 0..10 {
+            conn.sample_at(ms(k), Duration::from_millis(2));
+        }
+        t.record_send(3, ms(100), 100, false);
+        // Without an estimate of either kind, only the timeout is left.
+        assert_eq!(t.probe_deadline(Duration::ZERO, &conn_rtt()), None);
+        assert_eq!(
+            t.detect_by_time(ms(150), ms(101), Duration::ZERO, &conn_rtt(), |_| {}),
+            0
+        );
+        // With the connection's: a probe after about its RTT ...
+        let due = t.probe_deadline(Duration::ZERO, &conn).unwrap();
+        assert!(due >= ms(102) && due < ms(105), "{due:?}");
+        assert_eq!(
+            t.detect_by_time(ms(103), ms(101), Duration::ZERO, &conn, |_| {}),
+            0
+        );
+        assert!(t.probe_due);
+        // ... and the packet lost, by time, well before the RTO.
+        let mut ev = Vec::new();
+        assert_eq!(
+            t.detect_by_time(ms(106), ms(101), Duration::ZERO, &conn, |e| ev.push(e)),
+            1
+        );
+        assert_eq!(ev, vec![PathEvent::Lost { csn: 3 }]);
+        assert!(t.deadline().is_none());
     }
 
     /// Declarations by time that keep turning out right (a lossy path with
@@ -1245,7 +1327,14 @@ mod tests {
         let mut lost_after = |t: &mut PathTx| {
             t.record_send(at as u32, ms(at), 100, false);
             let mut wait = 0;
-            while t.detect_by_time(ms(at + wait), ms(at + 1), Duration::ZERO, |_| {}) == 0 {
+            while t.detect_by_time(
+                ms(at + wait),
+                ms(at + 1),
+                Duration::ZERO,
+                &conn_rtt(),
+                |_| {},
+            ) == 0
+            {
                 wait += 1;
             }
             at += 100;

@@ -226,7 +226,7 @@ impl Endpoint {
             .unwrap_or(Instant::ZERO);
         let mut lost = Vec::new();
         for p in c.paths_tx.iter_mut() {
-            p.detect_by_time(now, evidence, slack, |e| {
+            p.detect_by_time(now, evidence, slack, &c.rtt, |e| {
                 if let PathEvent::Lost { csn } = e {
                     lost.push(csn);
                 }
@@ -580,7 +580,7 @@ impl Endpoint {
         // Tail-loss probes whose timer ran out.
         let slack = self.config.ack_delay;
         for p in c.paths_tx.iter_mut() {
-            p.on_probe_timer(now, slack);
+            p.on_probe_timer(now, slack, &c.rtt);
         }
         // Retransmission timeouts, path by path.
         let mut lost = Vec::new();
@@ -737,7 +737,7 @@ impl Endpoint {
                 }
                 for p in &c.paths_tx {
                     consider(p.deadline());
-                    consider(p.probe_deadline(self.config.ack_delay));
+                    consider(p.probe_deadline(self.config.ack_delay, &c.rtt));
                 }
                 // Paced data waits for its credit (a spare wake-up at worst;
                 // a debt already paid off needs no timer).

@@ -372,6 +372,14 @@ impl Endpoint {
         }
         conn.cookie = Some(c.cookie);
         conn.ctrl = Some(Ctrl::Hello);
+        // The server answers: the HELLO with the cookie is retried on an
+        // RTO of this round trip (as RFC 6298 from a first sample, 3×),
+        // not on the backoff that the lost HELLOs before it built up.
+        let sample = now.saturating_since(conn.hello_sent_at);
+        conn.hello_interval = (sample * 3)
+            .max(self.config.min_rto)
+            .min(self.config.handshake_rto);
+        conn.hello_backoff = 0;
         self.touch(ci, Some(now));
     }
 

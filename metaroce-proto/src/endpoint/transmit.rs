@@ -278,7 +278,6 @@ impl Endpoint {
         buf: &mut [u8],
         mut gather: Option<&mut Gather>,
     ) -> Option<Transmit> {
-        let handshake_rto = self.config.handshake_rto;
         let max_paths = self.config.paths;
         let listen_port = self.config.listen_port;
         let grants = self.rcc.enabled();
@@ -312,9 +311,11 @@ impl Endpoint {
             let len = match ctrl {
                 Ctrl::Hello => {
                     c.hello_attempts = c.hello_attempts.saturating_add(1);
-                    // Exponential backoff from `handshake_rto`.
-                    let shift = u32::from(c.hello_attempts.saturating_sub(1)).min(16);
-                    c.hello_deadline = Some(now + handshake_rto * (1u32 << shift));
+                    // Exponential backoff from the interval (§8.2).
+                    let shift = u32::from(c.hello_backoff).min(16);
+                    c.hello_backoff = c.hello_backoff.saturating_add(1);
+                    c.hello_deadline = Some(now + c.hello_interval * (1u32 << shift));
+                    c.hello_sent_at = now;
                     let n = Hello {
                         src_cid: c.local_cid,
                         listen_port,
