@@ -228,6 +228,15 @@ pub(crate) struct Connection {
     /// Base retransmission interval of HELLO: `handshake_rto`, then, once
     /// a COOKIE came, an RTO from that round trip (PROTOCOL §8.2).
     pub(crate) hello_interval: Duration,
+    /// A HELLO round the timer starts goes twice, from two source ports
+    /// (two routes), as QUIC's probe timeout sends two datagrams (RFC 9002
+    /// §6.2.4): one loss then costs no further timeout. Set by the timer.
+    pub(crate) hello_twice: bool,
+    /// Set while the second copy of such a round is still to go.
+    pub(crate) hello_copy: bool,
+    /// Handshake datagrams (HELLO, ACCEPT) sent: each goes from the next
+    /// plane-0 path's source port, so a retry takes a new ECMP route.
+    pub(crate) hs_sent: u8,
     /// COOKIE replies taken during this handshake.
     pub(crate) cookies_taken: u8,
     pub(crate) hello_deadline: Option<Instant>,
@@ -418,6 +427,9 @@ impl Connection {
             hello_sent_at: now,
             hello_backoff: 0,
             hello_interval: config.handshake_rto,
+            hello_twice: false,
+            hello_copy: false,
+            hs_sent: 0,
             cookies_taken: 0,
             hello_deadline: None,
             ctrl: if is_client {
@@ -995,6 +1007,21 @@ impl Connection {
     /// Whether an ACK must go out now.
     pub(crate) fn ack_due(&self, now: Instant) -> bool {
         self.ack_needed && (self.ack_now || self.ack_deadline.is_some_and(|d| d <= now))
+    }
+
+    /// The source port of the next handshake datagram (HELLO, ACCEPT):
+    /// the plane-0 paths' ports in turn, one per datagram sent (§8.2), so
+    /// that a route that drops everything (a silent blackhole) cannot
+    /// hold every retry.
+    pub(crate) fn next_handshake_port(&mut self) -> u16 {
+        let plane0 = self.paths_tx.iter().filter(|p| p.plane == 0).count().max(1);
+        let k = usize::from(self.hs_sent) % plane0;
+        self.hs_sent = self.hs_sent.wrapping_add(1);
+        self.paths_tx
+            .iter()
+            .filter(|p| p.plane == 0)
+            .nth(k)
+            .map_or(self.paths_tx[0].src_port, |p| p.src_port)
     }
 
     /// The local address to send from on `plane`.

@@ -297,6 +297,8 @@ const MAX_STATELESS_QUEUE: usize = 1024;
 #[derive(Debug, Clone, Copy)]
 struct StatelessReply {
     dst: SocketAddr,
+    /// The UDP source port it goes from.
+    src_port: u16,
     buf: [u8; crate::consts::HELLO_LEN],
     len: usize,
 }

@@ -552,6 +552,7 @@ impl Endpoint {
                         );
                     } else {
                         c.ctrl = Some(Ctrl::Hello);
+                        c.hello_twice = true;
                     }
                 }
                 return;

@@ -84,7 +84,8 @@ impl Endpoint {
                     } else {
                         from.port()
                     };
-                    self.queue_stateless(now, SocketAddr::new(from.ip(), port), buf, len);
+                    let src = self.config.listen_port;
+                    self.queue_stateless(now, SocketAddr::new(from.ip(), port), src, buf, len);
                 }
                 return self.reject(RejectReason::BadVersion, from);
             }
@@ -158,6 +159,7 @@ impl Endpoint {
         &mut self,
         now: Instant,
         dst: SocketAddr,
+        src_port: u16,
         buf: [u8; HELLO_LEN],
         len: usize,
     ) -> bool {
@@ -185,7 +187,12 @@ impl Endpoint {
             return false;
         }
         self.stateless_tokens -= 1;
-        self.stateless.push_back(StatelessReply { dst, buf, len });
+        self.stateless.push_back(StatelessReply {
+            dst,
+            src_port,
+            buf,
+            len,
+        });
         true
     }
 
@@ -254,7 +261,14 @@ impl Endpoint {
             let mut buf = [0u8; HELLO_LEN];
             if let Ok(len) = c.emit(&mut buf) {
                 let to = SocketAddr::new(from.ip(), hello.listen_port);
-                if self.queue_stateless(now, to, buf, len) {
+                // From a source port that follows the HELLO's: a client
+                // that retries from a new port (a new route) gets its
+                // COOKIE back over a new route too (§8.2).
+                let ports = &self.config.source_ports;
+                let src = usize::from(from.port())
+                    .checked_rem(ports.len())
+                    .map_or(self.config.listen_port, |i| ports[i]);
+                if self.queue_stateless(now, to, src, buf, len) {
                     self.stats.cookies_sent += 1;
                 }
             }
@@ -280,9 +294,11 @@ impl Endpoint {
                         code: CloseCode::KeyRefused,
                     };
                     if let Ok(len) = close.emit(&mut buf) {
+                        let src = self.config.listen_port;
                         self.queue_stateless(
                             now,
                             SocketAddr::new(from.ip(), hello.listen_port),
+                            src,
                             buf,
                             len,
                         );
@@ -380,6 +396,9 @@ impl Endpoint {
             .max(self.config.min_rto)
             .min(self.config.handshake_rto);
         conn.hello_backoff = 0;
+        // One HELLO answers the cookie (a copy still to go is dropped).
+        conn.hello_twice = false;
+        conn.hello_copy = false;
         self.touch(ci, Some(now));
     }
 

@@ -149,7 +149,7 @@ impl Endpoint {
                 return Some(self.sent(Transmit {
                     dst: r.dst,
                     src_ip: self.primary_ip(),
-                    src_port: self.config.listen_port,
+                    src_port: r.src_port,
                     ecn: Ecn::NotEct,
                     size: r.len,
                     segment_size: None,
@@ -293,7 +293,7 @@ impl Endpoint {
         // (PROTOCOL §3.1), filled once the transmit is complete.
         let tl = c.protect.trailer_len();
         // Handshake and close go on plane 0.
-        let (src_ip, src_port) = (c.plane_src(0), c.paths_tx[0].src_port);
+        let (src_ip, mut src_port) = (c.plane_src(0), c.paths_tx[0].src_port);
         let dst = c.peer;
         if c.ctrl.is_some() && !c.plane_open(0) {
             return None;
@@ -310,12 +310,21 @@ impl Endpoint {
             };
             let len = match ctrl {
                 Ctrl::Hello => {
-                    c.hello_attempts = c.hello_attempts.saturating_add(1);
-                    // Exponential backoff from the interval (§8.2).
-                    let shift = u32::from(c.hello_backoff).min(16);
-                    c.hello_backoff = c.hello_backoff.saturating_add(1);
-                    c.hello_deadline = Some(now + c.hello_interval * (1u32 << shift));
-                    c.hello_sent_at = now;
+                    src_port = c.next_handshake_port();
+                    if core::mem::take(&mut c.hello_copy) {
+                        // The second copy of a timer's round: counted once.
+                    } else {
+                        if core::mem::take(&mut c.hello_twice) {
+                            c.hello_copy = true;
+                            c.ctrl = Some(Ctrl::Hello);
+                        }
+                        c.hello_attempts = c.hello_attempts.saturating_add(1);
+                        // Exponential backoff from the interval (§8.2).
+                        let shift = u32::from(c.hello_backoff).min(16);
+                        c.hello_backoff = c.hello_backoff.saturating_add(1);
+                        c.hello_deadline = Some(now + c.hello_interval * (1u32 << shift));
+                        c.hello_sent_at = now;
+                    }
                     let n = Hello {
                         src_cid: c.local_cid,
                         listen_port,
@@ -331,6 +340,7 @@ impl Endpoint {
                     with_planes(n, buf)
                 }
                 Ctrl::Accept => {
+                    src_port = c.next_handshake_port();
                     let n = Accept {
                         dst_cid: c.remote_cid,
                         src_cid: c.local_cid,
