@@ -546,7 +546,7 @@ impl Connection {
             .srtt()
             .map_or(self.rtt.rto(), |s| s * crate::consts::ACK_PATH_CHECK_RTTS);
         for p in &mut self.paths_tx {
-            p.schedule_check(now, interval);
+            p.schedule_check(now, interval, &self.rtt);
         }
         pi
     }

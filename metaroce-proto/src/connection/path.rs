@@ -283,7 +283,7 @@ impl PathTx {
     }
 
     /// Marks the path for a route check when it is due (see `carried_ack`).
-    pub(crate) fn schedule_check(&mut self, now: Instant, interval: Duration) {
+    pub(crate) fn schedule_check(&mut self, now: Instant, interval: Duration, conn: &RttEstimator) {
         if self.state != PathState::Active
             || self.move_to.is_some()
             || self.in_flight != 0
@@ -296,9 +296,9 @@ impl PathTx {
             return;
         }
         let interval = if suspect {
-            self.rto()
+            self.rto(conn)
         } else {
-            interval.max(self.rto())
+            interval.max(self.rto(conn))
         };
         if self
             .last_data_at
@@ -311,9 +311,12 @@ impl PathTx {
     /// The path's retransmission timeout, backoff included: RFC 6298's,
     /// and never less than twice the recent peak RTT (a queue that was
     /// that deep lately may be deeper now; a packet in it is no loss).
-    pub(crate) fn rto(&self) -> Duration {
+    /// From the connection's estimate, `conn`, while the path has no
+    /// sample of its own.
+    pub(crate) fn rto(&self, conn: &RttEstimator) -> Duration {
         let shift = self.backoff.min(16);
-        (self.rtt.rto().max(self.rtt.peak() * 2) * (1u32 << shift))
+        let est = self.estimate(conn).unwrap_or(&self.rtt);
+        (est.rto().max(est.peak() * 2) * (1u32 << shift))
             .max(self.late_floor())
             .min(self.rtt.max_rto())
     }
@@ -331,8 +334,8 @@ impl PathTx {
     }
 
     /// When the path's oldest outstanding packet times out.
-    pub(crate) fn deadline(&self) -> Option<Instant> {
-        self.oldest_outstanding().map(|t| t + self.rto())
+    pub(crate) fn deadline(&self, conn: &RttEstimator) -> Option<Instant> {
+        self.oldest_outstanding().map(|t| t + self.rto(conn))
     }
 
     /// How full the path would be with `bytes` more: lower is better.
@@ -516,7 +519,7 @@ impl PathTx {
         let (psn, oldest) = self.oldest_outstanding_psn()?;
         (self.probed_psn != Some(psn)).then(|| {
             let wait = Self::probe_wait(est, slack);
-            let after_last = self.probed_at.map_or(Instant::ZERO, |t| t + self.rto());
+            let after_last = self.probed_at.map_or(Instant::ZERO, |t| t + self.rto(conn));
             let at = (oldest + wait)
                 .max(self.last_delivery + wait / 2)
                 .max(after_last);
@@ -1109,7 +1112,7 @@ mod tests {
         assert!(t.late_floor >= Duration::from_millis(10));
         let floor = t.late_floor();
         assert_eq!(floor, Duration::from_millis(6), "{floor:?}");
-        assert!(t.rto() >= floor);
+        assert!(t.rto(&conn_rtt()) >= floor);
         // The next packet is not given up on before it is that old (the
         // time rule alone would wait about 3.8 ms).
         t.record_send(11, ms(20), 100, false);
@@ -1236,7 +1239,7 @@ mod tests {
         assert_eq!(ev, vec![PathEvent::Lost { csn: 7 }]);
         assert_eq!(t.stats.lost_by_time, 1);
         // The timeout is never under twice the peak either.
-        assert!(t.rto() >= Duration::from_millis(12));
+        assert!(t.rto(&conn_rtt()) >= Duration::from_millis(12));
     }
 
     /// With no ACK at all (every one lost, or none due), the probe timer
@@ -1249,7 +1252,7 @@ mod tests {
         t.record_send(1, ms(10), 100, false);
         let due = t.probe_deadline(Duration::ZERO, &conn_rtt()).unwrap();
         assert!(
-            due > ms(10) && due < t.deadline().unwrap(),
+            due > ms(10) && due < t.deadline(&conn_rtt()).unwrap(),
             "before the RTO"
         );
         t.on_probe_timer(
@@ -1308,7 +1311,7 @@ mod tests {
             1
         );
         assert_eq!(ev, vec![PathEvent::Lost { csn: 3 }]);
-        assert!(t.deadline().is_none());
+        assert!(t.deadline(&conn_rtt()).is_none());
     }
 
     /// Declarations by time that keep turning out right (a lossy path with
@@ -1362,18 +1365,18 @@ mod tests {
         let mut t = tx();
         assert!(t.carries_acks());
         // Nothing carried yet: no check, however long it has been.
-        t.schedule_check(ms(100), interval);
+        t.schedule_check(ms(100), interval, &conn_rtt());
         assert!(!t.check_due);
         t.carried_ack(ms(100));
-        t.schedule_check(ms(110), interval);
+        t.schedule_check(ms(110), interval, &conn_rtt());
         assert!(!t.check_due, "the interval starts with the first ACK");
         t.carried_ack(ms(116));
-        t.schedule_check(ms(116), interval);
+        t.schedule_check(ms(116), interval, &conn_rtt());
         assert!(!t.check_due, "too few ACKs to be worth a check");
         for _ in 0..crate::consts::ACK_PATH_CHECK_ACKS {
             t.carried_ack(ms(116));
         }
-        t.schedule_check(ms(116), interval);
+        t.schedule_check(ms(116), interval, &conn_rtt());
         assert!(t.check_due);
         // The check goes out as a DATA packet (a NOP): the interval restarts.
         t.record_send(1, ms(116), 64, false);
@@ -1382,7 +1385,7 @@ mod tests {
         // (1 ms here) after its last packet, not a whole interval.
         assert_eq!(t.expire(ms(116), LossCause::Timeout, |_| {}), 1);
         assert!(!t.carries_acks());
-        t.schedule_check(ms(121), interval);
+        t.schedule_check(ms(121), interval, &conn_rtt());
         assert!(t.check_due, "a suspect path is checked after one RTO");
         // A path that carries data is busy: no check while it has packets
         // in flight.
@@ -1390,7 +1393,7 @@ mod tests {
         d.carried_ack(ms(0));
         d.record_send(2, ms(1), 1000, false);
         d.carried_ack(ms(2));
-        d.schedule_check(ms(50), interval);
+        d.schedule_check(ms(50), interval, &conn_rtt());
         assert!(!d.check_due);
     }
 }

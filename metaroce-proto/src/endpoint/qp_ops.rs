@@ -601,13 +601,14 @@ impl Endpoint {
                 return;
             };
             let p = &c.paths_tx[pi];
-            let (Some(oldest), Some(deadline)) = (p.oldest_outstanding(), p.deadline()) else {
+            let (Some(oldest), Some(deadline)) = (p.oldest_outstanding(), p.deadline(&c.rtt))
+            else {
                 continue;
             };
             if deadline > now {
                 continue;
             }
-            let rto = p.rto();
+            let rto = p.rto(&c.rtt);
             // A path fails when it times out while another path delivered
             // packets sent after this one's oldest: the network works, this
             // route does not. (Alone, or with every path silent, it is only
@@ -737,7 +738,7 @@ impl Endpoint {
                     consider(c.ack_deadline);
                 }
                 for p in &c.paths_tx {
-                    consider(p.deadline());
+                    consider(p.deadline(&c.rtt));
                     consider(p.probe_deadline(self.config.ack_delay, &c.rtt));
                 }
                 // Paced data waits for its credit (a spare wake-up at worst;
