@@ -62,11 +62,11 @@ fn paths_on_a_gray_route_move_off_it() {
         // 1.5 ms more on a gray port: 15 times the others' round trip.
         p.gray = Some((gray_port, Duration::from_micros(1500)));
         let s = stream(&mut p, 200);
-        let slow_moves: u64 = s.paths.iter().map(|p| p.slow_moves).sum();
-        assert!(
-            slow_moves > 0,
-            "seed {seed}: no path left the gray route: {s:?}"
-        );
+        // A path on the gray route from the start, with no RTT of its own,
+        // may be declared failed first (its packets overdue by the
+        // connection's RTT, §13.3): it leaves the route all the same.
+        let left: u64 = s.paths.iter().map(|p| p.slow_moves + p.failures).sum();
+        assert!(left > 0, "seed {seed}: no path left the gray route: {s:?}");
         let gray: Vec<_> = s.paths.iter().filter(|p| gray_port(p.src_port)).collect();
         assert!(
             gray.is_empty(),
@@ -82,5 +82,44 @@ fn an_even_fabric_moves_no_path_for_being_slow() {
         let s = stream(&mut p, 200);
         let slow_moves: u64 = s.paths.iter().map(|p| p.slow_moves).sum();
         assert_eq!(slow_moves, 0, "seed {seed}: {s:?}");
+    }
+}
+
+/// With 16 paths each carries few packets, and an ACK seldom echoes one
+/// of a given path: the judgement goes by every ACK that covers the path
+/// (how long its newest packet took), and the gray route's paths still
+/// leave it, every byte in place, no slower than a sixth more than on an
+/// even fabric.
+#[test]
+fn many_paths_leave_a_gray_route() {
+    for seed in [1, 2, 3] {
+        let cfg = EndpointConfig {
+            paths: 16,
+            ..EndpointConfig::default()
+        };
+        let link = LinkConfig {
+            delay: Duration::from_micros(50),
+            bytes_per_us: 1250,
+            ..LinkConfig::perfect()
+        };
+        let mut even = Pair::new(cfg.clone(), cfg.clone(), seed, link.clone());
+        even.connect();
+        let t0 = even.now;
+        stream(&mut even, 200);
+        let even_time = even.now.saturating_since(t0);
+        let mut p = Pair::new(cfg.clone(), cfg, seed, link);
+        p.connect();
+        p.gray = Some((gray_port, Duration::from_micros(1500)));
+        let t0 = p.now;
+        let s = stream(&mut p, 200);
+        let gray_time = p.now.saturating_since(t0);
+        let slow_moves: u64 = s.paths.iter().map(|p| p.slow_moves).sum();
+        assert!(slow_moves > 0, "seed {seed}: {s:?}");
+        let gray: Vec<_> = s.paths.iter().filter(|p| gray_port(p.src_port)).collect();
+        assert!(gray.is_empty(), "seed {seed}: still gray: {gray:?}");
+        assert!(
+            gray_time < even_time * 7 / 6 + Duration::from_millis(3),
+            "seed {seed}: {gray_time:?} against {even_time:?}"
+        );
     }
 }

@@ -762,10 +762,11 @@ impl Connection {
     /// the score forgets. At most half the paths are moving at a time,
     /// the slowest first.
     pub(crate) fn slow_paths(&mut self) -> Vec<usize> {
-        let judged =
-            |p: &PathTx| p.state == PathState::Active && p.move_to.is_none() && p.rtt.samples() > 0;
+        let judged = |p: &PathTx| {
+            p.state == PathState::Active && p.move_to.is_none() && p.delivery_samples > 0
+        };
         // Most ACKs bring no new sample to judge: then nothing to sort.
-        let unjudged = |p: &PathTx| judged(p) && p.rtt.samples() != p.slow_judged;
+        let unjudged = |p: &PathTx| judged(p) && p.delivery_samples != p.slow_judged;
         if !self.paths_tx.iter().any(unjudged) {
             return Vec::new();
         }
@@ -785,8 +786,8 @@ impl Connection {
             if !unjudged(p) {
                 continue;
             }
-            p.slow_judged = p.rtt.samples();
-            let latest = p.rtt.latest();
+            p.slow_judged = p.delivery_samples;
+            let latest = p.delivery_latest;
             if latest > median * SLOW_PATH_FACTOR && latest > median + p.rtt.min_rto() / 2 {
                 p.slow_score = p.slow_score.saturating_add(1);
             } else {

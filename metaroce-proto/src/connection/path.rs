@@ -152,6 +152,14 @@ pub(crate) struct PathTx {
     /// `Connection::slow_paths`), and the sample count last judged.
     pub(crate) slow_score: u32,
     pub(crate) slow_judged: u32,
+    /// Delivery delays of the present route: ACKs that acknowledged
+    /// packets of the path, and how long the newest of them took (from its
+    /// send to the ACK; a PSN goes once, so the time is its own). Every
+    /// ACK that covers the path gives one, where an RTT sample needs the
+    /// ACK to echo one of the path's packets: with many paths, a path that
+    /// carries a few packets is seldom echoed (PROTOCOL §9.1).
+    pub(crate) delivery_samples: u32,
+    pub(crate) delivery_latest: Duration,
     /// Least time a packet waits before it is declared lost, by time or by
     /// timeout: a little more than the longest a packet this path declared
     /// lost turned out to take (it was acknowledged after all). Zero until
@@ -229,6 +237,8 @@ impl PathTx {
             slow_move: false,
             slow_score: 0,
             slow_judged: 0,
+            delivery_samples: 0,
+            delivery_latest: Duration::ZERO,
             late_floor: Duration::ZERO,
             probe_due: false,
             probed_psn: None,
@@ -389,6 +399,7 @@ impl PathTx {
                     self.rtt.restart();
                     self.slow_score = 0;
                     self.slow_judged = 0;
+                    self.delivery_samples = 0;
                 }
                 self.stats.moves += 1;
                 true
@@ -689,6 +700,7 @@ impl PathTx {
         self.late_arrivals(e, now, &mut out);
         let mut highest: Option<u32> = None;
         let mut delivered_any = false;
+        let mut newest_sent: Option<Instant> = None;
         // Nothing from the first PSN past the entry's reach on can be
         // acknowledged by it (every PSN before `ack_psn`, and those its SACK
         // bits name, up to the last non-zero byte): the walk stops there
@@ -717,6 +729,7 @@ impl PathTx {
                 let p = &mut self.ring[Self::slot(psn)];
                 if !p.acked {
                     let (csn, bytes) = (p.csn, p.bytes);
+                    newest_sent = Some(newest_sent.map_or(p.sent_at, |t| t.max(p.sent_at)));
                     if p.lost {
                         self.arrived_after_loss(Self::slot(psn), now);
                     } else {
@@ -745,6 +758,10 @@ impl PathTx {
             }
         }
         self.advance_una();
+        if let Some(sent) = newest_sent {
+            self.delivery_samples = self.delivery_samples.wrapping_add(1);
+            self.delivery_latest = now.saturating_since(sent);
+        }
         if delivered_any {
             // The floor fades (by 1/512 per delivering ACK) once packets stop
             // turning up after their declared loss.
@@ -1312,6 +1329,34 @@ mod tests {
         );
         assert_eq!(ev, vec![PathEvent::Lost { csn: 3 }]);
         assert!(t.deadline(&conn_rtt()).is_none());
+    }
+
+    /// Every ACK that acknowledges packets of the path is a delivery
+    /// sample: how long the newest of them took, whether or not the ACK
+    /// echoed one of them; an ACK that acknowledges nothing new is none.
+    #[test]
+    fn every_acknowledging_ack_is_a_delivery_sample() {
+        let us = |n: u64| Instant::from_nanos(n * 1_000);
+        let mut t = tx();
+        t.record_send(1, us(0), 100, false);
+        t.record_send(2, us(10), 100, false);
+        t.record_send(3, us(20), 100, false);
+        let mut r = PathRx::new();
+        r.on_packet(0, false);
+        r.on_packet(1, false);
+        t.on_ack(&r.entry(0), us(70), |_| {}).unwrap();
+        assert_eq!(t.delivery_samples, 1);
+        assert_eq!(
+            t.delivery_latest,
+            Duration::from_micros(60),
+            "the newest: sent at 10"
+        );
+        t.on_ack(&r.entry(0), us(80), |_| {}).unwrap();
+        assert_eq!(t.delivery_samples, 1, "nothing new");
+        r.on_packet(2, false);
+        t.on_ack(&r.entry(0), us(200), |_| {}).unwrap();
+        assert_eq!(t.delivery_samples, 2);
+        assert_eq!(t.delivery_latest, Duration::from_micros(180));
     }
 
     /// Declarations by time that keep turning out right (a lossy path with

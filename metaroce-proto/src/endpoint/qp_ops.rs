@@ -2,7 +2,9 @@
 //! order, failing a QP, executing retired messages, connection timers.
 
 use super::{Endpoint, Event};
-use crate::connection::{Connection, ConnectionError, ConnectionState, CsnKind, Ctrl, PathEvent};
+use crate::connection::{
+    Connection, ConnectionError, ConnectionState, CsnKind, Ctrl, LossCause, PathEvent,
+};
 use crate::consts::{REPATH_MAX_BACKOFF, REPATH_ROUNDS, REPATH_WINDOW_SHARE};
 use crate::rng::Rng;
 use crate::time::Instant;
@@ -148,8 +150,25 @@ impl Endpoint {
                 srtt_us = p.rtt.srtt().map_or(0, |s| s.as_micros() as u64),
                 "slow path moves to a new source port"
             );
+            // What waits in the slow route's queue holds up its messages
+            // for as long as the queue is deep: it goes again on other
+            // paths now (a copy that still arrives is a harmless
+            // duplicate), and the path takes its new route at once.
+            let mut lost = Vec::new();
+            p.expire(now, LossCause::Time, |e| {
+                if let PathEvent::Lost { csn } = e {
+                    lost.push(csn);
+                }
+            });
             if p.start_slow_move(port) {
                 c.stats.path_moves += 1;
+            }
+            c.in_flight = c.paths_tx.iter().map(|p| p.in_flight).sum();
+            c.stats.packets_lost += lost.len() as u64;
+            for csn in lost {
+                if c.queue_retransmit(csn) {
+                    c.stats.fast_retransmits += 1;
+                }
             }
             moving = true;
             c.slow_ports.note(old, now);
