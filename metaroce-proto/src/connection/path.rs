@@ -687,10 +687,25 @@ impl PathTx {
 
     /// Applies one path entry of an ACK that arrived at `now`. Returns the
     /// ECN echo delta `(packets, marked)`.
+    #[cfg(test)]
     pub(crate) fn on_ack(
         &mut self,
         e: &AckPathEntry,
         now: Instant,
+        out: impl FnMut(PathEvent),
+    ) -> Result<(u64, u64), BogusAck> {
+        self.on_ack_at(e, now, now, out)
+    }
+
+    /// [`on_ack`](Self::on_ack), for an ACK whose packets had all reached
+    /// the peer by `reached` (its arrival here less the peer's ACK delay:
+    /// neither the time the peer held the ACK nor the time it waited here
+    /// for this thread is the route's): the delivery sample counts to it.
+    pub(crate) fn on_ack_at(
+        &mut self,
+        e: &AckPathEntry,
+        now: Instant,
+        reached: Instant,
         mut out: impl FnMut(PathEvent),
     ) -> Result<(u64, u64), BogusAck> {
         // The peer cannot acknowledge what was never sent.
@@ -760,7 +775,7 @@ impl PathTx {
         self.advance_una();
         if let Some(sent) = newest_sent {
             self.delivery_samples = self.delivery_samples.wrapping_add(1);
-            self.delivery_latest = now.saturating_since(sent);
+            self.delivery_latest = reached.saturating_since(sent);
         }
         if delivered_any {
             // The floor fades (by 1/512 per delivering ACK) once packets stop

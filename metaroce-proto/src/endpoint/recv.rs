@@ -1075,6 +1075,10 @@ impl Endpoint {
             c.rtt.sample_at(now, rtt);
         }
         let base = c.rtt.min_rtt().unwrap_or(rtt);
+        // What the ACK acknowledges had reached the peer by its arrival
+        // here less the time the peer held it (delivery samples, §9.1).
+        let reached =
+            Instant::from_nanos(arrived.as_nanos().saturating_sub(u64::from(h.ack_delay_ns)));
         let (mut delivered, mut lost, mut kinds, mut requests) =
             std::mem::take(&mut self.ack_scratch);
         let mut bogus = false;
@@ -1085,7 +1089,7 @@ impl Endpoint {
                 continue;
             };
             let mut acked_bytes = 0u64;
-            let echo = p.on_ack(&e, now, |ev| match ev {
+            let echo = p.on_ack_at(&e, now, reached, |ev| match ev {
                 PathEvent::Acked { csn, bytes } => {
                     acked_bytes += u64::from(bytes);
                     delivered.push(csn);
