@@ -102,7 +102,7 @@ fn many_paths_leave_a_gray_route() {
             bytes_per_us: 1250,
             ..LinkConfig::perfect()
         };
-        let mut even = Pair::new(cfg.clone(), cfg.clone(), seed, link.clone());
+        let mut even = Pair::new(cfg.clone(), cfg.clone(), seed, link);
         even.connect();
         let t0 = even.now;
         stream(&mut even, 200);
