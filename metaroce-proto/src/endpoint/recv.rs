@@ -455,15 +455,17 @@ impl Endpoint {
             conn.protect = Protect::Crc32c;
         }
         conn.peer_window = handshake_window(a.window_kib);
-        // The round trip from the latest HELLO round to this ACCEPT is the
-        // connection's first RTT sample (§13.3). Without it a first packet
+        // The round trip from the latest HELLO round to this ACCEPT seeds
+        // the connection's RTT estimate (§13.3). Without it a first packet
         // lost, or its ACK, would wait for the initial RTO, and no path
         // could send a tail-loss probe before the first ACK. (An ACCEPT of
         // an earlier HELLO makes it short; the minimum RTO bounds the cost,
-        // and the first ACKs correct it.)
+        // and the first ACK replaces it.) It is no base RTT for the delay
+        // signal (§14): small datagrams on an idle host come back sooner
+        // than full ones under load, and a base that low cut windows.
         let rtt = now.saturating_since(conn.hello_sent_at);
-        if !rtt.is_zero() && conn.rtt.samples() == 0 {
-            conn.rtt.sample_at(now, rtt);
+        if !rtt.is_zero() {
+            conn.rtt.seed(rtt);
         }
         conn.established_at = now;
         conn.state = ConnectionState::Established;

@@ -108,13 +108,38 @@ impl RttEstimator {
             .max(self.srtt.unwrap_or(Duration::ZERO))
     }
 
+    /// Seeds an estimator that has no sample with a round trip measured
+    /// otherwise (a handshake's): the smoothed RTT, its variance and so the
+    /// RTO start from it, but it is not a sample: the smallest RTT (the
+    /// base of the delay signal, PROTOCOL §14) waits for real ones, and
+    /// the first of those replaces it. Does nothing once a sample came.
+    ///
+    /// ```
+    /// use core::time::Duration;
+    /// use metaroce_proto::reliability::RttEstimator;
+    /// let us = Duration::from_micros;
+    /// let mut r = RttEstimator::new(us(1000), us(10), us(100_000));
+    /// r.seed(us(20));
+    /// assert_eq!((r.srtt(), r.rto(), r.min_rtt(), r.samples()), (Some(us(20)), us(60), None, 0));
+    /// r.sample(us(50));
+    /// assert_eq!((r.srtt(), r.min_rtt()), (Some(us(50)), Some(us(50))));
+    /// ```
+    pub fn seed(&mut self, rtt: Duration) {
+        if self.samples == 0 && self.srtt.is_none() {
+            self.srtt = Some(rtt);
+            self.rttvar = rtt / 2;
+            self.latest = rtt;
+        }
+    }
+
     /// Feeds one RTT sample.
     pub fn sample(&mut self, rtt: Duration) {
+        let first = self.samples == 0;
         self.latest = rtt;
         self.samples = self.samples.saturating_add(1);
         self.peak = self.peak.max(rtt);
         self.min_rtt = Some(self.min_rtt.map_or(rtt, |m| m.min(rtt)));
-        match self.srtt {
+        match self.srtt.filter(|_| !first) {
             None => {
                 self.srtt = Some(rtt);
                 self.rttvar = rtt / 2;
