@@ -5,8 +5,9 @@
 # The simulator is deterministic: the same build, command and seed give the
 # same numbers on any host, loaded or not (only the wall time changes).
 #
-# usage: scripts/sim-benchmarks.sh [--out DIR] [--only GROUP[,GROUP...]]
+# usage: scripts/sim-benchmarks.sh [--out DIR] [--only GROUP[,GROUP...]] [--tail-paths N]
 #   groups: sweep targets tail kernel hashing (default: all)
+#   --tail-paths N: the tail group's connections spray over N paths (default: sim's)
 #   METAROCE=path to a metaroce binary (else the release binary is built).
 # Writes DIR/runs.jsonl (one report per run, with its group, case and command)
 # and prints DIR/tables.md. About 7 minutes of one core.
@@ -16,11 +17,13 @@ cd "$(dirname "$0")/.."
 
 OUT=target/sim-benchmarks
 ONLY=sweep,targets,tail,kernel,hashing
+TAIL_PATHS=()
 while [ $# -gt 0 ]; do
     case "$1" in
     --out) OUT=$2; shift 2 ;;
     --only) ONLY=$2; shift 2 ;;
-    -h | --help) sed -n 2,13p "$0"; exit 0 ;;
+    --tail-paths) TAIL_PATHS=(--paths "$2"); shift 2 ;;
+    -h | --help) sed -n 2,14p "$0"; exit 0 ;;
     *) echo "sim-benchmarks: unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -76,7 +79,7 @@ if want tail; then
     # 64 hosts, 8 spines: one round of a permutation of 32 MB flows.
     for loss in 0 0.01 0.1; do
         for seed in 1 2 3 4 5 6 7 8; do
-            run tail "loss=$loss" --flow-bytes 32000000 --duration-ms 5.2 --loss "$loss" --seed "$seed"
+            run tail "loss=$loss" --flow-bytes 32000000 --duration-ms 5.2 --loss "$loss" --seed "$seed" "${TAIL_PATHS[@]}"
         done
     done
 fi
