@@ -903,6 +903,18 @@ impl Connection {
         Some(kind)
     }
 
+    /// Packets declared lost before any timeout (a SACK gap, by time, a
+    /// slow path's move): counted, and their CSNs queued for a fast
+    /// retransmission.
+    pub(crate) fn retransmit_lost(&mut self, lost: &[u32]) {
+        self.stats.packets_lost += lost.len() as u64;
+        for &csn in lost {
+            if self.queue_retransmit(csn) {
+                self.stats.fast_retransmits += 1;
+            }
+        }
+    }
+
     /// Queues `csn` for retransmission unless it is delivered or queued already.
     pub(crate) fn queue_retransmit(&mut self, csn: u32) -> bool {
         match self.record_mut(csn) {

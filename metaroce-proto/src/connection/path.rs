@@ -325,7 +325,7 @@ impl PathTx {
     /// sample of its own.
     pub(crate) fn rto(&self, conn: &RttEstimator) -> Duration {
         let shift = self.backoff.min(16);
-        let est = self.estimate(conn).unwrap_or(&self.rtt);
+        let est = self.estimate(conn).map_or(&self.rtt, |(e, _)| e);
         (est.rto().max(est.peak() * 2) * (1u32 << shift))
             .max(self.late_floor())
             .min(self.rtt.max_rto())
@@ -451,10 +451,10 @@ impl PathTx {
         let Some(oldest) = self.oldest_outstanding() else {
             return 0;
         };
-        let Some(est) = self.estimate(conn) else {
+        let Some((est, srtt)) = self.estimate(conn) else {
             return 0;
         };
-        let probe_wait = Self::probe_wait(est, slack);
+        let probe_wait = Self::probe_wait(est, srtt, slack);
         // On another route a packet sent later may well overtake one in a
         // queue whose delay swings (a shaper's bucket, a stalled thread):
         // the path's own recent peak says how late its packets come.
@@ -487,14 +487,17 @@ impl PathTx {
         0
     }
 
-    /// The RTT estimate the path's loss detection and probes go by: its
-    /// own once it has a sample, else the connection's, `conn` (none
-    /// before the connection's first sample).
-    fn estimate<'a>(&'a self, conn: &'a RttEstimator) -> Option<&'a RttEstimator> {
-        if self.rtt.srtt().is_some() {
-            Some(&self.rtt)
-        } else {
-            conn.srtt().is_some().then_some(conn)
+    /// The RTT estimate the path's loss detection, probes, timeout and
+    /// failure go by, with its smoothed RTT: its own once it has a
+    /// sample, else the connection's, `conn` (none before the
+    /// connection's first sample or seed).
+    pub(crate) fn estimate<'a>(
+        &'a self,
+        conn: &'a RttEstimator,
+    ) -> Option<(&'a RttEstimator, Duration)> {
+        match self.rtt.srtt() {
+            Some(s) => Some((&self.rtt, s)),
+            None => conn.srtt().map(|s| (conn, s)),
         }
     }
 
@@ -502,8 +505,7 @@ impl PathTx {
     /// the smoothed RTT and a quarter, twice its variance and the peer's
     /// ACK delay; never quicker than a quarter of the minimum RTO (on a
     /// host stack RTTs jump with scheduling).
-    fn probe_wait(est: &RttEstimator, slack: Duration) -> Duration {
-        let srtt = est.srtt().unwrap_or_else(|| est.rto());
+    fn probe_wait(est: &RttEstimator, srtt: Duration, slack: Duration) -> Duration {
         (srtt + srtt / 4 + est.rttvar() * 2 + slack).max(est.min_rto() / 4)
     }
 
@@ -526,10 +528,10 @@ impl PathTx {
         if self.state != PathState::Active || self.probe_due {
             return None;
         }
-        let est = self.estimate(conn)?;
+        let (est, srtt) = self.estimate(conn)?;
         let (psn, oldest) = self.oldest_outstanding_psn()?;
         (self.probed_psn != Some(psn)).then(|| {
-            let wait = Self::probe_wait(est, slack);
+            let wait = Self::probe_wait(est, srtt, slack);
             let after_last = self.probed_at.map_or(Instant::ZERO, |t| t + self.rto(conn));
             let at = (oldest + wait)
                 .max(self.last_delivery + wait / 2)

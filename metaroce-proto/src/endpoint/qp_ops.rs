@@ -164,12 +164,7 @@ impl Endpoint {
                 c.stats.path_moves += 1;
             }
             c.in_flight = c.paths_tx.iter().map(|p| p.in_flight).sum();
-            c.stats.packets_lost += lost.len() as u64;
-            for csn in lost {
-                if c.queue_retransmit(csn) {
-                    c.stats.fast_retransmits += 1;
-                }
-            }
+            c.retransmit_lost(&lost);
             moving = true;
             c.slow_ports.note(old, now);
         }
@@ -253,12 +248,7 @@ impl Endpoint {
         }
         if !lost.is_empty() {
             c.in_flight = c.paths_tx.iter().map(|p| p.in_flight).sum();
-            c.stats.packets_lost += lost.len() as u64;
-            for csn in lost {
-                if c.queue_retransmit(csn) {
-                    c.stats.fast_retransmits += 1;
-                }
-            }
+            c.retransmit_lost(&lost);
         }
         let failing: Vec<usize> = (0..c.paths_tx.len())
             .filter(|&i| {
@@ -282,12 +272,8 @@ impl Endpoint {
                 // the connection's stands in, else it could never fail, and
                 // once its window of packets is lost the scheduler leaves it
                 // idle, neither used nor probed, with its port unchanged.
-                let rtt = match p.rtt.srtt() {
-                    Some(s) => Some((s, p.rtt.rttvar(), p.rtt.peak())),
-                    None => c.rtt.srtt().map(|s| (s, c.rtt.rttvar(), c.rtt.peak())),
-                };
-                let silent = rtt.is_some_and(|(s, var, peak)| {
-                    now.saturating_since(p.last_delivery) > ((s + var) * 4).max(peak * 2)
+                let silent = p.estimate(&c.rtt).is_some_and(|(e, s)| {
+                    now.saturating_since(p.last_delivery) > ((s + e.rttvar()) * 4).max(e.peak() * 2)
                 });
                 // Another path delivered a packet sent after this one's
                 // first loss: the network carries what this route drops.

@@ -1170,12 +1170,7 @@ impl Endpoint {
             c.last_progress = now;
         }
         c.last_ack_at = now;
-        c.stats.packets_lost += lost.len() as u64;
-        for &csn in &lost {
-            if c.queue_retransmit(csn) {
-                c.stats.fast_retransmits += 1;
-            }
-        }
+        c.retransmit_lost(&lost);
         if bogus {
             self.stats.rejects.bump(RejectReason::BogusAck);
         }

@@ -311,9 +311,9 @@ impl Endpoint {
             let len = match ctrl {
                 Ctrl::Hello => {
                     src_port = c.next_handshake_port();
-                    if core::mem::take(&mut c.hello_copy) {
-                        // The second copy of a timer's round: counted once.
-                    } else {
+                    // The second copy of a timer's round is counted once,
+                    // with the first.
+                    if !core::mem::take(&mut c.hello_copy) {
                         if core::mem::take(&mut c.hello_twice) {
                             c.hello_copy = true;
                             c.ctrl = Some(Ctrl::Hello);
