@@ -274,6 +274,19 @@ pub(crate) struct Connection {
     /// packets it leaves outstanding still fill the windows, and without
     /// these a long silence would stop the probes that end it.
     pub(crate) timeout_probes: u8,
+    /// When the last silent timeout sent its probe (PROTOCOL §13.3): until
+    /// something is acknowledged or the round ends, other paths that time
+    /// out in the same silence wait for its answer.
+    pub(crate) silent_probe_at: Option<Instant>,
+    /// How far behind the peer was at its latest ACK: the time it held the
+    /// newest packet that ACK answers (`ack_delay_ns`). A peer that comes
+    /// back from a stall works through what waited in its socket, and
+    /// says so here; packets still in that backlog are late, not lost.
+    pub(crate) peer_lag: Duration,
+    /// How far behind this side was when it read that ACK: the time from
+    /// its arrival to its handling. A thread that falls behind its own
+    /// socket has ACKs waiting there that it has not seen yet.
+    pub(crate) own_lag: Duration,
     pub(crate) retry_cnt: u8,
     pub(crate) last_ack_at: Instant,
     pub(crate) last_progress: Instant,
@@ -452,6 +465,9 @@ impl Connection {
             rtt,
             last_timeout: now,
             consecutive_rto: 0,
+            silent_probe_at: None,
+            peer_lag: Duration::ZERO,
+            own_lag: Duration::ZERO,
             timeout_probes: 0,
             retry_cnt: config.retry_cnt,
             last_ack_at: now,
@@ -612,6 +628,38 @@ impl Connection {
     /// The connection's RTO (paths time out on their own estimates).
     pub(crate) fn rto(&self) -> Duration {
         self.rtt.rto()
+    }
+
+    /// When path `pi`'s oldest outstanding packet times out: its RTO
+    /// after it was sent, plus the lags of the latest ACK (at most one more
+    /// RTO): how long the peer held it and how long it then waited for
+    /// this side. While either end works through a backlog of datagrams,
+    /// packets and ACKs in it are late, not lost (PROTOCOL §13.3).
+    pub(crate) fn path_deadline(&self, pi: usize) -> Option<Instant> {
+        let p = &self.paths_tx[pi];
+        let rto = p.rto(&self.rtt);
+        let lag = (self.peer_lag + self.own_lag).min(rto);
+        let d = p.deadline(&self.rtt)? + lag;
+        Some(self.silence_hold().map_or(d, |end| d.max(end)))
+    }
+
+    /// How long the current round of timeouts lasts: the RTO, doubled for
+    /// each round in a row without progress (at most `max_rto`). Timeouts
+    /// within one round count once toward `retry_cnt`.
+    pub(crate) fn timeout_round(&self) -> Duration {
+        let shift = u32::from(self.consecutive_rto.saturating_sub(1)).min(16);
+        (self.rto() * (1u32 << shift)).min(self.rtt.max_rto())
+    }
+
+    /// While the whole connection is silent and has its probe out (a
+    /// silent timeout sent one and nothing was acknowledged since), until
+    /// when every path waits for that probe's answer: the end of its round.
+    /// One probe answers for all; a host stall that timed every path out
+    /// within a millisecond used to cost a packet per path.
+    pub(crate) fn silence_hold(&self) -> Option<Instant> {
+        self.silent_probe_at
+            .filter(|&t| self.last_progress <= t)
+            .map(|t| t + self.timeout_round())
     }
 
     /// The sum of the paths' windows.

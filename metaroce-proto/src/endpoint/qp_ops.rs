@@ -606,7 +606,7 @@ impl Endpoint {
                 return;
             };
             let p = &c.paths_tx[pi];
-            let (Some(oldest), Some(deadline)) = (p.oldest_outstanding(), p.deadline(&c.rtt))
+            let (Some(oldest), Some(deadline)) = (p.oldest_outstanding(), c.path_deadline(pi))
             else {
                 continue;
             };
@@ -617,9 +617,14 @@ impl Endpoint {
             // A path fails when it times out while another path delivered
             // packets sent after this one's oldest: the network works, this
             // route does not. (Alone, or with every path silent, it is only
-            // backed off: that is the peer or the whole network.)
-            let others_deliver =
-                last_delivery_elsewhere(&c.paths_tx, pi).is_some_and(|t| t > oldest);
+            // backed off: that is the peer or the whole network.) No ACK
+            // at all for half the timeout is such a silence too, whatever
+            // the other paths delivered before it: a peer or a thread off
+            // its core stops every path's ACKs alike, and those that came
+            // just before make other paths look as if they delivered.
+            let acks_stopped = now.saturating_since(c.last_ack_at) >= rto / 2;
+            let others_deliver = !acks_stopped
+                && last_delivery_elsewhere(&c.paths_tx, pi).is_some_and(|t| t > oldest);
             let probing = p.state == crate::connection::PathState::Probing;
             // Nothing sent since this path's oldest packet got through on
             // any path: the whole connection is silent. The peer or this
@@ -630,7 +635,7 @@ impl Endpoint {
             // time (PROTOCOL §13.3) once the probe's ACK shows that a
             // later packet got through. A stall no longer sends a window
             // again.
-            let silent = !others_deliver && p.newest_delivered <= oldest;
+            let silent = acks_stopped || (!others_deliver && p.newest_delivered <= oldest);
             let cutoff =
                 Instant::from_nanos(now.as_nanos().saturating_sub(crate::time::nanos(rto)));
             let p = &mut c.paths_tx[pi];
@@ -642,6 +647,7 @@ impl Endpoint {
             if silent && !probing {
                 p.expire_oldest(&mut on_lost);
                 silent_fires += 1;
+                c.silent_probe_at = Some(now);
             } else {
                 p.expire(cutoff, crate::connection::LossCause::Timeout, &mut on_lost);
             }
@@ -672,9 +678,7 @@ impl Endpoint {
                 c.consecutive_rto = 1;
                 c.last_timeout = now;
             } else {
-                let shift = u32::from(c.consecutive_rto.saturating_sub(1)).min(16);
-                let round = (c.rto() * (1u32 << shift)).min(c.rtt.max_rto());
-                if now >= c.last_timeout + round || c.consecutive_rto == 0 {
+                if now >= c.last_timeout + c.timeout_round() || c.consecutive_rto == 0 {
                     c.consecutive_rto = c.consecutive_rto.saturating_add(1);
                     c.last_timeout = now;
                 }
@@ -742,8 +746,8 @@ impl Endpoint {
                 if c.ack_needed && !c.ack_now {
                     consider(c.ack_deadline);
                 }
-                for p in &c.paths_tx {
-                    consider(p.deadline(&c.rtt));
+                for (pi, p) in c.paths_tx.iter().enumerate() {
+                    consider(c.path_deadline(pi));
                     consider(p.probe_deadline(self.config.ack_delay, &c.rtt));
                 }
                 // Paced data waits for its credit (a spare wake-up at worst;

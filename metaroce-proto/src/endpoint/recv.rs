@@ -1062,6 +1062,8 @@ impl Endpoint {
             c.peer_window = window;
         }
         c.stats.acks_received += 1;
+        c.peer_lag = core::time::Duration::from_nanos(u64::from(h.ack_delay_ns));
+        c.own_lag = now.saturating_since(arrived);
         c.rate_hint_kbps = h.rate_hint_kbps;
         c.pacer.set_rate_kbps(now, h.rate_hint_kbps);
         // RTT from the timestamp echo: unambiguous, every transmission has
