@@ -411,8 +411,6 @@ impl PathTx {
     /// Declares the path failed: moves it to `new_port` and starts probing.
     pub(crate) fn fail(&mut self, new_port: u16, min_window: u64) {
         self.move_to = None;
-        self.state = PathState::Probing;
-        self.src_port = new_port;
         // A new route: its probe gets a plain timeout, not the old route's
         // backoff. But a probe that timed out keeps doubling it (the timer
         // raised it): a path whose every probe goes unanswered (a dead
@@ -421,6 +419,8 @@ impl PathTx {
         if self.state != PathState::Probing {
             self.backoff = 0;
         }
+        self.state = PathState::Probing;
+        self.src_port = new_port;
         self.late_floor = Duration::ZERO;
         self.probe_due = false;
         self.cc.reset(min_window);
@@ -1182,6 +1182,24 @@ mod tests {
             .unwrap();
         // ... holds later losses up by two smoothed RTTs at most.
         assert_eq!(t.late_floor(), Duration::from_millis(2));
+    }
+
+    #[test]
+    fn a_failed_route_is_probed_on_a_plain_timeout_a_dead_one_ever_more_rarely() {
+        let mut t = tx();
+        t.rtt.sample(Duration::from_millis(1));
+        let plain = t.rto(&conn_rtt());
+        // Two timeouts on the old route doubled its RTO twice; the new
+        // route's probe starts from the plain one.
+        t.backoff = 2;
+        t.fail(2000, 100);
+        assert_eq!(t.state, PathState::Probing);
+        assert_eq!(t.rto(&conn_rtt()), plain);
+        // A probe that timed out (the timer doubled it) fails the path
+        // again: that backoff stays.
+        t.backoff += 1;
+        t.fail(3000, 100);
+        assert_eq!(t.rto(&conn_rtt()), plain * 2);
     }
 
     #[test]
