@@ -230,6 +230,11 @@ pub const REPATH_ROUNDS: u32 = 4;
 /// window divided by this (`REPATH_WINDOW_SHARE`).
 pub const REPATH_WINDOW_SHARE: u64 = 3;
 
+/// Paths that move at once when every active path's window is at its
+/// minimum (`REPATH_ALL_MIN_DRAWS`): windows then no longer show which
+/// route has room, and each move is a draw among the routes.
+pub const REPATH_ALL_MIN_DRAWS: usize = 2;
+
 /// Smoothed RTTs between two path moves of one connection (`REPATH_COOLDOWN_RTTS`):
 /// a move must show its effect before the next.
 pub const REPATH_COOLDOWN_RTTS: u32 = 8;

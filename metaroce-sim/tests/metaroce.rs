@@ -193,8 +193,11 @@ fn a_silent_blackhole_costs_only_its_spine_and_acks_leave_it() {
 /// minimum on the three spines it uses: windows no longer tell routes
 /// apart, and only a move finds the idle spine (PROTOCOL §9.1): of the
 /// paths at their minimum, the one on the slowest route, or, when all are
-/// there, any congested one. With neither rule, seed 5 kept 0.60 Gbit/s,
-/// three spines' worth.
+/// there, any congested one, two at a time. With neither rule, seed 5 kept
+/// 0.60 Gbit/s, three spines' worth; one path at a time, 0.85. Nothing is
+/// lost, so healthy paths must not be declared failed either: the start's
+/// burst into the shaped queues once failed up to 13 of the 16 (re-rolling
+/// the connection's ECMP placement at random).
 #[test]
 fn a_spine_no_path_hashes_onto_is_found_by_moving() {
     for seed in 1..=16 {
@@ -204,6 +207,12 @@ fn a_spine_no_path_hashes_onto_is_found_by_moving() {
             r.goodput_gbps > 0.93 * 0.8,
             "seed {seed}: {} Gbit/s of the spines' 0.8",
             r.goodput_gbps
+        );
+        let m = r.metaroce.expect("metaroce summary");
+        assert!(
+            m.path_failures <= 3,
+            "seed {seed}: {} paths declared failed on a lossless fabric",
+            m.path_failures
         );
     }
 }

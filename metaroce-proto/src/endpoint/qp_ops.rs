@@ -5,7 +5,7 @@ use super::{Endpoint, Event};
 use crate::connection::{
     Connection, ConnectionError, ConnectionState, CsnKind, Ctrl, LossCause, PathEvent,
 };
-use crate::consts::{REPATH_MAX_BACKOFF, REPATH_ROUNDS, REPATH_WINDOW_SHARE};
+use crate::consts::{REPATH_ALL_MIN_DRAWS, REPATH_MAX_BACKOFF, REPATH_ROUNDS, REPATH_WINDOW_SHARE};
 use crate::rng::Rng;
 use crate::time::Instant;
 use crate::verbs::qp::{Accepted, Incoming, ReadResp};
@@ -117,7 +117,8 @@ impl Endpoint {
     /// connection's mean path window / `REPATH_WINDOW_SHARE` (the smallest
     /// such window first). One path at a time,
     /// the n-th move at least `REPATH_COOLDOWN_RTTS` × 2^min(n, `REPATH_MAX_BACKOFF`)
-    /// smoothed RTTs after the one before.
+    /// smoothed RTTs after the one before (two paths at a time where every
+    /// window is at its minimum).
     ///
     /// Spraying over per-path windows shifts traffic away from a crowded
     /// route, but cannot reach a route no path hashes onto: with 16 paths
@@ -188,7 +189,7 @@ impl Endpoint {
         let mean = c.window() / c.paths_tx.len() as u64;
         let fastest = active().filter_map(|p| p.rtt.srtt()).min();
         let all_min = active().all(|p| p.cc.at_min());
-        let Some(pi) = c
+        let mut candidates: Vec<usize> = c
             .paths_tx
             .iter()
             .enumerate()
@@ -200,28 +201,40 @@ impl Endpoint {
                     && p.cc.congested_rounds() >= REPATH_ROUNDS
                     && (p.cc.window().saturating_mul(REPATH_WINDOW_SHARE) < mean || crowded)
             })
-            // The smallest window; among equals, the slowest route.
-            .min_by_key(|(_, p)| (p.cc.window(), core::cmp::Reverse(p.rtt.srtt())))
             .map(|(i, _)| i)
-        else {
-            return;
-        };
-        let Some(port) = unused_port(&self.config.source_ports, &mut self.rng, c, now) else {
-            return;
-        };
-        c.next_move_at = now + c.move_cooldown(c.moves_made);
-        c.moves_made = c.moves_made.saturating_add(1);
-        let p = &mut c.paths_tx[pi];
-        tracing::debug!(
-            conn = ci,
-            path = p.id,
-            old = p.src_port,
-            new = port,
-            rounds = p.cc.congested_rounds(),
-            "congested path moves to a new source port"
-        );
-        if p.start_move(port) {
-            c.stats.path_moves += 1;
+            .collect();
+        // The smallest window first; among equals, the slowest route.
+        candidates.sort_by_key(|&i| {
+            let p = &c.paths_tx[i];
+            (p.cc.window(), core::cmp::Reverse(p.rtt.srtt()), i)
+        });
+        // Where every window is at its minimum, windows no longer show
+        // which route has room, and a move is a draw among the routes: two
+        // paths draw at once, so that a route no path uses is found in
+        // half the moves (each waits for the cooldown, which doubles).
+        let draws = if all_min { REPATH_ALL_MIN_DRAWS } else { 1 };
+        let mut moved = false;
+        for &pi in candidates.iter().take(draws) {
+            let Some(port) = unused_port(&self.config.source_ports, &mut self.rng, c, now) else {
+                break;
+            };
+            let p = &mut c.paths_tx[pi];
+            tracing::debug!(
+                conn = ci,
+                path = p.id,
+                old = p.src_port,
+                new = port,
+                rounds = p.cc.congested_rounds(),
+                "congested path moves to a new source port"
+            );
+            if p.start_move(port) {
+                c.stats.path_moves += 1;
+            }
+            moved = true;
+        }
+        if moved {
+            c.next_move_at = now + c.move_cooldown(c.moves_made);
+            c.moves_made = c.moves_made.saturating_add(1);
         }
     }
 
@@ -229,6 +242,7 @@ impl Endpoint {
     /// lose packet after packet while others deliver are declared failed.
     pub(crate) fn detect_path_losses(&mut self, ci: usize, now: Instant) {
         let slack = self.config.ack_delay;
+        let min_rto = self.config.min_rto;
         let Some(c) = self.conns[ci].as_mut() else {
             return;
         };
@@ -272,8 +286,15 @@ impl Endpoint {
                 // the connection's stands in, else it could never fail, and
                 // once its window of packets is lost the scheduler leaves it
                 // idle, neither used nor probed, with its port unchanged.
+                // And never for less than the minimum RTO, the host's own
+                // timing uncertainty: at the start the only RTT is the
+                // handshake's, and a burst into a shaped queue held every
+                // path past four of those (13 of 16 healthy paths failed in
+                // the first milliseconds of a lossless run, re-rolling the
+                // connection's ECMP placement).
                 let silent = p.estimate(&c.rtt).is_some_and(|(e, s)| {
-                    now.saturating_since(p.last_delivery) > ((s + e.rttvar()) * 4).max(e.peak() * 2)
+                    let wait = ((s + e.rttvar()) * 4).max(e.peak() * 2).max(min_rto);
+                    now.saturating_since(p.last_delivery) > wait
                 });
                 // Another path delivered a packet sent after this one's
                 // first loss: the network carries what this route drops.
