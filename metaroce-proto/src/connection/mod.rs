@@ -636,11 +636,14 @@ impl Connection {
     /// this side. While either end works through a backlog of datagrams,
     /// packets and ACKs in it are late, not lost (PROTOCOL §13.3).
     pub(crate) fn path_deadline(&self, pi: usize) -> Option<Instant> {
-        let p = &self.paths_tx[pi];
-        let rto = p.rto(&self.rtt);
-        let lag = (self.peer_lag + self.own_lag).min(rto);
-        let d = p.deadline(&self.rtt)? + lag;
+        let d = self.paths_tx[pi].deadline(&self.rtt, self.peer_lag + self.own_lag)?;
         Some(self.silence_hold().map_or(d, |end| d.max(end)))
+    }
+
+    /// The bytes in flight, summed again over the paths after packets
+    /// left them (acknowledged, or declared lost).
+    pub(crate) fn recount_in_flight(&mut self) {
+        self.in_flight = self.paths_tx.iter().map(|p| p.in_flight).sum();
     }
 
     /// How long the current round of timeouts lasts: the RTO, doubled for

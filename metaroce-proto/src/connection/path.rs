@@ -343,9 +343,12 @@ impl PathTx {
         self.late_floor.min(cap)
     }
 
-    /// When the path's oldest outstanding packet times out.
-    pub(crate) fn deadline(&self, conn: &RttEstimator) -> Option<Instant> {
-        self.oldest_outstanding().map(|t| t + self.rto(conn))
+    /// When the path's oldest outstanding packet times out: its RTO after
+    /// it was sent, plus `lag` (at most one more RTO; see
+    /// `Connection::path_deadline`).
+    pub(crate) fn deadline(&self, conn: &RttEstimator, lag: Duration) -> Option<Instant> {
+        let rto = self.rto(conn);
+        self.oldest_outstanding().map(|t| t + rto + lag.min(rto))
     }
 
     /// How full the path would be with `bytes` more: lower is better.
@@ -1304,7 +1307,7 @@ mod tests {
         t.record_send(1, ms(10), 100, false);
         let due = t.probe_deadline(Duration::ZERO, &conn_rtt()).unwrap();
         assert!(
-            due > ms(10) && due < t.deadline(&conn_rtt()).unwrap(),
+            due > ms(10) && due < t.deadline(&conn_rtt(), Duration::ZERO).unwrap(),
             "before the RTO"
         );
         t.on_probe_timer(
@@ -1363,7 +1366,7 @@ mod tests {
             1
         );
         assert_eq!(ev, vec![PathEvent::Lost { csn: 3 }]);
-        assert!(t.deadline(&conn_rtt()).is_none());
+        assert!(t.deadline(&conn_rtt(), Duration::ZERO).is_none());
     }
 
     /// Every ACK that acknowledges packets of the path is a delivery

@@ -115,10 +115,10 @@ impl Endpoint {
     /// and moves a starved path to a new source port (a new ECMP route): one whose
     /// window was cut `REPATH_ROUNDS` rounds in a row and is below the
     /// connection's mean path window / `REPATH_WINDOW_SHARE` (the smallest
-    /// such window first). One path at a time,
-    /// the n-th move at least `REPATH_COOLDOWN_RTTS` × 2^min(n, `REPATH_MAX_BACKOFF`)
-    /// smoothed RTTs after the one before (two paths at a time where every
-    /// window is at its minimum).
+    /// such window first). One path at a time (two where every window is
+    /// at its minimum, `REPATH_ALL_MIN_DRAWS`), the n-th move at least
+    /// `REPATH_COOLDOWN_RTTS` × 2^min(n, `REPATH_MAX_BACKOFF`) smoothed
+    /// RTTs after the one before.
     ///
     /// Spraying over per-path windows shifts traffic away from a crowded
     /// route, but cannot reach a route no path hashes onto: with 16 paths
@@ -164,7 +164,7 @@ impl Endpoint {
             if p.start_slow_move(port) {
                 c.stats.path_moves += 1;
             }
-            c.in_flight = c.paths_tx.iter().map(|p| p.in_flight).sum();
+            c.recount_in_flight();
             c.retransmit_lost(&lost);
             moving = true;
             c.slow_ports.note(old, now);
@@ -261,7 +261,7 @@ impl Endpoint {
             });
         }
         if !lost.is_empty() {
-            c.in_flight = c.paths_tx.iter().map(|p| p.in_flight).sum();
+            c.recount_in_flight();
             c.retransmit_lost(&lost);
         }
         let failing: Vec<usize> = (0..c.paths_tx.len())
@@ -686,7 +686,7 @@ impl Endpoint {
             return;
         };
         if fired {
-            c.in_flight = c.paths_tx.iter().map(|p| p.in_flight).sum();
+            c.recount_in_flight();
             c.stats.rto_fires += 1;
             c.stats.packets_lost += lost.len() as u64;
             for csn in lost.drain(..) {
@@ -698,11 +698,9 @@ impl Endpoint {
             if c.last_progress > c.last_timeout {
                 c.consecutive_rto = 1;
                 c.last_timeout = now;
-            } else {
-                if now >= c.last_timeout + c.timeout_round() || c.consecutive_rto == 0 {
-                    c.consecutive_rto = c.consecutive_rto.saturating_add(1);
-                    c.last_timeout = now;
-                }
+            } else if now >= c.last_timeout + c.timeout_round() || c.consecutive_rto == 0 {
+                c.consecutive_rto = c.consecutive_rto.saturating_add(1);
+                c.last_timeout = now;
             }
             // A connection silent for a second counted round in a row (not
             // one whose receiver merely drops: that one makes progress in

@@ -1121,7 +1121,7 @@ impl Endpoint {
             p.last_ack_at = now;
             p.cc.on_ack(acked_bytes, echo_pkts, echo_marked, latest, base, elapsed);
         }
-        c.in_flight = c.paths_tx.iter().map(|p| p.in_flight).sum();
+        c.recount_in_flight();
         if released > 0 {
             // Counted from our own send records, so a forged ACK cannot
             // claim more than was in flight.
