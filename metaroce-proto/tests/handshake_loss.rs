@@ -1,8 +1,9 @@
-//! Handshake datagrams lost on the way. A HELLO round the timer starts
-//! goes twice, each HELLO from a new source port (a new ECMP route), and
-//! the server's COOKIE follows the HELLO's port; the HELLO that carries
-//! the cookie is retried on an RTO from the HELLO/COOKIE round trip, not
-//! on the backoff that the HELLOs lost before it built up (PROTOCOL §8.2).
+//! Handshake datagrams lost on the way. Every HELLO round goes twice,
+//! each HELLO from a new source port (a new ECMP route), and the server's
+//! COOKIE follows the HELLO's port, so one lost datagram of each pair costs
+//! no timeout; the HELLO that carries the cookie is retried on an RTO from
+//! the HELLO/COOKIE round trip, not on the backoff that the HELLOs lost
+//! before it built up (PROTOCOL §8.2).
 
 use metaroce_proto::wire::PacketType;
 use metaroce_proto::{Ecn, Endpoint, EndpointConfig, Event, Instant, Transmit};
@@ -41,10 +42,10 @@ fn hello_retries_take_new_routes_and_the_cookies_round_trip() {
     let t0 = Instant::from_nanos(1_000_000);
     let conn = a.connect(t0, b_addr).unwrap();
     let mut ports = HashSet::new();
-    // HELLO 1 goes alone, and is lost.
+    // The first round: two HELLOs, both lost.
     let first = drain(&mut a, t0);
-    assert_eq!(first.len(), 1);
-    ports.insert(first[0].0.src_port);
+    assert_eq!(first.len(), 2, "the first round goes twice");
+    ports.extend(first.iter().map(|(t, _)| t.src_port));
     // The timer's round: two HELLOs from two new ports; both lost.
     let (t1, round) = timer_round(&mut a);
     assert_eq!(t1, t0 + rto);
@@ -56,7 +57,7 @@ fn hello_retries_take_new_routes_and_the_cookies_round_trip() {
     assert_eq!(t2 - t1, 2 * rto);
     assert_eq!(round.len(), 2);
     ports.extend(round.iter().map(|(t, _)| t.src_port));
-    assert_eq!(ports.len(), 5, "every HELLO from its own port: {ports:?}");
+    assert_eq!(ports.len(), 6, "every HELLO from its own port: {ports:?}");
     let mut cookies = Vec::new();
     for (t, bytes) in &round {
         b.handle_datagram(t2, from_a(t), Ecn::NotEct, bytes);
@@ -76,10 +77,12 @@ fn hello_retries_take_new_routes_and_the_cookies_round_trip() {
     for (_, bytes) in &cookies {
         a.handle_datagram(t3, b_addr, Ecn::NotEct, bytes);
     }
-    // One HELLO, with the cookie, at once; lost.
+    // Two HELLOs with the cookie, at once (one round for both COOKIEs);
+    // both lost.
     let answer = drain(&mut a, t3);
-    assert_eq!(answer.len(), 1, "the cookie is answered once");
-    assert_eq!(answer[0].1[1], PacketType::Hello as u8);
+    assert_eq!(answer.len(), 2, "the cookie is answered by one round");
+    assert!(answer.iter().all(|(_, b)| b[1] == PacketType::Hello as u8));
+    assert_ne!(answer[0].0.src_port, answer[1].0.src_port);
     // The next round after the round trip's RTO (3 × 100 µs, at least the
     // minimum RTO), not after eight times `handshake_rto`; lost as well.
     let (t4, round) = timer_round(&mut a);
@@ -106,4 +109,94 @@ fn hello_retries_take_new_routes_and_the_cookies_round_trip() {
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].1[1], PacketType::Accept as u8);
     assert_ne!(again[0].0.src_port, accept[0].0.src_port);
+}
+
+/// Runs a handshake in which the `n`-th handshake datagram sent (either
+/// way, counted from 0) is lost for every `n` in `lost`; every other one
+/// arrives after `one_way`. Returns when the client is connected, or
+/// `None` if that took a timer.
+fn handshake_with_losses(lost: &[usize], one_way: Duration) -> Option<Instant> {
+    let config = EndpointConfig::default();
+    let a_addr: SocketAddr = format!("10.0.0.1:{}", config.listen_port).parse().unwrap();
+    let b_addr: SocketAddr = format!("10.0.0.2:{}", config.listen_port).parse().unwrap();
+    let mut a = Endpoint::new(config.clone(), 1).unwrap();
+    let mut b = Endpoint::new(config, 2).unwrap();
+    let t0 = Instant::from_nanos(1_000_000);
+    let conn = a.connect(t0, b_addr).unwrap();
+    // (arrival, to the server?, source, bytes)
+    let mut wire: Vec<(Instant, bool, SocketAddr, Vec<u8>)> = Vec::new();
+    let mut sent = 0;
+    let mut send = |wire: &mut Vec<_>, now: Instant, to_b: bool, out: Vec<(Transmit, Vec<u8>)>| {
+        for (t, bytes) in out {
+            assert!(
+                bytes[1] & 0xf0 == 0x10,
+                "only handshake datagrams: {:#x}",
+                bytes[1]
+            );
+            if !lost.contains(&sent) {
+                let from = if to_b {
+                    SocketAddr::new(a_addr.ip(), t.src_port)
+                } else {
+                    b_addr
+                };
+                wire.push((now + one_way, to_b, from, bytes));
+            }
+            sent += 1;
+        }
+    };
+    send(&mut wire, t0, true, drain(&mut a, t0));
+    let timer = a.poll_timeout().expect("a HELLO timer");
+    while !wire.is_empty() {
+        wire.sort_by_key(|w| w.0);
+        let (at, to_b, from, bytes) = wire.remove(0);
+        if at >= timer {
+            return None;
+        }
+        if to_b {
+            b.handle_datagram(at, from, Ecn::NotEct, &bytes);
+            send(&mut wire, at, false, drain(&mut b, at));
+        } else {
+            a.handle_datagram(at, from, Ecn::NotEct, &bytes);
+            send(&mut wire, at, true, drain(&mut a, at));
+            while let Some(e) = a.poll_event() {
+                if matches!(e, Event::Connected(c) if c == conn) {
+                    return Some(at);
+                }
+            }
+        }
+    }
+    None
+}
+
+/// One lost datagram anywhere in the handshake, or one of each pair of
+/// copies, costs no timeout: the client is connected two round trips
+/// after it began, long before its first HELLO timer.
+#[test]
+fn one_loss_in_a_pair_costs_no_timeout() {
+    let one_way = Duration::from_micros(5);
+    let t0 = Instant::from_nanos(1_000_000);
+    let clean = handshake_with_losses(&[], one_way).expect("a lossless handshake");
+    assert_eq!(clean, t0 + 4 * one_way);
+    // Lossless, the datagrams go: HELLO ×2 (0, 1), COOKIE ×2 (2, 3),
+    // HELLO with the cookie ×2 (4, 5; the second COOKIE is a duplicate),
+    // ACCEPT ×2 (6, 7).
+    for n in 0..8 {
+        assert_eq!(
+            handshake_with_losses(&[n], one_way),
+            Some(clean),
+            "datagram {n} lost"
+        );
+    }
+    // A loss in each of two rounds: the copy that gets through each time
+    // carries the handshake (a server answers the copies that reach it, so
+    // a lost HELLO leaves one COOKIE, and the numbers shift).
+    for lost in [[0, 3], [1, 4], [2, 4], [2, 7]] {
+        assert_eq!(
+            handshake_with_losses(&lost, one_way),
+            Some(clean),
+            "{lost:?} lost"
+        );
+    }
+    // Both copies of a round lost: that takes the timer.
+    assert_eq!(handshake_with_losses(&[0, 1], one_way), None);
 }

@@ -1491,7 +1491,7 @@ fn mixed_opcodes_share_gso_batches_packet_by_packet() {
 /// nothing is refused as malformed.
 #[test]
 fn mixed_opcodes_in_gso_batches_arrive_intact_at_5_percent_loss() {
-    let (mut p, v) = pair_with(gso8(), 28, LinkConfig::lossy(0.05));
+    let (mut p, v) = pair_with(gso8(), 29, LinkConfig::lossy(0.05));
     let data = pattern(28, 199_744);
     let (win, rbuf) = mixed_work(&mut p, &v, &data);
     let wa = wait_cq(&mut p, true, v.cqa, 4, Duration::from_secs(5));

@@ -228,11 +228,9 @@ pub(crate) struct Connection {
     /// Base retransmission interval of HELLO: `handshake_rto`, then, once
     /// a COOKIE came, an RTO from that round trip (PROTOCOL §8.2).
     pub(crate) hello_interval: Duration,
-    /// A HELLO round the timer starts goes twice, from two source ports
-    /// (two routes), as QUIC's probe timeout sends two datagrams (RFC 9002
-    /// §6.2.4): one loss then costs no further timeout. Set by the timer.
-    pub(crate) hello_twice: bool,
-    /// Set while the second copy of such a round is still to go.
+    /// Set while the second copy of a HELLO round is still to go: every
+    /// round goes twice, from two source ports (two routes), so that one
+    /// lost datagram costs no timeout (PROTOCOL §8.2).
     pub(crate) hello_copy: bool,
     /// Handshake datagrams (HELLO, ACCEPT) sent: each goes from the next
     /// plane-0 path's source port, so a retry takes a new ECMP route.
@@ -440,7 +438,6 @@ impl Connection {
             hello_sent_at: now,
             hello_backoff: 0,
             hello_interval: config.handshake_rto,
-            hello_twice: false,
             hello_copy: false,
             hs_sent: 0,
             cookies_taken: 0,

@@ -578,7 +578,7 @@ impl Endpoint {
                         );
                     } else {
                         c.ctrl = Some(Ctrl::Hello);
-                        c.hello_twice = true;
+                        c.hello_copy = false;
                     }
                 }
                 return;

@@ -396,8 +396,8 @@ impl Endpoint {
             .max(self.config.min_rto)
             .min(self.config.handshake_rto);
         conn.hello_backoff = 0;
-        // One HELLO answers the cookie (a copy still to go is dropped).
-        conn.hello_twice = false;
+        // A new round of two HELLOs (a copy of the last round still to go
+        // is dropped).
         conn.hello_copy = false;
         self.touch(ci, Some(now));
     }

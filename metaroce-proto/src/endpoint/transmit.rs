@@ -311,13 +311,11 @@ impl Endpoint {
             let len = match ctrl {
                 Ctrl::Hello => {
                     src_port = c.next_handshake_port();
-                    // The second copy of a timer's round is counted once,
-                    // with the first.
+                    // Each round goes twice (§8.2); the second copy is
+                    // counted once, with the first.
                     if !core::mem::take(&mut c.hello_copy) {
-                        if core::mem::take(&mut c.hello_twice) {
-                            c.hello_copy = true;
-                            c.ctrl = Some(Ctrl::Hello);
-                        }
+                        c.hello_copy = true;
+                        c.ctrl = Some(Ctrl::Hello);
                         c.hello_attempts = c.hello_attempts.saturating_add(1);
                         // Exponential backoff from the interval (§8.2).
                         let shift = u32::from(c.hello_backoff).min(16);

@@ -124,6 +124,8 @@ pub struct Pair {
     pub events_b: Vec<Event>,
     pub delivered: u64,
     pub dropped: u64,
+    /// Datagrams the link delivered twice.
+    pub duplicated: u64,
     /// Datagrams and their bytes put on the link, per direction (a->b, b->a).
     pub sent: [(u64, u64); 2],
     /// Link is cut in this direction (a->b, b->a).
@@ -169,6 +171,7 @@ impl Pair {
             events_b: Vec::new(),
             delivered: 0,
             dropped: 0,
+            duplicated: 0,
             sent: [(0, 0); 2],
             cut: (false, false),
             cut_until: None,
@@ -258,6 +261,7 @@ impl Pair {
                         ..t
                     };
                     let copies = if self.rng.unit() < self.link.duplicate {
+                        self.duplicated += 1;
                         2
                     } else {
                         1
