@@ -781,6 +781,10 @@ impl PathTx {
         if let Some(sent) = newest_sent {
             self.delivery_samples = self.delivery_samples.wrapping_add(1);
             self.delivery_latest = reached.saturating_since(sent);
+            // How long the path's packets take, where no ACK echoes one of
+            // them (§13.3): with many paths, a path is seldom the one
+            // echoed, and its peak would miss its queue's swings.
+            self.rtt.note_delay_at(now, self.delivery_latest);
         }
         if delivered_any {
             // The floor fades (by 1/512 per delivering ACK) once packets stop
@@ -1395,6 +1399,43 @@ mod tests {
         t.on_ack(&r.entry(0), us(200), |_| {}).unwrap();
         assert_eq!(t.delivery_samples, 2);
         assert_eq!(t.delivery_latest, Duration::from_micros(180));
+    }
+
+    /// A path whose packets no ACK echoes (with many paths, most of them)
+    /// learns its recent peak from its delivery samples: a packet of it is
+    /// not declared lost by time before twice that, where its stale RTT
+    /// estimate alone would have declared it (a spurious loss).
+    #[test]
+    fn delivery_samples_keep_the_peak_of_a_path_seldom_echoed() {
+        let us = |n: u64| Instant::from_nanos(n * 1_000);
+        let conn = conn_rtt();
+        let mut t = tx();
+        t.rtt.sample_at(us(0), Duration::from_micros(10));
+        let mut r = PathRx::new();
+        // Packet 0 takes 40 µs to be acknowledged: no RTT sample (the ACK
+        // echoes another path's packet), one delivery sample.
+        t.record_send(1, us(100), 100, false);
+        r.on_packet(0, false);
+        t.on_ack(&r.entry(0), us(140), |_| {}).unwrap();
+        assert_eq!(
+            t.rtt.srtt(),
+            Some(Duration::from_micros(10)),
+            "no RTT sample"
+        );
+        assert_eq!(t.rtt.peak(), Duration::from_micros(40));
+        // Packet 1 has waited 60 µs when a later packet arrives by another
+        // path: within twice the peak, so not lost yet.
+        t.record_send(2, us(200), 100, false);
+        let mut lost = 0;
+        let evidence = us(250);
+        t.detect_by_time(us(260), evidence, Duration::ZERO, &conn, |e| {
+            lost += usize::from(matches!(e, PathEvent::Lost { .. }));
+        });
+        assert_eq!(lost, 0, "twice the peak is 80 µs");
+        t.detect_by_time(us(290), evidence, Duration::ZERO, &conn, |e| {
+            lost += usize::from(matches!(e, PathEvent::Lost { .. }));
+        });
+        assert_eq!(lost, 1, "overdue by twice the peak");
     }
 
     /// Declarations by time that keep turning out right (a lossy path with

@@ -66,6 +66,30 @@ impl RttEstimator {
     /// peak ([`peak`](Self::peak)) over epochs of time.
     pub fn sample_at(&mut self, now: Instant, rtt: Duration) {
         self.sample(rtt);
+        self.peak_at(now, rtt);
+    }
+
+    /// Keeps `delay`, a round trip measured otherwise than by an RTT
+    /// sample (how long a packet took to be acknowledged), in the recent
+    /// peak ([`peak`](Self::peak)) only: the smoothed RTT, its variance
+    /// and the smallest RTT are left alone.
+    ///
+    /// ```
+    /// use core::time::Duration;
+    /// use metaroce_proto::{reliability::RttEstimator, Instant};
+    /// let us = Duration::from_micros;
+    /// let mut r = RttEstimator::new(us(100), us(20), us(100_000));
+    /// r.sample_at(Instant::from_nanos(0), us(10));
+    /// r.note_delay_at(Instant::from_nanos(5_000), us(40));
+    /// assert_eq!((r.srtt(), r.peak()), (Some(us(10)), us(40)));
+    /// ```
+    pub fn note_delay_at(&mut self, now: Instant, delay: Duration) {
+        self.peak = self.peak.max(delay);
+        self.peak_at(now, delay);
+    }
+
+    /// Starts a new peak epoch with `rtt` if the current one is over.
+    fn peak_at(&mut self, now: Instant, rtt: Duration) {
         let epoch = self.srtt.map_or(self.min_rto, |s| {
             (s * RTT_PEAK_EPOCH_RTTS).max(self.min_rto)
         });
