@@ -42,7 +42,7 @@ pub struct SimArgs {
     /// Spines per plane.
     #[arg(long, default_value_t = 8)]
     pub spines: u32,
-    /// Independent planes (NIC ports per host, one address each). metaroce spreads each connection's paths over them (use --paths 8×P).
+    /// Independent planes (NIC ports per host, one address each). metaroce spreads each connection's paths over them (--paths 16×P keeps the default per plane).
     #[arg(long, default_value_t = 1)]
     pub planes: u32,
     /// Hosts per leaf (default: as many as spines, 1:1 subscription).
@@ -98,7 +98,7 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// metaroce: paths per connection.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = metaroce_proto::consts::DEFAULT_PATHS)]
     pub paths: u8,
     /// metaroce: bytes per RDMA WRITE (default 256 KiB; 64 KiB for all-to-all).
     #[arg(long)]

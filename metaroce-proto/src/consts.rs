@@ -145,8 +145,13 @@ pub const SEGMENT_ALIGN: usize = 64;
 /// Default UDP payload MTU of a path: a 4 KiB payload plus headers (`DEFAULT_MTU`).
 pub const DEFAULT_MTU: u16 = 4_096 + 64;
 
-/// Default number of paths per connection (`DEFAULT_PATHS`).
-pub const DEFAULT_PATHS: u8 = 8;
+/// Default number of paths per connection (`DEFAULT_PATHS`): two per
+/// spine of an 8-spine fabric. Paths hashed at random onto 8 spines cover
+/// about five of them with 8 paths and seven with 16, and a connection
+/// crowded onto a few spines runs at their share: on the simulated 64-host
+/// fabric the slowest of 64 flows ran at 72 Gbit/s with 8 paths and 90
+/// with 16 (`docs/BENCHMARKS.md`, the slowest of finite flows).
+pub const DEFAULT_PATHS: u8 = 16;
 
 /// Default initial retransmission timeout (`DEFAULT_INITIAL_RTO`).
 pub const DEFAULT_INITIAL_RTO: Duration = Duration::from_millis(2);

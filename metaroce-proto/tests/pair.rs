@@ -1565,7 +1565,11 @@ fn a_stall_that_times_out_every_path_is_not_eight_retries() {
     // dark for longer than one RTO (a scheduling stall on a loaded host),
     // so every path times out, each at its own moment. That is one round of
     // timeouts, not eight retries: the requests must still succeed.
-    let (mut p, v) = pair(26, LinkConfig::perfect());
+    let eight = EndpointConfig {
+        paths: 8,
+        ..EndpointConfig::default()
+    };
+    let (mut p, v) = pair_with(eight, 26, LinkConfig::perfect());
     let src = reg(&mut p.a, v.pda, pattern(26, 8 * 1000), 0, AccessFlags::NONE);
     let win = reg(
         &mut p.b,

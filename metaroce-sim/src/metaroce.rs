@@ -124,7 +124,7 @@ pub struct MetaroceParams {
 impl Default for MetaroceParams {
     fn default() -> Self {
         MetaroceParams {
-            paths: 8,
+            paths: metaroce_proto::consts::DEFAULT_PATHS,
             source_ports: 128,
             chunk_bytes: 256 * 1024,
             outstanding: 8,

@@ -95,7 +95,7 @@ struct ServerArgs {
 struct SideArgs {
     /// Paths each connection sprays over (a server's: its ACKs, READ
     /// responses and `--bidir` stream).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = metaroce_proto::consts::DEFAULT_PATHS)]
     paths: u8,
     /// I/O backend: auto (io_uring when the kernel has it), io_uring,
     /// portable, or af_xdp (root; never on loopback: give the server a
