@@ -303,3 +303,8 @@ pub const DEFAULT_RECEIVER_ACTIVE_WINDOW: Duration = Duration::from_micros(100);
 
 /// Default largest number of outstanding RDMA READs per QP (`DEFAULT_MAX_RD_ATOMIC`).
 pub const DEFAULT_MAX_RD_ATOMIC: u8 = 16;
+
+/// ACKs that repeat path entries after a packet the receiver already had
+/// came again (`REPEAT_ACKS_AFTER_DUPLICATE`, PROTOCOL §6.2): its report
+/// was lost with an ACK, so later reports are sent more than once.
+pub const REPEAT_ACKS_AFTER_DUPLICATE: u32 = 1024;

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use metaroce_proto::verbs::*;
-use metaroce_proto::wire::{data_flags, DataHeader};
+use metaroce_proto::wire::{data_flags, AckPacket, DataHeader, PacketType};
 use metaroce_proto::EndpointConfig;
 use std::cell::Cell;
 use std::rc::Rc;
@@ -78,4 +78,115 @@ fn wait_done(p: &mut Pair, cq: CqHandle) -> WcStatus {
         !got.is_empty()
     });
     got.first().expect("a completion").status
+}
+
+/// Path entries an ACK repeats: entries whose path received nothing since
+/// the ACK before that reported it (the same `rx_packets`).
+#[derive(Default)]
+struct Repeats {
+    last: std::collections::HashMap<u8, u32>,
+    repeated: u64,
+    entries: u64,
+}
+
+impl Repeats {
+    fn see(&mut self, ack: &[u8]) {
+        let Ok(a) = AckPacket::parse(ack, |_| true) else {
+            return;
+        };
+        for e in a.paths() {
+            self.entries += 1;
+            if self.last.insert(e.path_id, e.rx_packets) == Some(e.rx_packets) {
+                self.repeated += 1;
+            }
+        }
+    }
+}
+
+/// Runs `writes` WRITEs of 256 KiB over a link on which every second ACK
+/// is lost (`drop_acks`) and each WRITE's first packet too (so the
+/// cumulative CSN, which acknowledges everything behind it, stays put).
+/// Returns the retransmissions of each WRITE, the ACKs' path entries and
+/// the receiver's duplicates.
+fn writes_with_lost_reports(drop_acks: bool, writes: u64) -> (Vec<u64>, Repeats, u64) {
+    let cfg = EndpointConfig {
+        coalesce_acks: false,
+        ..EndpointConfig::default()
+    };
+    let link = LinkConfig {
+        delay: Duration::from_micros(20),
+        bytes_per_us: 1250,
+        ..LinkConfig::perfect()
+    };
+    let mut p = Pair::new(cfg.clone(), cfg, 5, link);
+    p.connect();
+    let v = Verbs::setup(&mut p);
+    let len = 256 << 10;
+    let data = pattern(11, len);
+    let (src, dst) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &data);
+    let repeats = Rc::new(std::cell::RefCell::new(Repeats::default()));
+    let r = repeats.clone();
+    let mut acks = 0u32;
+    p.on_wire = Some(Box::new(move |to_b, bytes| {
+        if !to_b && bytes.get(1) == Some(&(PacketType::Ack as u8)) {
+            r.borrow_mut().see(bytes);
+            acks += 1;
+            if drop_acks && acks % 2 == 0 {
+                bytes.truncate(3);
+            }
+            return;
+        }
+        let Ok((h, _)) = DataHeader::parse(bytes) else {
+            return;
+        };
+        let first = h.msg_len > 0 && h.msg_offset == 0 && h.flags & data_flags::RETRANSMIT == 0;
+        if drop_acks && to_b && first {
+            bytes.truncate(3);
+        }
+    }));
+    let conn = p.conn_a.unwrap();
+    let mut retransmits = Vec::new();
+    let mut before = 0;
+    for wr_id in 1..=writes {
+        let now = p.now;
+        p.a.post_send(now, v.qa, write_wr(wr_id, &src, &dst, 0, len as u32))
+            .unwrap();
+        assert_eq!(wait_done(&mut p, v.cqa), WcStatus::Success);
+        assert_eq!(p.b.mr(dst.lkey).unwrap(), &data[..]);
+        let total = p.a.connection_stats(conn).unwrap().retransmits;
+        retransmits.push(total - before);
+        before = total;
+    }
+    let dups =
+        p.b.connection_stats(p.conn_b.unwrap())
+            .unwrap()
+            .duplicates_received;
+    p.on_wire = None;
+    let repeats = std::mem::take(&mut *repeats.borrow_mut());
+    (retransmits, repeats, dups)
+}
+
+/// A packet whose only report was lost with its ACK is declared lost and
+/// sent again although it arrived; the receiver, seeing it twice, repeats
+/// its path entries in the ACKs that follow (PROTOCOL §6.2). Where no
+/// report is lost, no ACK repeats anything.
+#[test]
+fn lost_reports_make_the_receiver_repeat_its_path_entries() {
+    let (retransmits, repeats, dups) = writes_with_lost_reports(true, 2);
+    assert!(
+        retransmits[0] > 1,
+        "packets whose report was lost went again: {retransmits:?}"
+    );
+    assert!(dups > 0);
+    assert!(
+        repeats.repeated > 0,
+        "{} of {} entries repeated",
+        repeats.repeated,
+        repeats.entries
+    );
+    let (retransmits, repeats, dups) = writes_with_lost_reports(false, 2);
+    assert_eq!(retransmits, [0, 0]);
+    assert_eq!(dups, 0);
+    assert_eq!(repeats.repeated, 0, "of {} entries", repeats.entries);
+    assert!(repeats.entries > 0);
 }

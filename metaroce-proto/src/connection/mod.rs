@@ -335,6 +335,10 @@ pub(crate) struct Connection {
     pub(crate) established_at: Instant,
     pub(crate) naks: VecDeque<NakEntry>,
     pub(crate) dirty_streams: Vec<Qpn>,
+    /// ACKs still to repeat path entries (PROTOCOL §6.2): set when a
+    /// packet this side already had comes again, the sign that the report
+    /// of it was lost.
+    pub(crate) repeat_acks: u32,
     /// Streams whose progress was reported lately, with how many more ACKs
     /// repeat it (a lost ACK must not hold a completion until the next one).
     pub(crate) recent_streams: Vec<(Qpn, u8)>,
@@ -495,6 +499,7 @@ impl Connection {
             established_at: now,
             naks: VecDeque::new(),
             dirty_streams: Vec::new(),
+            repeat_acks: 0,
             recent_streams: Vec::new(),
             loss_check_due: false,
             qps: Vec::new(),

@@ -891,6 +891,13 @@ pub(crate) struct PathRx {
     pub(crate) rx_packets: u32,
     pub(crate) ce_packets: u32,
     pub(crate) dirty: bool,
+    /// ACKs still to repeat the path's entry after the one that carried
+    /// it, if they have room (PROTOCOL §6.2).
+    pub(crate) repeats: u8,
+    /// The latest CSN (in sequence order) of a packet the path received:
+    /// while it is at or after the cumulative CSN, only the path's entry
+    /// acknowledges that packet (PROTOCOL §6.2).
+    pub(crate) max_csn: Option<u32>,
     /// Highest PSN received.
     highest: Option<u32>,
 }
@@ -902,6 +909,8 @@ impl PathRx {
             rx_packets: 0,
             ce_packets: 0,
             dirty: false,
+            repeats: 0,
+            max_csn: None,
             highest: None,
         }
     }

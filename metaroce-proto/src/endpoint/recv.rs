@@ -3,7 +3,7 @@
 
 use super::{cookie, qp_ops::rnr_us, Endpoint, Event, StatelessReply, MAX_STATELESS_QUEUE};
 use crate::connection::{AckTiming, ConnectionError, ConnectionState, CsnKind, Ctrl, PathEvent};
-use crate::consts::{ACK_OPT_RECV_WINDOW, HELLO_LEN};
+use crate::consts::{ACK_OPT_RECV_WINDOW, HELLO_LEN, REPEAT_ACKS_AFTER_DUPLICATE};
 use crate::integrity::{proofs_equal, Aead, Protect};
 use crate::reliability::SeqAccept;
 use crate::stats::RejectReason;
@@ -568,6 +568,10 @@ impl Endpoint {
             return self.reject(RejectReason::PsnOutOfWindow, from);
         }
         let (_, out_of_order) = c.paths_rx[pid].on_packet(hdr.psn, ecn == super::Ecn::Ce);
+        let max = &mut c.paths_rx[pid].max_csn;
+        if max.is_none_or(|m| crate::wire::seq::seq_lt(m, hdr.csn)) {
+            *max = Some(hdr.csn);
+        }
         c.stats.data_packets_received += 1;
         let wants_ack = hdr.flags & data_flags::ACK_REQ != 0;
         // A path-level duplicate (the network copied a datagram) or a late
@@ -596,6 +600,10 @@ impl Endpoint {
         }
         if !fresh {
             c.stats.duplicates_received += 1;
+            // Sent again although it had arrived: the ACK that reported it
+            // was lost (or came too late). Path entries are repeated for a
+            // while (§6.2).
+            c.repeat_acks = REPEAT_ACKS_AFTER_DUPLICATE;
             self.reject(RejectReason::Duplicate, from);
             return self.touch(ci, Some(now));
         }

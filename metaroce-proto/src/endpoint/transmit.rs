@@ -7,13 +7,17 @@
 use super::{Ecn, Endpoint, Gather, RegionPin, Transmit};
 use crate::connection::{CsnKind, Ctrl};
 use crate::consts::{
-    ACK_HEADER_LEN, ACK_OPT_RECV_WINDOW, ACK_PATH_ENTRY_MIN_LEN, ACK_STREAM_ENTRY_LEN,
-    DATA_HEADER_LEN,
+    ACK_HEADER_LEN, ACK_NAK_ENTRY_LEN, ACK_OPT_RECV_WINDOW, ACK_PATH_ENTRY_MIN_LEN,
+    ACK_STREAM_ENTRY_LEN, DATA_HEADER_LEN,
 };
 
 /// ACKs after the first that repeat a stream's progress (all of them lost
 /// at 10% loss: 1 in 1,000).
 const STREAM_REPEATS: u8 = 2;
+
+/// ACKs after the first that repeat a path's entry, room permitting
+/// (PROTOCOL §6.2).
+const PATH_REPEATS: u8 = 2;
 
 /// The longest DATA header: WRITE_IMM's, with its 20-byte extension.
 const MAX_DATA_HEADER_LEN: usize = DATA_HEADER_LEN + 20;
@@ -1186,8 +1190,29 @@ impl Endpoint {
             let entry = p.entry(i as u8);
             if b.fits(entry.encoded_len() + window_len) && b.push_path(&entry).is_ok() {
                 p.dirty = false;
+                p.repeats = PATH_REPEATS;
             } else {
                 more = true;
+            }
+        }
+        // Entries reported lately ride along again where the ACK has room
+        // left after what it owes (§6.2), if the path received a packet at
+        // or beyond the cumulative CSN (which acknowledges everything
+        // before it): with many paths, each carries a few packets, and the
+        // one ACK that reported them may be lost.
+        let owed =
+            window_len + entries.len() * ACK_STREAM_ENTRY_LEN + c.naks.len() * ACK_NAK_ENTRY_LEN;
+        let cum = c.rx_csn.cum();
+        let repeat = c.repeat_acks > 0;
+        c.repeat_acks = c.repeat_acks.saturating_sub(1);
+        for (i, p) in c.paths_rx.iter_mut().enumerate() {
+            let beyond_cum = p.max_csn.is_some_and(|m| !crate::wire::seq::seq_lt(m, cum));
+            if !repeat || !beyond_cum || p.dirty || p.repeats == 0 {
+                continue;
+            }
+            let entry = p.entry(i as u8);
+            if b.fits(entry.encoded_len() + owed) && b.push_path(&entry).is_ok() {
+                p.repeats -= 1;
             }
         }
         let mut unsent_streams = Vec::new();
