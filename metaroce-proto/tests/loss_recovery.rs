@@ -12,24 +12,32 @@ use std::cell::Cell;
 use std::rc::Rc;
 use std::time::Duration;
 
-#[test]
-fn a_lost_tail_packet_is_found_by_a_probe_not_a_timeout() {
+/// A connected pair (no coalesced ACKs) over a link of `delay` each way
+/// at 10 Gbit/s, with 256 KiB of `pattern(fill)` registered at A and a
+/// region as large at B for WRITEs into it.
+fn write_pair(delay: Duration, seed: u64, fill: u64) -> (Pair, Verbs, Vec<u8>, MrInfo, MrInfo) {
     let cfg = EndpointConfig {
         coalesce_acks: false,
         ..EndpointConfig::default()
     };
     let link = LinkConfig {
-        delay: Duration::from_micros(50),
+        delay,
         bytes_per_us: 1250,
         ..LinkConfig::perfect()
     };
-    let mut p = Pair::new(cfg.clone(), cfg, 3, link);
+    let mut p = Pair::new(cfg.clone(), cfg, seed, link);
     p.connect();
     let v = Verbs::setup(&mut p);
-    // A first WRITE gives every path RTT samples.
-    let len = 256 << 10;
-    let data = pattern(9, len);
+    let data = pattern(fill, 256 << 10);
     let (src, dst) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &data);
+    (p, v, data, src, dst)
+}
+
+#[test]
+fn a_lost_tail_packet_is_found_by_a_probe_not_a_timeout() {
+    let (mut p, v, data, src, dst) = write_pair(Duration::from_micros(50), 3, 9);
+    let len = data.len();
+    // A first WRITE gives every path RTT samples.
     let now = p.now;
     p.a.post_send(now, v.qa, write_wr(1, &src, &dst, 0, len as u32))
         .unwrap();
@@ -109,21 +117,8 @@ impl Repeats {
 /// Returns the retransmissions of each WRITE, the ACKs' path entries and
 /// the receiver's duplicates.
 fn writes_with_lost_reports(drop_acks: bool, writes: u64) -> (Vec<u64>, Repeats, u64) {
-    let cfg = EndpointConfig {
-        coalesce_acks: false,
-        ..EndpointConfig::default()
-    };
-    let link = LinkConfig {
-        delay: Duration::from_micros(20),
-        bytes_per_us: 1250,
-        ..LinkConfig::perfect()
-    };
-    let mut p = Pair::new(cfg.clone(), cfg, 5, link);
-    p.connect();
-    let v = Verbs::setup(&mut p);
-    let len = 256 << 10;
-    let data = pattern(11, len);
-    let (src, dst) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &data);
+    let (mut p, v, data, src, dst) = write_pair(Duration::from_micros(20), 5, 11);
+    let len = data.len();
     let repeats = Rc::new(std::cell::RefCell::new(Repeats::default()));
     let r = repeats.clone();
     let mut acks = 0u32;
