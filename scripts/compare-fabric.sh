@@ -22,6 +22,9 @@ usage: scripts/compare-fabric.sh [options]
   --rate-mbit R    rate limit of each spine and direction, Mbit/s (default 200)
   --duration S     seconds per cell (default 6)
   --paths N        metaroce paths per connection (default 16)
+  --mtu BYTES      MTU of every fabric link (default 9000, jumbo frames;
+                   1500: standard frames, written between the
+                   compare-fabric-mtu1500 markers of docs/BENCHMARKS.md)
   --prefix P       fabric namespace prefix (default mrcf)
   --quick          a short smoke run: 1.5 s cells, no 10% cells, no docs update
   --no-write       print the table only; leave docs/BENCHMARKS.md alone
@@ -38,6 +41,7 @@ SPINES=4
 RATE=200
 DUR=6
 PATHS=16
+MTU=9000
 PREFIX=mrcf
 WRITE=1
 QUICK=0
@@ -48,6 +52,7 @@ while [ $# -gt 0 ]; do
     --rate-mbit) RATE=$2; shift 2 ;;
     --duration) DUR=$2; shift 2 ;;
     --paths) PATHS=$2; shift 2 ;;
+    --mtu) MTU=$2; shift 2 ;;
     --prefix) PREFIX=$2; shift 2 ;;
     --quick) QUICK=1; WRITE=0; DUR=1.5; shift ;;
     --no-write) WRITE=0; shift ;;
@@ -56,7 +61,7 @@ while [ $# -gt 0 ]; do
     *) echo "compare-fabric: unknown option $1" >&2; usage >&2; exit 2 ;;
     esac
 done
-case "$SPINES$RATE$PATHS" in *[!0-9]*) echo "compare-fabric: --spines, --rate-mbit and --paths take integers" >&2; exit 2 ;; esac
+case "$SPINES$RATE$PATHS$MTU" in *[!0-9]*) echo "compare-fabric: --spines, --rate-mbit, --paths and --mtu take integers" >&2; exit 2 ;; esac
 case "$DUR" in '' | *[!0-9.]*) echo "compare-fabric: --duration takes seconds" >&2; exit 2 ;; esac
 if [ "$SPINES" -lt 2 ]; then
     echo "compare-fabric: a spine cut needs --spines 2 or more" >&2
@@ -87,7 +92,7 @@ elif [ ! -e /proc/sys/net/mptcp/enabled ]; then
     MPTCP_WHY="the kernel has no MPTCP (no /proc/sys/net/mptcp)"
 fi
 if [ "$CHECK" = 1 ]; then
-    echo "compare-fabric plan: $SPINES spines x $RATE Mbit/s, ${DUR} s per cell, metaroce --paths $PATHS, prefix $PREFIX"
+    echo "compare-fabric plan: $SPINES spines x $RATE Mbit/s, MTU $MTU, ${DUR} s per cell, metaroce --paths $PATHS, prefix $PREFIX"
     echo "cells: metaroce, TCP BBR, TCP CUBIC, MPTCP x 0%, 1%, 10% loss, spine cut"
     [ "$HAVE_MPTCP" = 1 ] || echo "MPTCP would be skipped: $MPTCP_WHY"
     if [ ${#missing[@]} -gt 0 ]; then
@@ -279,7 +284,9 @@ def report(work, conds, meta):
     L.append(f"Measured {meta['date']} with `{meta['cmd']}`: {meta['spines']} spines, each rate "
              f"limited to {meta['rate']} Mbit/s per direction (tc tbf, {meta['spines'] * meta['rate']} "
              f"Mbit/s in all), {meta['dur']} s per cell, random loss on every spine in both "
-             f"directions (nftables), jumbo frames (MTU 9000). Host: {meta['host']}.")
+             f"directions (nftables), "
+             + ("jumbo frames (MTU 9000)" if meta["mtu"] == 9000 else f"MTU {meta['mtu']}")
+             + f". Host: {meta['host']}.")
     L.append("")
     L.append("Goodput in Gbit/s (metaroce: verified bytes of completed WRITEs / run time; "
              "iperf3: bytes received / time). *cut*: the busiest spine is cut "
@@ -378,9 +385,10 @@ def report(work, conds, meta):
         L.append(f"| {name} | " + " | ".join(f"{100 * x / tot:.0f}%" for x in b) + " | " + "; ".join(note) + " |")
     return "\n".join(L)
 
-def write_doc(doc, text):
+def write_doc(doc, text, mtu):
     s = open(doc).read()
-    a, b = "<!-- compare-fabric:begin -->", "<!-- compare-fabric:end -->"
+    tag = "compare-fabric" if mtu == 9000 else f"compare-fabric-mtu{mtu}"
+    a, b = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
     i, j = s.index(a) + len(a), s.index(b)
     open(doc, "w").write(s[:i] + "\n" + text.rstrip() + "\n" + s[j:])
 
@@ -399,12 +407,12 @@ if __name__ == "__main__":
         text = report(sys.argv[2], ["0", "1", "10", "cut"], meta)
         print(text)
         if len(sys.argv) > 4:
-            write_doc(sys.argv[4], text)
+            write_doc(sys.argv[4], text, meta["mtu"])
 PYEOF
 
 # ---------------------------------------------------------------- fabric
 echo "compare-fabric: fabric $PREFIX: $SPINES spines x $RATE Mbit/s" >&2
-fabric up --spines "$SPINES" --rate-mbit "$RATE" >&2
+fabric up --spines "$SPINES" --rate-mbit "$RATE" --mtu "$MTU" >&2
 # A process living in r1, so that its spine counters can be read cheaply.
 spawn ip netns exec "$R1" sleep 100000
 R1PID=$LAST
@@ -519,10 +527,11 @@ CMD="sudo scripts/compare-fabric.sh"
 [ "$SPINES" = 4 ] || CMD+=" --spines $SPINES"
 [ "$RATE" = 200 ] || CMD+=" --rate-mbit $RATE"
 [ "$PATHS" = 16 ] || CMD+=" --paths $PATHS"
+[ "$MTU" = 9000 ] || CMD+=" --mtu $MTU"
 [ "$QUICK" = 1 ] && CMD+=" --quick" || { [ "$DUR" = 6 ] || CMD+=" --duration $DUR"; }
 HOST="$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//'), Linux $(uname -r), iperf3 $(iperf3 --version | head -1 | awk '{print $2}')"
-META=$(python3 -c 'import json,sys; print(json.dumps(dict(date=sys.argv[1], cmd=sys.argv[2], spines=int(sys.argv[3]), rate=int(sys.argv[4]), dur=float(sys.argv[5]), paths=int(sys.argv[6]), host=sys.argv[7], mptcp_why=sys.argv[8])))' \
-    "$(date -u '+%Y-%m-%d %H:%M UTC')" "$CMD" "$SPINES" "$RATE" "$DUR" "$PATHS" "$HOST" "$MPTCP_WHY")
+META=$(python3 -c 'import json,sys; print(json.dumps(dict(date=sys.argv[1], cmd=sys.argv[2], spines=int(sys.argv[3]), rate=int(sys.argv[4]), dur=float(sys.argv[5]), paths=int(sys.argv[6]), host=sys.argv[7], mptcp_why=sys.argv[8], mtu=int(sys.argv[9]))))' \
+    "$(date -u '+%Y-%m-%d %H:%M UTC')" "$CMD" "$SPINES" "$RATE" "$DUR" "$PATHS" "$HOST" "$MPTCP_WHY" "$MTU")
 if [ "$WRITE" = 1 ]; then
     python3 "$PY" report "$WORK" "$META" "$DOC"
     echo "compare-fabric: written to $DOC" >&2

@@ -27,8 +27,9 @@
 //! sudo metaroce fabric down
 //! ```
 
-/// MTU of every fabric link.
-const JUMBO_MTU: &str = "9000";
+/// MTU of every fabric link unless `--mtu` says otherwise: jumbo frames,
+/// as RDMA fabrics run.
+const JUMBO_MTU: u16 = 9000;
 
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
@@ -100,6 +101,11 @@ enum FabricCmd {
         /// Rate limit of each spine link and direction, Mbit/s (none if absent).
         #[arg(long)]
         rate_mbit: Option<u32>,
+        /// MTU of every link, bytes: 9000 (jumbo frames, as RDMA fabrics
+        /// run) or smaller, e.g. 1500 for standard Ethernet frames (a
+        /// `perf` client keeps its datagrams within its route's MTU).
+        #[arg(long, default_value_t = JUMBO_MTU, value_parser = clap::value_parser!(u16).range(1280..=9000))]
+        mtu: u16,
     },
     /// Remove the fabric's namespaces (safe to repeat).
     Down,
@@ -140,7 +146,11 @@ pub fn run(a: FabricArgs) -> anyhow::Result<()> {
     require_root()?;
     let f = &names;
     match a.cmd {
-        FabricCmd::Up { spines, rate_mbit } => up(f, spines, rate_mbit),
+        FabricCmd::Up {
+            spines,
+            rate_mbit,
+            mtu,
+        } => up(f, spines, rate_mbit, mtu),
         FabricCmd::Down => {
             down(f);
             println!("fabric {} down", a.prefix);
@@ -229,7 +239,7 @@ fn spines(f: &Names) -> Vec<u8> {
 }
 
 /// Builds the testbed.
-fn up(f: &Names, n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
+fn up(f: &Names, n: u8, rate_mbit: Option<u32>, mtu: u16) -> anyhow::Result<()> {
     if n == 0 || n > MAX_SPINES {
         bail!("--spines must be between 1 and {MAX_SPINES}");
     }
@@ -237,13 +247,13 @@ fn up(f: &Names, n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
         bail!("--rate-mbit must be positive");
     }
     down(f);
-    let r = build(f, n, rate_mbit);
+    let r = build(f, n, rate_mbit, mtu);
     if r.is_err() {
         down(f);
     }
     r?;
     println!(
-        "fabric up: {} ({}) ↔ {} ({}) over {n} spine link(s){}",
+        "fabric up: {} ({}) ↔ {} ({}) over {n} spine link(s){}, MTU {mtu}",
         f.hosts[0],
         HOST_IPS[0],
         f.hosts[1],
@@ -253,8 +263,9 @@ fn up(f: &Names, n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn build(f: &Names, n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
+fn build(f: &Names, n: u8, rate_mbit: Option<u32>, mtu: u16) -> anyhow::Result<()> {
     let (hosts, routers) = (&f.hosts, &f.routers);
+    let mtu = mtu.to_string();
     for ns in f.all() {
         sh("ip", &["netns", "add", ns])?;
         ip(ns, &["link", "set", "lo", "up"])?;
@@ -270,10 +281,12 @@ fn build(f: &Names, n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
         )?;
         let net = format!("10.77.{}", i + 1);
         ip(h, &["addr", "add", &format!("{net}.1/24"), "dev", "eth0"])?;
-        // Jumbo frames, as RDMA fabrics run: a 4 KiB payload plus headers
-        // must not be fragmented (a fragment has no UDP port to hash on).
-        ip(h, &["link", "set", "eth0", "mtu", JUMBO_MTU])?;
-        ip(r, &["link", "set", &leg, "mtu", JUMBO_MTU])?;
+        // Jumbo frames unless asked otherwise, as RDMA fabrics run: a 4 KiB
+        // payload plus headers must not be fragmented (a fragment has no
+        // UDP port to hash on); with smaller frames, perf sizes its
+        // datagrams to the route.
+        ip(h, &["link", "set", "eth0", "mtu", &mtu])?;
+        ip(r, &["link", "set", &leg, "mtu", &mtu])?;
         // Wire-sized packets from the hosts, as a NIC puts them on a real
         // wire: veth would otherwise carry a GSO/TSO batch (up to 64 KiB,
         // 16 of metaroce's datagrams or 44 TCP segments) through the
@@ -330,7 +343,7 @@ fn build(f: &Names, n: u8, rate_mbit: Option<u32>) -> anyhow::Result<()> {
                 ],
             )?;
             sysctl(r, &format!("net.ipv4.conf.{dev}.rp_filter=0"))?;
-            ip(r, &["link", "set", &dev, "mtu", JUMBO_MTU])?;
+            ip(r, &["link", "set", &dev, "mtu", &mtu])?;
             ip(r, &["link", "set", &dev, "up"])?;
             if let Some(rate) = rate_mbit {
                 // A burst of 4 ms at the rate (at least a few jumbo frames).
