@@ -229,3 +229,43 @@ fn perf_across_for(fab: &TestFabric, secs: &str) -> serde_json::Value {
     );
     v
 }
+
+/// `fabric up --mtu 1500`: standard Ethernet frames on every link. A perf
+/// client keeps its datagrams within its route's MTU (1,472 bytes of UDP
+/// payload), nothing is fragmented, and every byte arrives.
+#[test]
+fn perf_across_a_fabric_of_standard_frames() {
+    if !is_root() {
+        println!("skipped: needs root");
+        return;
+    }
+    let fab = TestFabric::new("mrm");
+    let up = fab.metaroce(&["fabric", "up", "--spines", "2", "--mtu", "1500"]);
+    if !up.status.success() {
+        let err = String::from_utf8_lossy(&up.stderr);
+        if err.contains("netns") || err.contains("Operation not permitted") {
+            println!("skipped: cannot create network namespaces here: {err}");
+            return;
+        }
+        panic!("fabric up failed: {err}");
+    }
+    assert!(String::from_utf8_lossy(&up.stdout).contains("MTU 1500"));
+    let link = Command::new("ip")
+        .args(["-n", &fab.ns("h1"), "link", "show", "eth0"])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&link.stdout).contains("mtu 1500"),
+        "{}",
+        String::from_utf8_lossy(&link.stdout)
+    );
+    let v = perf_across(&fab);
+    let mtu = v["mtu"].as_u64().unwrap();
+    assert!(
+        (1280..=1472).contains(&mtu),
+        "datagrams of {mtu} bytes: {v}"
+    );
+    // A smaller MTU than the fabric's range is refused before anything is built.
+    let bad = fab.metaroce(&["fabric", "up", "--mtu", "576"]);
+    assert!(!bad.status.success());
+}
