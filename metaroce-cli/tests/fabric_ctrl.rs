@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{assert_all_verified, bounded, is_root, start_server, TestFabric, BIN};
+use common::{assert_all_verified, bounded, start_server, TestFabric, BIN};
 use std::process::Command;
 use std::time::Duration;
 
@@ -20,20 +20,9 @@ const RETRY: &str = "trying again from a new source port";
 
 #[test]
 fn clients_reach_the_server_past_a_blackholed_spine() {
-    if !is_root() {
-        println!("skipped: needs root (network namespaces, nftables)");
+    let Some((fab, _)) = TestFabric::start("mrc", &["--spines", "4"]) else {
         return;
-    }
-    let fab = TestFabric::new("mrc");
-    let up = fab.metaroce(&["fabric", "up", "--spines", "4"]);
-    if !up.status.success() {
-        let err = String::from_utf8_lossy(&up.stderr);
-        if err.contains("netns") || err.contains("Operation not permitted") {
-            println!("skipped: cannot create network namespaces here: {err}");
-            return;
-        }
-        panic!("fabric up failed: {err}");
-    }
+    };
     // The hosts put wire-sized packets on the fabric (their stacks segment
     // GSO and TSO batches), so a drop is of one datagram.
     for host in ["h1", "h2"] {

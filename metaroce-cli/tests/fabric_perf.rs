@@ -9,7 +9,7 @@
 mod common;
 
 use common::{
-    assert_all_verified, assert_success, bounded, is_root, netns_list, server_exit, start_server,
+    assert_all_verified, assert_success, bounded, netns_list, server_exit, start_server,
     Guard as ChildGuard, TestFabric, BIN,
 };
 use std::process::Command;
@@ -17,21 +17,9 @@ use std::time::{Duration, Instant};
 
 #[test]
 fn perf_across_a_two_spine_fabric() {
-    if !is_root() {
-        println!("skipped: needs root");
+    let Some((fab, _)) = TestFabric::start("mrt", &["--spines", "2"]) else {
         return;
-    }
-    let fab = TestFabric::new("mrt");
-    let up = fab.metaroce(&["fabric", "up", "--spines", "2"]);
-    if !up.status.success() {
-        let err = String::from_utf8_lossy(&up.stderr);
-        // Root inside a container without CAP_SYS_ADMIN or veth support.
-        if err.contains("netns") || err.contains("Operation not permitted") {
-            println!("skipped: cannot create network namespaces here: {err}");
-            return;
-        }
-        panic!("fabric up failed: {err}");
-    }
+    };
     let status = fab.metaroce(&["fabric", "status"]);
     assert!(String::from_utf8_lossy(&status.stdout).contains("sp1"));
     let list = netns_list();
@@ -235,20 +223,9 @@ fn perf_across_for(fab: &TestFabric, secs: &str) -> serde_json::Value {
 /// payload), nothing is fragmented, and every byte arrives.
 #[test]
 fn perf_across_a_fabric_of_standard_frames() {
-    if !is_root() {
-        println!("skipped: needs root");
+    let Some((fab, up)) = TestFabric::start("mrm", &["--spines", "2", "--mtu", "1500"]) else {
         return;
-    }
-    let fab = TestFabric::new("mrm");
-    let up = fab.metaroce(&["fabric", "up", "--spines", "2", "--mtu", "1500"]);
-    if !up.status.success() {
-        let err = String::from_utf8_lossy(&up.stderr);
-        if err.contains("netns") || err.contains("Operation not permitted") {
-            println!("skipped: cannot create network namespaces here: {err}");
-            return;
-        }
-        panic!("fabric up failed: {err}");
-    }
+    };
     assert!(String::from_utf8_lossy(&up.stdout).contains("MTU 1500"));
     let link = Command::new("ip")
         .args(["-n", &fab.ns("h1"), "link", "show", "eth0"])

@@ -161,6 +161,36 @@ impl TestFabric {
         format!("{}-{role}", self.prefix)
     }
 
+    /// A fabric of prefix `tag` brought up with `fabric up ARGS`, and the
+    /// command's output; `None` (having said why) without root or where
+    /// namespaces cannot be made, so that the test skips.
+    pub fn start(tag: &str, args: &[&str]) -> Option<(Self, Output)> {
+        if !is_root() {
+            println!("skipped: needs root (network namespaces, tc, nftables)");
+            return None;
+        }
+        let fab = TestFabric::new(tag);
+        let up = fab.up(args)?;
+        Some((fab, up))
+    }
+
+    /// `metaroce fabric up ARGS`: its output, or `None` (having said why)
+    /// where this host cannot create network namespaces (root inside a
+    /// container without CAP_SYS_ADMIN or veth support), so that the test
+    /// skips. Any other failure fails the test.
+    pub fn up(&self, args: &[&str]) -> Option<Output> {
+        let up = self.metaroce(&[&["fabric", "up"], args].concat());
+        if !up.status.success() {
+            let err = String::from_utf8_lossy(&up.stderr);
+            if err.contains("netns") || err.contains("Operation not permitted") {
+                println!("skipped: cannot create network namespaces here: {err}");
+                return None;
+            }
+            panic!("fabric up failed: {err}");
+        }
+        Some(up)
+    }
+
     /// `metaroce ARGS`, with this fabric's prefix in the environment.
     pub fn metaroce(&self, args: &[&str]) -> Output {
         Command::new(BIN)
