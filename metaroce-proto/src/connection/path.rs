@@ -894,10 +894,9 @@ pub(crate) struct PathRx {
     /// ACKs still to repeat the path's entry after the one that carried
     /// it, if they have room (PROTOCOL §6.2).
     pub(crate) repeats: u8,
-    /// The latest CSN (in sequence order) of a packet the path received:
-    /// while it is at or after the cumulative CSN, only the path's entry
-    /// acknowledges that packet (PROTOCOL §6.2).
-    pub(crate) max_csn: Option<u32>,
+    /// The latest CSN (in sequence order) of a packet the path received
+    /// (see [`holds_beyond`](Self::holds_beyond)).
+    max_csn: Option<u32>,
     /// Highest PSN received.
     highest: Option<u32>,
 }
@@ -950,6 +949,20 @@ impl PathRx {
             self.dirty = true;
         }
         (r, out_of_order)
+    }
+
+    /// Notes the CSN of a packet the path received.
+    pub(crate) fn note_csn(&mut self, csn: u32) {
+        if self.max_csn.is_none_or(|m| seq_lt(m, csn)) {
+            self.max_csn = Some(csn);
+        }
+    }
+
+    /// Whether the path received a packet at or after `cum`, the
+    /// cumulative CSN: only the path's entry acknowledges such a packet
+    /// (PROTOCOL §6.2).
+    pub(crate) fn holds_beyond(&self, cum: u32) -> bool {
+        self.max_csn.is_some_and(|m| !seq_lt(m, cum))
     }
 
     /// This path's ACK entry.

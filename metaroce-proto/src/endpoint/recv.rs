@@ -568,10 +568,7 @@ impl Endpoint {
             return self.reject(RejectReason::PsnOutOfWindow, from);
         }
         let (_, out_of_order) = c.paths_rx[pid].on_packet(hdr.psn, ecn == super::Ecn::Ce);
-        let max = &mut c.paths_rx[pid].max_csn;
-        if max.is_none_or(|m| crate::wire::seq::seq_lt(m, hdr.csn)) {
-            *max = Some(hdr.csn);
-        }
+        c.paths_rx[pid].note_csn(hdr.csn);
         c.stats.data_packets_received += 1;
         let wants_ack = hdr.flags & data_flags::ACK_REQ != 0;
         // A path-level duplicate (the network copied a datagram) or a late

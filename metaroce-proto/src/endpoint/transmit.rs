@@ -1200,19 +1200,20 @@ impl Endpoint {
         // or beyond the cumulative CSN (which acknowledges everything
         // before it): with many paths, each carries a few packets, and the
         // one ACK that reported them may be lost.
-        let owed =
-            window_len + entries.len() * ACK_STREAM_ENTRY_LEN + c.naks.len() * ACK_NAK_ENTRY_LEN;
-        let cum = c.rx_csn.cum();
-        let repeat = c.repeat_acks > 0;
-        c.repeat_acks = c.repeat_acks.saturating_sub(1);
-        for (i, p) in c.paths_rx.iter_mut().enumerate() {
-            let beyond_cum = p.max_csn.is_some_and(|m| !crate::wire::seq::seq_lt(m, cum));
-            if !repeat || !beyond_cum || p.dirty || p.repeats == 0 {
-                continue;
-            }
-            let entry = p.entry(i as u8);
-            if b.fits(entry.encoded_len() + owed) && b.push_path(&entry).is_ok() {
-                p.repeats -= 1;
+        if c.repeat_acks > 0 {
+            c.repeat_acks -= 1;
+            let owed = window_len
+                + entries.len() * ACK_STREAM_ENTRY_LEN
+                + c.naks.len() * ACK_NAK_ENTRY_LEN;
+            let cum = c.rx_csn.cum();
+            for (i, p) in c.paths_rx.iter_mut().enumerate() {
+                if p.dirty || p.repeats == 0 || !p.holds_beyond(cum) {
+                    continue;
+                }
+                let entry = p.entry(i as u8);
+                if b.fits(entry.encoded_len() + owed) && b.push_path(&entry).is_ok() {
+                    p.repeats -= 1;
+                }
             }
         }
         let mut unsent_streams = Vec::new();
