@@ -34,7 +34,9 @@
 //!   announcement travels before it. The receiver copies it from the
 //!   bounce buffer into NCCL's buffer, or, if the `irecv` has not come yet,
 //!   keeps it (copied aside, 64 at most, then in its bounce buffer; the
-//!   sender waits, RNR, when all 32 are taken) until it comes.
+//!   sender waits, RNR, when all 32 are taken) until it comes. As `irecv`s
+//!   take copies, held messages are copied aside in their place and their
+//!   bounce buffers posted again.
 //! - A larger message waits for its buffer to be announced: `irecv` SENDs
 //!   the peer a *clear-to-send* naming the group (an id) and, per buffer
 //!   that may take a message too large to come eagerly, its tag, sequence
@@ -1034,6 +1036,8 @@ struct RecvEngine {
     /// The sequence number of the next message to arrive, by tag.
     arrived_seq: HashMap<i32, u32>,
     stash: HashMap<(i32, u32), Stashed>,
+    /// How many of `stash` are copied aside (at most `STASH_MAX`).
+    copied: usize,
     /// Where clear-to-send messages are sent from, `CTS_RING` slots.
     cts: MemoryRegion,
     /// The SEND of each slot's last message.
@@ -1058,6 +1062,7 @@ impl RecvEngine {
             posted_seq: HashMap::new(),
             arrived_seq: HashMap::new(),
             stash: HashMap::new(),
+            copied: 0,
             cts,
             cts_sent: (0..CTS_RING).map(|_| None).collect(),
         };
@@ -1222,17 +1227,48 @@ impl RecvEngine {
                 self.repost(link, idx)?;
             }
             None => {
-                let stashed = if self.stash.len() < STASH_MAX {
+                let stashed = if self.copied < STASH_MAX {
                     // SAFETY: as above.
                     let bytes =
                         unsafe { Self::bounced(&self.bounce, self.eager, idx, len) }.to_vec();
                     self.repost(link, idx)?;
+                    self.copied += 1;
                     Stashed::Copied(bytes)
                 } else {
                     Stashed::Held { idx, len }
                 };
                 self.stash.insert((tag, seq), stashed);
             }
+        }
+        Ok(())
+    }
+
+    /// Copies messages held in their bounce buffers aside while the copies
+    /// have room, and posts those buffers again. The copies make room when
+    /// `irecv`s take them; a held message keeps its bounce receive, and a
+    /// sender whose SENDs find none waits (RNR) until one is posted again,
+    /// so without this it would wait for the held messages' own `irecv`s.
+    fn release_held(&mut self, link: &Link) -> Result<(), NetError> {
+        if self.copied >= STASH_MAX {
+            return Ok(());
+        }
+        let mut held: Vec<((i32, u32), usize, usize)> = self
+            .stash
+            .iter()
+            .filter_map(|(&k, s)| match *s {
+                Stashed::Held { idx, len } => Some((k, idx, len)),
+                Stashed::Copied(_) => None,
+            })
+            .collect();
+        // In the order of their buffers: the same arrivals post the same.
+        held.sort_unstable_by_key(|&(_, idx, _)| idx);
+        for (key, idx, len) in held.into_iter().take(STASH_MAX - self.copied) {
+            // SAFETY: held since its receive completed; posted again only
+            // below, after the copy.
+            let bytes = unsafe { Self::bounced(&self.bounce, self.eager, idx, len) }.to_vec();
+            self.stash.insert(key, Stashed::Copied(bytes));
+            self.copied += 1;
+            self.repost(link, idx)?;
         }
         Ok(())
     }
@@ -1351,6 +1387,7 @@ impl RecvComm {
             // An eager message that came first.
             match eng.stash.remove(&(s.tag, s.seq)) {
                 Some(Stashed::Copied(bytes)) => {
+                    eng.copied -= 1;
                     RecvEngine::place(s, &bytes)?;
                     remaining -= 1;
                 }
@@ -1365,6 +1402,7 @@ impl RecvComm {
                 None => {}
             }
         }
+        eng.release_held(&self.link)?;
         if remaining == 0 {
             eng.done
                 .insert(id, slots.iter().map(|s| s.got.unwrap_or(0)).collect());

@@ -939,9 +939,9 @@ fn run() -> Result<(), String> {
         let n = (max_recvs as usize).min(MAX_GROUP);
         run_grouped(&c, a.rank, n, 64, &mut b)?;
         eprintln!("[rank {}] verified 64 grouped receives of {n} tags", a.rank);
-        let ahead = run_late(&c, a.rank, LATE_COUNT, &mut b)?;
+        let (ahead, ahead_first) = run_late(&c, a.rank, LATE_COUNT, &mut b)?;
         eprintln!(
-            "[rank {}] verified {LATE_COUNT} x {LATE_SIZE} B sent before their receives were posted ({ahead} before the first)",
+            "[rank {}] verified {LATE_COUNT} x {LATE_SIZE} B sent before their receives were posted ({ahead} before any receive was posted, {ahead_first} before more than {LATE_FIRST})",
             a.rank
         );
         println!("rank {} verify ok", a.rank);
@@ -1109,20 +1109,24 @@ fn misuse(c: &Comms, rank: usize, b: &mut Bufs) -> Result<(), String> {
 /// Messages of the late-receiver run, and their size.
 const LATE_COUNT: usize = 150;
 const LATE_SIZE: usize = 100;
+/// Receives the late receiver posts first, 300 ms before the others.
+const LATE_FIRST: usize = 16;
 
 /// The sender runs ahead: for 300 ms each rank only sends (`count`
 /// messages of `LATE_SIZE` bytes, tag 5) and tests its sends, with no
 /// receive of tag 5 posted, only one of tag 6, which it tests all along;
-/// then it posts its tag-5 receives and checks every message, in order, and
-/// last sends the peer a tag-6 message for its first receive. A message
-/// small enough to go eagerly is sent before its receive exists, and the
-/// receiving side keeps it until then (its sender waits once that side
-/// holds as many as it can); a larger one waits for its receive. Returns
-/// how many of this rank's tag-5 messages were sent before it posted its
-/// own tag-5 receives; with eager messages on (`METAROCE_EAGER_BYTES`, 8192
-/// unless set, at least `LATE_SIZE`) that must be more than the receiving
-/// side copies aside (64).
-fn run_late(c: &Comms, rank: usize, count: usize, b: &mut Bufs) -> Result<usize, String> {
+/// then it posts its first `LATE_FIRST` tag-5 receives, 300 ms later the
+/// others, and checks every message, in order; last it sends the peer a
+/// tag-6 message for its first receive. A message small enough to go
+/// eagerly is sent before its receive exists, and the receiving side keeps
+/// it until then (its sender waits once that side holds as many as it
+/// can); a larger one waits for its receive. Returns how many of this
+/// rank's tag-5 messages were sent before it posted its own first tag-5
+/// receives, and before the others. With eager messages on
+/// (`METAROCE_EAGER_BYTES`, 8192 unless set, at least `LATE_SIZE`) the first
+/// must be more than the receiving side copies aside (64); either way the
+/// first receives must let `LATE_FIRST` more messages go.
+fn run_late(c: &Comms, rank: usize, count: usize, b: &mut Bufs) -> Result<(usize, usize), String> {
     let t = c.t;
     let peer = 1 - rank;
     let eager = std::env::var("METAROCE_EAGER_BYTES")
@@ -1147,7 +1151,7 @@ fn run_late(c: &Comms, rank: usize, count: usize, b: &mut Bufs) -> Result<usize,
     let (mut posted_r, mut recvd) = (0, 0);
     let start = Instant::now();
     let deadline = start + Duration::from_secs(120);
-    let mut ahead = None;
+    let (mut ahead, mut ahead_first) = (None, None);
     // The receive of tag 6, at the end of the buffer; and the send of the
     // peer's, once every tag-5 message is through.
     let other = rbuf[count * LATE_SIZE..].as_mut_ptr();
@@ -1158,10 +1162,16 @@ fn run_late(c: &Comms, rank: usize, count: usize, b: &mut Bufs) -> Result<usize,
     });
     let mut other_send: Option<Option<Ptr>> = None;
     while sent < count || recvd < count || other_recv.is_some() || other_send != Some(None) {
-        let receiving = start.elapsed() >= Duration::from_millis(300);
+        let elapsed = start.elapsed();
+        let receiving = elapsed >= Duration::from_millis(300);
         if receiving && ahead.is_none() {
             ahead = Some(sent);
         }
+        let all = elapsed >= Duration::from_millis(600);
+        if all && ahead_first.is_none() {
+            ahead_first = Some(sent);
+        }
+        let may_post = if all { count } else { LATE_FIRST.min(count) };
         while posted_s < count && sends.len() < NCCL_NET_MAX_REQUESTS {
             let p = sbuf[posted_s * LATE_SIZE..].as_ptr();
             match t.isend(c.send, p, LATE_SIZE, 5, smh)? {
@@ -1172,7 +1182,7 @@ fn run_late(c: &Comms, rank: usize, count: usize, b: &mut Bufs) -> Result<usize,
                 None => break,
             }
         }
-        while receiving && posted_r < count && recvs.len() < NCCL_NET_MAX_REQUESTS {
+        while receiving && posted_r < may_post && recvs.len() < NCCL_NET_MAX_REQUESTS {
             let p = rbuf[posted_r * LATE_SIZE..].as_mut_ptr();
             match t.irecv(c.recv, &[(p, LATE_SIZE, 5)], rmh)? {
                 Some(r) => {
@@ -1243,12 +1253,19 @@ fn run_late(c: &Comms, rank: usize, count: usize, b: &mut Bufs) -> Result<usize,
         }
     }
     let ahead = ahead.unwrap_or(sent);
+    let ahead_first = ahead_first.unwrap_or(sent);
     if eager >= LATE_SIZE && ahead <= 64 {
         return Err(format!(
             "only {ahead} eager messages went before any receive was posted"
         ));
     }
-    Ok(ahead)
+    if ahead_first < (ahead + LATE_FIRST).min(count) {
+        return Err(format!(
+            "{ahead} messages went before any receive was posted, only {ahead_first} \
+             once {LATE_FIRST} were"
+        ));
+    }
+    Ok((ahead, ahead_first))
 }
 
 /// Tags of a grouped receive the harness tests at most.
