@@ -2010,3 +2010,95 @@ fn a_gso_batch_stays_within_its_own_paths_window() {
         );
     }
 }
+
+/// An ACK that carried RNR NAKs for many messages is lost; later ACKs
+/// acknowledge those messages' packets, so they are not resent, and the
+/// requester must learn of their refusal some other way than a progress
+/// probe per message once the receives come. They complete within a few
+/// RNR timers of their receives.
+#[test]
+fn rnr_naks_of_a_lost_ack_are_repeated() {
+    let (mut p, v) = pair(14, LinkConfig::perfect());
+    let src = reg(&mut p.a, v.pda, pattern(14, 100 * 32), 0, AccessFlags::NONE);
+    let rb = reg(
+        &mut p.b,
+        v.pdb,
+        vec![0; 100 * 32],
+        0,
+        AccessFlags::LOCAL_WRITE,
+    );
+    // The first ACK of B's with more than one NAK is lost.
+    let lost = std::rc::Rc::new(std::cell::Cell::new(0u32));
+    let l = lost.clone();
+    p.on_wire = Some(Box::new(move |to_b, d: &mut Vec<u8>| {
+        if to_b || l.get() > 0 {
+            return;
+        }
+        let naks = metaroce_proto::wire::AckPacket::parse(d, |_| true)
+            .map(|a| a.naks().count())
+            .unwrap_or(0);
+        if naks > 1 {
+            l.set(naks as u32);
+            d.clear();
+        }
+    }));
+    let now = p.now;
+    for i in 0..32u64 {
+        p.a.post_send(
+            now,
+            v.qa,
+            SendWr::new(
+                i,
+                SendOp::Send,
+                Sge {
+                    lkey: src.lkey,
+                    addr: i * 100,
+                    len: 100,
+                },
+            ),
+        )
+        .unwrap();
+    }
+    p.run_for(Duration::from_millis(1));
+    assert!(lost.get() > 1, "an ACK with NAKs was lost");
+    assert!(drain_cq(&mut p.a, v.cqa).is_empty());
+    // Receives come one at a time.
+    let mut wa = Vec::new();
+    for i in 0..32u64 {
+        p.b.post_recv(
+            v.qb,
+            RecvWr {
+                wr_id: i,
+                sge: Sge {
+                    lkey: rb.lkey,
+                    addr: i * 100,
+                    len: 100,
+                }
+                .into(),
+            },
+        )
+        .unwrap();
+        p.run_for(Duration::from_micros(20));
+        wa.extend(drain_cq(&mut p.a, v.cqa));
+    }
+    let t0 = p.now;
+    let left = 32 - wa.len();
+    wa.extend(wait_cq(
+        &mut p,
+        true,
+        v.cqa,
+        left,
+        Duration::from_millis(500),
+    ));
+    let took = p.now.saturating_since(t0);
+    assert_eq!(wa.len(), 32);
+    assert!(wa.iter().all(|w| w.status == WcStatus::Success));
+    // Each SEND goes within an RNR timer (100 µs) and a round trip of its
+    // receive.
+    assert!(
+        took < Duration::from_micros(300),
+        "the lost ACK had {} NAKs; the last SEND completed {took:?} after the last receive",
+        lost.get()
+    );
+    assert_eq!(p.b.mr(rb.lkey).unwrap(), &pattern(14, 100 * 32)[..]);
+}

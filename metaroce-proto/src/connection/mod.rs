@@ -342,6 +342,10 @@ pub(crate) struct Connection {
     /// Streams whose progress was reported lately, with how many more ACKs
     /// repeat it (a lost ACK must not hold a completion until the next one).
     pub(crate) recent_streams: Vec<(Qpn, u8)>,
+    /// RNR NAKs sent lately, with how many more ACKs repeat them: one ACK
+    /// may carry the NAKs of every request of a window, and while the
+    /// requester's head request loops on RNR no probe asks for the others.
+    pub(crate) recent_naks: Vec<(NakEntry, u8)>,
     /// A time-based loss check waits for the end of the batch being read.
     pub(crate) loss_check_due: bool,
 
@@ -501,6 +505,7 @@ impl Connection {
             dirty_streams: Vec::new(),
             repeat_acks: 0,
             recent_streams: Vec::new(),
+            recent_naks: Vec::new(),
             loss_check_due: false,
             qps: Vec::new(),
             qp_rr: 0,
@@ -1045,6 +1050,9 @@ impl Connection {
             Some(queued) => *queued = nak,
             None => self.naks.push_back(nak),
         }
+        // The new one supersedes any repeated.
+        self.recent_naks
+            .retain(|(n, _)| !(n.qpn == nak.qpn && n.msn == nak.msn && n.code == nak.code));
         self.ack_needed = true;
         self.ack_now = true;
     }

@@ -19,6 +19,10 @@ const STREAM_REPEATS: u8 = 2;
 /// (PROTOCOL §6.2).
 const PATH_REPEATS: u8 = 2;
 
+/// ACKs after the first that repeat an RNR NAK, with its QP's stream entry,
+/// room permitting (PROTOCOL §11.5).
+const NAK_REPEATS: u8 = 2;
+
 /// The longest DATA header: WRITE_IMM's, with its 20-byte extension.
 const MAX_DATA_HEADER_LEN: usize = DATA_HEADER_LEN + 20;
 
@@ -52,8 +56,8 @@ use crate::time::Instant;
 use crate::verbs::qp::{SegLimit, Segment};
 use crate::verbs::{AccessFlags, PdHandle, Qpn};
 use crate::wire::{
-    data_flags, Accept, AckBuilder, AckHeader, AckStreamEntry, Close, DataHeader, Hello, Opcode,
-    OpcodeExt, PacketType,
+    data_flags, Accept, AckBuilder, AckHeader, AckStreamEntry, Close, DataHeader, Hello, NakCode,
+    Opcode, OpcodeExt, PacketType,
 };
 
 impl Endpoint {
@@ -1217,8 +1221,13 @@ impl Endpoint {
             }
         }
         let mut unsent_streams = Vec::new();
+        // The requester's QPs whose stream entry this ACK carries.
+        let mut reported: Vec<u32> = Vec::with_capacity(entries.len());
         for (e, qpn, fresh) in &entries {
             let sent = b.push_stream(e).is_ok();
+            if sent {
+                reported.push(e.qpn);
+            }
             if *fresh {
                 if sent {
                     match c.recent_streams.iter_mut().find(|r| r.0 == *qpn) {
@@ -1237,14 +1246,31 @@ impl Endpoint {
         });
         more |= !unsent_streams.is_empty();
         c.dirty_streams.extend(unsent_streams);
+        let repeats_from = c.recent_naks.len();
         while let Some(n) = c.naks.front() {
             if b.push_nak(n).is_err() {
                 more = true;
                 break;
             }
+            if n.code == NakCode::Rnr {
+                c.recent_naks.push((*n, NAK_REPEATS));
+            }
             c.naks.pop_front();
             c.stats.naks_sent += 1;
         }
+        // RNR NAKs sent lately ride along again where room is left, each
+        // with its QP's stream entry (the requester checks the NAK against
+        // it): one lost ACK may have carried a whole window's NAKs, and the
+        // requester would learn of each only from a progress probe.
+        // Each is offered to the next `NAK_REPEATS` ACKs, fitting or not.
+        let mut room = true;
+        for (n, left) in c.recent_naks[..repeats_from].iter_mut() {
+            *left -= 1;
+            if room && reported.contains(&n.qpn) {
+                room = b.fits(ACK_NAK_ENTRY_LEN + window_len) && b.push_nak(n).is_ok();
+            }
+        }
+        c.recent_naks.retain(|&(_, left)| left > 0);
         if let Some(w) = window {
             // Room was kept above; were it short, the sender keeps the
             // share of the previous ACK.
