@@ -111,8 +111,8 @@ fn connections_beyond_the_limit_fail_typed_locally_and_are_refused_remotely() {
             }
         }
     }
-    // Refused at the round of two HELLOs with the cookie (PROTOCOL §8.2).
-    assert_eq!(p.b.stats().rejects.refused, refused + 2);
+    // Refused at the round of three HELLOs with the cookie (PROTOCOL §8.2).
+    assert_eq!(p.b.stats().rejects.refused, refused + 3);
     assert_eq!(p.b.connections().count(), 1);
 }
 

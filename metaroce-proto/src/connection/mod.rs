@@ -228,10 +228,13 @@ pub(crate) struct Connection {
     /// Base retransmission interval of HELLO: `handshake_rto`, then, once
     /// a COOKIE came, an RTO from that round trip (PROTOCOL §8.2).
     pub(crate) hello_interval: Duration,
-    /// Set while the second copy of a HELLO round is still to go: every
-    /// round goes twice, from two source ports (two routes), so that one
-    /// lost datagram costs no timeout (PROTOCOL §8.2).
-    pub(crate) hello_copy: bool,
+    /// Copies of the current HELLO round still to go: every round goes
+    /// three times, from three source ports (three routes), so that two
+    /// lost datagrams cost no timeout (PROTOCOL §8.2). 0: the next HELLO
+    /// starts a round.
+    pub(crate) hello_copies_left: u8,
+    /// Set while the second copy of an ACCEPT is still to go.
+    pub(crate) accept_copy: bool,
     /// Handshake datagrams (HELLO, ACCEPT) sent: each goes from the next
     /// plane-0 path's source port, so a retry takes a new ECMP route.
     pub(crate) hs_sent: u8,
@@ -445,8 +448,9 @@ impl Connection {
             hello_attempts: 0,
             hello_sent_at: now,
             hello_backoff: 0,
+            accept_copy: false,
             hello_interval: config.handshake_rto,
-            hello_copy: false,
+            hello_copies_left: 0,
             hs_sent: 0,
             cookies_taken: 0,
             hello_deadline: None,

@@ -578,7 +578,7 @@ impl Endpoint {
                         );
                     } else {
                         c.ctrl = Some(Ctrl::Hello);
-                        c.hello_copy = false;
+                        c.hello_copies_left = 0;
                     }
                 }
                 return;

@@ -264,12 +264,21 @@ impl Endpoint {
                 // From a source port that follows the HELLO's: a client
                 // that retries from a new port (a new route) gets its
                 // COOKIE back over a new route too (§8.2).
+                // It goes twice, the copy from the next port (another
+                // route), as the client's HELLO does: a lost COOKIE of a
+                // HELLO whose copy was lost costs the client a timeout.
                 let ports = &self.config.source_ports;
-                let src = usize::from(from.port())
-                    .checked_rem(ports.len())
-                    .map_or(self.config.listen_port, |i| ports[i]);
+                let port = |k: usize| {
+                    (usize::from(from.port()) + k)
+                        .checked_rem(ports.len())
+                        .map_or(self.config.listen_port, |i| ports[i])
+                };
+                let (src, copy) = (port(0), port(1));
                 if self.queue_stateless(now, to, src, buf, len) {
                     self.stats.cookies_sent += 1;
+                    if self.stateless_tokens > 0 && self.stateless.len() < MAX_STATELESS_QUEUE {
+                        self.queue_stateless(now, to, copy, buf, len);
+                    }
                 }
             }
             return;
@@ -396,9 +405,9 @@ impl Endpoint {
             .max(self.config.min_rto)
             .min(self.config.handshake_rto);
         conn.hello_backoff = 0;
-        // A new round of two HELLOs (a copy of the last round still to go
-        // is dropped).
-        conn.hello_copy = false;
+        // A new round of HELLOs (copies of the last round still to go are
+        // dropped).
+        conn.hello_copies_left = 0;
         self.touch(ci, Some(now));
     }
 

@@ -15,6 +15,9 @@ use crate::consts::{
 /// at 10% loss: 1 in 1,000).
 const STREAM_REPEATS: u8 = 2;
 
+/// Copies of each HELLO round (PROTOCOL §8.2).
+const HELLO_COPIES: u8 = 3;
+
 /// ACKs after the first that repeat a path's entry, room permitting
 /// (PROTOCOL §6.2).
 const PATH_REPEATS: u8 = 2;
@@ -319,17 +322,20 @@ impl Endpoint {
             let len = match ctrl {
                 Ctrl::Hello => {
                     src_port = c.next_handshake_port();
-                    // Each round goes twice (§8.2); the second copy is
-                    // counted once, with the first.
-                    if !core::mem::take(&mut c.hello_copy) {
-                        c.hello_copy = true;
-                        c.ctrl = Some(Ctrl::Hello);
+                    // Each round goes `HELLO_COPIES` times (§8.2); the
+                    // copies are counted once, with the first.
+                    if c.hello_copies_left == 0 {
+                        c.hello_copies_left = HELLO_COPIES;
                         c.hello_attempts = c.hello_attempts.saturating_add(1);
                         // Exponential backoff from the interval (§8.2).
                         let shift = u32::from(c.hello_backoff).min(16);
                         c.hello_backoff = c.hello_backoff.saturating_add(1);
                         c.hello_deadline = Some(now + c.hello_interval * (1u32 << shift));
                         c.hello_sent_at = now;
+                    }
+                    c.hello_copies_left -= 1;
+                    if c.hello_copies_left > 0 {
+                        c.ctrl = Some(Ctrl::Hello);
                     }
                     let n = Hello {
                         src_cid: c.local_cid,
@@ -347,6 +353,11 @@ impl Endpoint {
                 }
                 Ctrl::Accept => {
                     src_port = c.next_handshake_port();
+                    // Each ACCEPT goes twice, from two ports (§8.2).
+                    if !core::mem::take(&mut c.accept_copy) {
+                        c.accept_copy = true;
+                        c.ctrl = Some(Ctrl::Accept);
+                    }
                     let n = Accept {
                         dst_cid: c.remote_cid,
                         src_cid: c.local_cid,
