@@ -185,3 +185,70 @@ fn lost_reports_make_the_receiver_repeat_its_path_entries() {
     assert_eq!(repeats.repeated, 0, "of {} entries", repeats.entries);
     assert!(repeats.entries > 0);
 }
+
+/// The paths of one packet's transmissions that the link carried.
+type Seen = Rc<std::cell::RefCell<Vec<u8>>>;
+
+/// Runs WRITEs `1..=writes` of 256 KiB (after a first one that gives the
+/// paths RTT samples) in which the packet at `offset` of the second WRITE
+/// (`offset` None: its last packet) is lost `drops` times; returns the
+/// paths its transmissions took, in order, once every WRITE completed.
+fn packet_lost_repeatedly(offset: Option<u32>, drops: usize, writes: u64) -> Vec<u8> {
+    let (mut p, v, data, src, dst) = write_pair(Duration::from_micros(50), 5, 11);
+    let len = data.len();
+    let now = p.now;
+    p.a.post_send(now, v.qa, write_wr(1, &src, &dst, 0, len as u32))
+        .unwrap();
+    assert_eq!(wait_done(&mut p, v.cqa), WcStatus::Success);
+    let seen: Seen = Default::default();
+    let s = seen.clone();
+    // The second WRITE is `msn` 1.
+    p.on_wire = Some(Box::new(move |to_b, bytes| {
+        let Ok((h, payload)) = DataHeader::parse(bytes) else {
+            return;
+        };
+        let at = match offset {
+            Some(o) => h.msg_offset == o,
+            None => h.msg_offset as usize + payload.len() == h.msg_len as usize,
+        };
+        if to_b && h.msn == 1 && h.msg_len > 0 && at {
+            let mut s = s.borrow_mut();
+            s.push(h.path_id);
+            if s.len() <= drops {
+                bytes.truncate(3);
+            }
+        }
+    }));
+    let now = p.now;
+    for w in 0..writes {
+        p.a.post_send(now, v.qa, write_wr(2 + w, &src, &dst, 0, len as u32))
+            .unwrap();
+    }
+    let wcs = wait_cq(&mut p, true, v.cqa, writes as usize, Duration::from_secs(1));
+    assert_eq!(wcs.len(), writes as usize);
+    assert!(wcs.iter().all(|w| w.status == WcStatus::Success));
+    assert_eq!(p.b.mr(dst.lkey).unwrap(), &data[..]);
+    let paths = seen.borrow().clone();
+    paths
+}
+
+/// A packet lost twice at the tail of what was sent (the last packet of
+/// the last WRITE: nothing else in flight) goes in two copies on two
+/// paths; lost twice amid a window of packets, it goes once more, alone
+/// (PROTOCOL §13.2).
+#[test]
+fn a_packet_lost_twice_at_the_tail_goes_in_two_copies() {
+    let tail = packet_lost_repeatedly(None, 2, 1);
+    assert_eq!(
+        tail.len(),
+        4,
+        "original, retransmission, two copies: {tail:?}"
+    );
+    assert_ne!(tail[2], tail[3], "the copies take two paths: {tail:?}");
+    // Lost once, it goes once more.
+    let once = packet_lost_repeatedly(None, 1, 1);
+    assert_eq!(once.len(), 2, "{once:?}");
+    // Lost twice with three more WRITEs behind it (a megabyte in flight).
+    let amid = packet_lost_repeatedly(Some(64 << 10), 2, 4);
+    assert_eq!(amid.len(), 3, "original and two retransmissions: {amid:?}");
+}

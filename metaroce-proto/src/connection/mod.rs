@@ -106,6 +106,8 @@ pub(crate) struct CsnRecord {
     pub(crate) queued: bool,
     pub(crate) last_path: u8,
     pub(crate) transmissions: u16,
+    /// A second copy of its retransmission is still to go (§13.2).
+    pub(crate) copy_due: bool,
 }
 
 /// Control packet the connection owes its peer.
@@ -896,6 +898,7 @@ impl Connection {
             queued: false,
             last_path,
             transmissions,
+            copy_due: false,
         });
         csn
     }

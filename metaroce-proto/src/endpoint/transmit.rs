@@ -18,6 +18,10 @@ const STREAM_REPEATS: u8 = 2;
 /// Copies of each HELLO round (PROTOCOL §8.2).
 const HELLO_COPIES: u8 = 3;
 
+/// Bytes in flight (in MTUs) below which a packet lost twice goes in two
+/// copies (PROTOCOL §13.2).
+const TAIL_COPY_FLIGHT_MTUS: u64 = 2;
+
 /// ACKs after the first that repeat a path's entry, room permitting
 /// (PROTOCOL §6.2).
 const PATH_REPEATS: u8 = 2;
@@ -405,13 +409,21 @@ impl Endpoint {
                 break;
             }
             let Some(csn) = c.retx.pop_front() else { break };
+            let tail = c.in_flight < TAIL_COPY_FLIGHT_MTUS * mtu as u64;
             let Some(rec) = c.record_mut(csn) else {
                 continue;
             };
             rec.queued = false;
+            let copy = core::mem::take(&mut rec.copy_due);
             if rec.acked {
                 continue;
             }
+            // A packet lost twice at the tail of what was sent (next to
+            // nothing else in flight, so no later packet's ACK shows a
+            // third loss soon) goes in two copies on two paths (§13.2): the
+            // request it belongs to, and every later one, wait on it.
+            let twice =
+                tail && !copy && rec.transmissions >= 2 && !matches!(rec.kind, CsnKind::Nop);
             let (kind, avoid) = (rec.kind, rec.last_path);
             let pick = if probe {
                 c.pick_probe_path(Some(avoid))
@@ -432,10 +444,19 @@ impl Endpoint {
                 c.retx.push_front(csn);
                 if let Some(r) = c.record_mut(csn) {
                     r.queued = true;
+                    r.copy_due = copy;
                 }
                 return None;
             };
             c.stats.retransmits += 1;
+            if twice {
+                // The copy goes next, on another path than this one.
+                if let Some(r) = c.record_mut(csn) {
+                    r.queued = true;
+                    r.copy_due = true;
+                    c.retx.push_front(csn);
+                }
+            }
             let size = self
                 .encode_data(
                     ci,
