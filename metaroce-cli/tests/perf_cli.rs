@@ -101,14 +101,22 @@ fn jumbo_datagrams_carry_every_byte() {
         assert_eq!(v["mtu_asked"], 8256, "{v}");
         check(&v, op);
     }
-    // The WRITEs really went in 8 KiB payloads: 64 KiB messages in
-    // datagrams of up to 8,256 bytes average well above 4,160.
+    // The WRITEs really went in 8 KiB payloads: more message bytes than
+    // 4 KiB per datagram sent, which 4 KiB payloads cannot give whatever
+    // else the run sent (retransmissions and probes only add datagrams; a
+    // debug build on a loaded host times out and probes a lot, so the mean
+    // datagram itself is no measure).
     let v = perf(&["-D", "0.3", "--mtu", "8256"]);
     let mean = mean_datagram(&v);
-    assert!(
-        mean > 6000.0 && mean <= 8256.0,
-        "mean datagram {mean} bytes"
-    );
+    assert!(mean <= 8256.0, "mean datagram {mean} bytes");
+    let datagrams: u64 = v["paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["packets"].as_u64().unwrap())
+        .sum();
+    let per = v["bytes"].as_u64().unwrap() as f64 / datagrams.max(1) as f64;
+    assert!(per > 4096.0, "{per} message bytes per datagram");
     let v = perf(&["-D", "0.3"]);
     let mean = mean_datagram(&v);
     assert!(
