@@ -85,12 +85,15 @@ fn default_run_picks_a_backend() {
     check(&v, "write");
 }
 
+/// The sum of a field of a run's paths.
+fn paths_sum(v: &serde_json::Value, field: &str) -> u64 {
+    let paths = v["paths"].as_array().unwrap();
+    paths.iter().map(|p| p[field].as_u64().unwrap()).sum()
+}
+
 /// The average DATA datagram of a run's paths, bytes.
 fn mean_datagram(v: &serde_json::Value) -> f64 {
-    let paths = v["paths"].as_array().unwrap();
-    let bytes: u64 = paths.iter().map(|p| p["bytes"].as_u64().unwrap()).sum();
-    let packets: u64 = paths.iter().map(|p| p["packets"].as_u64().unwrap()).sum();
-    bytes as f64 / packets.max(1) as f64
+    paths_sum(v, "bytes") as f64 / paths_sum(v, "packets").max(1) as f64
 }
 
 #[test]
@@ -109,12 +112,7 @@ fn jumbo_datagrams_carry_every_byte() {
     let v = perf(&["-D", "0.3", "--mtu", "8256"]);
     let mean = mean_datagram(&v);
     assert!(mean <= 8256.0, "mean datagram {mean} bytes");
-    let datagrams: u64 = v["paths"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["packets"].as_u64().unwrap())
-        .sum();
+    let datagrams = paths_sum(&v, "packets");
     let per = v["bytes"].as_u64().unwrap() as f64 / datagrams.max(1) as f64;
     assert!(per > 4096.0, "{per} message bytes per datagram");
     let v = perf(&["-D", "0.3"]);

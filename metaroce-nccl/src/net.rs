@@ -1249,7 +1249,8 @@ impl RecvEngine {
     /// sender whose SENDs find none waits (RNR) until one is posted again,
     /// so without this it would wait for the held messages' own `irecv`s.
     fn release_held(&mut self, link: &Link) -> Result<(), NetError> {
-        if self.copied >= STASH_MAX {
+        // Every stashed message not copied aside is held.
+        if self.copied >= STASH_MAX || self.stash.len() == self.copied {
             return Ok(());
         }
         let mut held: Vec<((i32, u32), usize, usize)> = self

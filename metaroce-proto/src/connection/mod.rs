@@ -235,8 +235,8 @@ pub(crate) struct Connection {
     /// lost datagrams cost no timeout (PROTOCOL §8.2). 0: the next HELLO
     /// starts a round.
     pub(crate) hello_copies_left: u8,
-    /// Set while the second copy of an ACCEPT is still to go.
-    pub(crate) accept_copy: bool,
+    /// Copies of the current ACCEPT still to go (§8.2).
+    pub(crate) accept_copies_left: u8,
     /// Handshake datagrams (HELLO, ACCEPT) sent: each goes from the next
     /// plane-0 path's source port, so a retry takes a new ECMP route.
     pub(crate) hs_sent: u8,
@@ -450,7 +450,7 @@ impl Connection {
             hello_attempts: 0,
             hello_sent_at: now,
             hello_backoff: 0,
-            accept_copy: false,
+            accept_copies_left: 0,
             hello_interval: config.handshake_rto,
             hello_copies_left: 0,
             hs_sent: 0,

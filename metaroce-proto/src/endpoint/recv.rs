@@ -163,6 +163,23 @@ impl Endpoint {
         buf: [u8; HELLO_LEN],
         len: usize,
     ) -> bool {
+        let queued = self.offer_stateless(now, dst, src_port, buf, len);
+        if !queued {
+            self.stats.rejects.bump(RejectReason::RateLimited);
+        }
+        queued
+    }
+
+    /// [`queue_stateless`](Self::queue_stateless) without counting a
+    /// refusal: for a spare copy of a reply that went.
+    fn offer_stateless(
+        &mut self,
+        now: Instant,
+        dst: SocketAddr,
+        src_port: u16,
+        buf: [u8; HELLO_LEN],
+        len: usize,
+    ) -> bool {
         let rate = u64::from(self.config.stateless_rate);
         let burst = self.config.stateless_burst;
         if self.stateless_tokens < burst && rate > 0 {
@@ -183,7 +200,6 @@ impl Endpoint {
             self.stateless_filled = now;
         }
         if self.stateless_tokens == 0 || self.stateless.len() >= MAX_STATELESS_QUEUE {
-            self.stats.rejects.bump(RejectReason::RateLimited);
             return false;
         }
         self.stateless_tokens -= 1;
@@ -276,9 +292,7 @@ impl Endpoint {
                 let (src, copy) = (port(0), port(1));
                 if self.queue_stateless(now, to, src, buf, len) {
                     self.stats.cookies_sent += 1;
-                    if self.stateless_tokens > 0 && self.stateless.len() < MAX_STATELESS_QUEUE {
-                        self.queue_stateless(now, to, copy, buf, len);
-                    }
+                    self.offer_stateless(now, to, copy, buf, len);
                 }
             }
             return;

@@ -18,6 +18,21 @@ const STREAM_REPEATS: u8 = 2;
 /// Copies of each HELLO round (PROTOCOL §8.2).
 const HELLO_COPIES: u8 = 3;
 
+/// Copies of each ACCEPT (PROTOCOL §8.2).
+const ACCEPT_COPIES: u8 = 2;
+
+/// One copy of a handshake packet that goes `copies` times, `left`
+/// counting the copies of its round still to go: whether this one starts
+/// a round. While some are left, the caller owes the packet again.
+fn take_copy(left: &mut u8, copies: u8) -> bool {
+    let first = *left == 0;
+    if first {
+        *left = copies;
+    }
+    *left -= 1;
+    first
+}
+
 /// Bytes in flight (in MTUs) below which a packet lost twice goes in two
 /// copies (PROTOCOL §13.2).
 const TAIL_COPY_FLIGHT_MTUS: u64 = 2;
@@ -328,8 +343,7 @@ impl Endpoint {
                     src_port = c.next_handshake_port();
                     // Each round goes `HELLO_COPIES` times (§8.2); the
                     // copies are counted once, with the first.
-                    if c.hello_copies_left == 0 {
-                        c.hello_copies_left = HELLO_COPIES;
+                    if take_copy(&mut c.hello_copies_left, HELLO_COPIES) {
                         c.hello_attempts = c.hello_attempts.saturating_add(1);
                         // Exponential backoff from the interval (§8.2).
                         let shift = u32::from(c.hello_backoff).min(16);
@@ -337,7 +351,6 @@ impl Endpoint {
                         c.hello_deadline = Some(now + c.hello_interval * (1u32 << shift));
                         c.hello_sent_at = now;
                     }
-                    c.hello_copies_left -= 1;
                     if c.hello_copies_left > 0 {
                         c.ctrl = Some(Ctrl::Hello);
                     }
@@ -357,9 +370,10 @@ impl Endpoint {
                 }
                 Ctrl::Accept => {
                     src_port = c.next_handshake_port();
-                    // Each ACCEPT goes twice, from two ports (§8.2).
-                    if !core::mem::take(&mut c.accept_copy) {
-                        c.accept_copy = true;
+                    // Each ACCEPT goes `ACCEPT_COPIES` times, each from
+                    // its own port (§8.2).
+                    take_copy(&mut c.accept_copies_left, ACCEPT_COPIES);
+                    if c.accept_copies_left > 0 {
                         c.ctrl = Some(Ctrl::Accept);
                     }
                     let n = Accept {
@@ -1253,11 +1267,13 @@ impl Endpoint {
             }
         }
         let mut unsent_streams = Vec::new();
-        // The requester's QPs whose stream entry this ACK carries.
-        let mut reported: Vec<u32> = Vec::with_capacity(entries.len());
+        // The requester's QPs whose stream entry this ACK carries, noted
+        // only for the RNR NAKs to repeat below (most ACKs have none).
+        let repeats_naks = !c.recent_naks.is_empty();
+        let mut reported: Vec<u32> = Vec::new();
         for (e, qpn, fresh) in &entries {
             let sent = b.push_stream(e).is_ok();
-            if sent {
+            if sent && repeats_naks {
                 reported.push(e.qpn);
             }
             if *fresh {
