@@ -139,8 +139,14 @@ pub const COOKIE_LIFETIME: Duration = Duration::from_secs(10);
 pub const MAX_OPTIONS_LEN: usize = 256;
 
 /// A full data segment carries a multiple of this many payload bytes
-/// (`SEGMENT_ALIGN`); see [`segment_payload`](crate::wire::segment_payload).
+/// (`SEGMENT_ALIGN`) where that keeps GSO batches whole; see
+/// [`segment_payload`](crate::wire::segment_payload).
 pub const SEGMENT_ALIGN: usize = 64;
+
+/// The unit message lengths come in (`SEGMENT_UNIT`): a page. Full
+/// segments are sized to be a multiple or a divisor of it where the
+/// path's MTU allows (see [`segment_payload`](crate::wire::segment_payload)).
+pub const SEGMENT_UNIT: usize = 4096;
 
 /// Default UDP payload MTU of a path: a 4 KiB payload plus headers (`DEFAULT_MTU`).
 pub const DEFAULT_MTU: u16 = 4_096 + 64;

@@ -24,24 +24,36 @@ use super::{
     check_len, check_out, expect_type, get_u32, get_u64, put_common, put_u32, put_u64, PacketType,
     WireError,
 };
-use crate::consts::{DATA_HEADER_LEN, SEGMENT_ALIGN};
+use crate::consts::{DATA_HEADER_LEN, SEGMENT_ALIGN, SEGMENT_UNIT};
 
 /// Payload bytes of a full `opcode` segment on a path of `mtu` UDP payload
 /// bytes: what its header leaves, rounded down to a multiple of
-/// [`SEGMENT_ALIGN`]. A message whose length is a multiple of that (4 KiB
-/// at the default MTU, for every opcode) splits into full segments only,
-/// so a UDP GSO batch of equal segments runs on across message boundaries.
+/// [`SEGMENT_ALIGN`] where the rounded size is at least [`SEGMENT_UNIT`] or
+/// divides it. Messages come in multiples of that unit (4 KiB), and one
+/// whose length is a multiple of the segment splits into full segments
+/// only, so a UDP GSO batch of equal segments runs on across message
+/// boundaries (4 KiB at the default MTU, for every opcode; 2 KiB on a path
+/// that leaves 2,100 bytes). Below the unit, a rounded size that does not
+/// divide it buys nothing, and the whole room goes: on a standard
+/// 1,500-byte Ethernet path (1,472 bytes of UDP payload) a WRITE carries
+/// 1,420 bytes, not 1,408.
 ///
 /// ```
 /// use metaroce_proto::consts::DEFAULT_MTU;
 /// use metaroce_proto::wire::{segment_payload, Opcode};
 /// assert_eq!(segment_payload(usize::from(DEFAULT_MTU), Opcode::Write), 4096);
 /// assert_eq!(segment_payload(usize::from(DEFAULT_MTU), Opcode::WriteImm), 4096);
-/// assert_eq!(segment_payload(1472, Opcode::Write), 1408);
+/// assert_eq!(segment_payload(1472, Opcode::Write), 1420);
+/// assert_eq!(segment_payload(2152, Opcode::Write), 2048);
 /// ```
 pub fn segment_payload(mtu: usize, opcode: Opcode) -> usize {
     let room = mtu.saturating_sub(DATA_HEADER_LEN + opcode.ext_len());
-    room / SEGMENT_ALIGN * SEGMENT_ALIGN
+    let aligned = room / SEGMENT_ALIGN * SEGMENT_ALIGN;
+    if aligned >= SEGMENT_UNIT || (aligned > 0 && SEGMENT_UNIT % aligned == 0) {
+        aligned
+    } else {
+        room
+    }
 }
 
 /// Flag bits of a DATA packet (`flags` byte).
@@ -423,11 +435,21 @@ mod tests {
         for mtu in usize::from(lo)..=usize::from(hi) {
             for o in (1..=7).map(|v| Opcode::from_u8(v).unwrap()) {
                 let (h, p) = (DATA_HEADER_LEN + o.ext_len(), segment_payload(mtu, o));
-                assert_eq!(p % SEGMENT_ALIGN, 0, "mtu {mtu} {o:?}");
-                assert!(
-                    p > 0 && h + p <= mtu && h + p + SEGMENT_ALIGN > mtu,
-                    "mtu {mtu} {o:?}"
-                );
+                assert!(p > 0 && h + p <= mtu, "mtu {mtu} {o:?}");
+                if h + p < mtu {
+                    // Rounded down: by less than the alignment, to a
+                    // multiple of it that is at least the unit messages
+                    // come in or divides it.
+                    assert_eq!(p % SEGMENT_ALIGN, 0, "mtu {mtu} {o:?}");
+                    assert!(h + p + SEGMENT_ALIGN > mtu, "mtu {mtu} {o:?}");
+                    assert!(
+                        p >= SEGMENT_UNIT || SEGMENT_UNIT % p == 0,
+                        "mtu {mtu} {o:?}"
+                    );
+                } else if p % SEGMENT_ALIGN != 0 {
+                    // The whole room, unaligned: only below the unit.
+                    assert!(p < SEGMENT_UNIT, "mtu {mtu} {o:?}");
+                }
             }
         }
         // At the default MTU every opcode carries 4 KiB.
