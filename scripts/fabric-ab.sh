@@ -24,12 +24,13 @@ usage: scripts/fabric-ab.sh [options] BIN_A BIN_B
   --paths N        paths per connection (default 16)
   --spines N       spines (default 4)
   --rate-mbit R    rate of each spine and direction (default 200; 0 = unshaped)
+  --mtu M          MTU of every fabric link (default: the fabric's, jumbo)
   --prefix P       fabric namespace prefix (default mrab)
   -h, --help       this help
 EOF
 }
 
-LOSS=0 RUNS=5 DUR=4 PATHS=16 SPINES=4 RATE=200 PREFIX=mrab
+LOSS=0 RUNS=5 DUR=4 PATHS=16 SPINES=4 RATE=200 MTU= PREFIX=mrab
 ARGS=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -39,6 +40,7 @@ while [ $# -gt 0 ]; do
     --paths) PATHS=$2; shift 2 ;;
     --spines) SPINES=$2; shift 2 ;;
     --rate-mbit) RATE=$2; shift 2 ;;
+    --mtu) MTU=$2; shift 2 ;;
     --prefix) PREFIX=$2; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     -*) echo "fabric-ab: unknown option $1" >&2; usage >&2; exit 2 ;;
@@ -64,6 +66,7 @@ trap cleanup EXIT INT TERM
 
 UP=(fabric --prefix "$PREFIX" up --spines "$SPINES")
 [ "$RATE" != 0 ] && UP+=(--rate-mbit "$RATE")
+[ -n "$MTU" ] && UP+=(--mtu "$MTU")
 "$A" "${UP[@]}" >/dev/null
 "$A" fabric --prefix "$PREFIX" loss "$LOSS" >/dev/null
 CAP=$(python3 -c "print($SPINES * $RATE / 1000)")

@@ -353,6 +353,9 @@ pub(crate) struct Connection {
     pub(crate) recent_naks: Vec<(NakEntry, u8)>,
     /// A time-based loss check waits for the end of the batch being read.
     pub(crate) loss_check_due: bool,
+    /// Arrival time (the OS's receive stamp) of the newest ACK read: the
+    /// time-based loss check judges as of then (PROTOCOL §13.3).
+    pub(crate) newest_ack_arrival: Instant,
 
     // Streams.
     pub(crate) qps: Vec<Qpn>,
@@ -513,6 +516,7 @@ impl Connection {
             recent_streams: Vec::new(),
             recent_naks: Vec::new(),
             loss_check_due: false,
+            newest_ack_arrival: Instant::ZERO,
             qps: Vec::new(),
             qp_rr: 0,
             timer_key: None,

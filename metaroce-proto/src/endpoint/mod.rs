@@ -1326,11 +1326,12 @@ impl Endpoint {
     /// all of them, not after each.
     pub(crate) fn run_loss_checks(&mut self, now: Instant) {
         while let Some(ci) = self.loss_checks.pop() {
-            let due = self.conns[ci]
-                .as_mut()
-                .is_some_and(|c| std::mem::replace(&mut c.loss_check_due, false));
-            if due {
-                self.detect_path_losses(ci, now);
+            let judge = self.conns[ci].as_mut().and_then(|c| {
+                std::mem::replace(&mut c.loss_check_due, false)
+                    .then(|| c.newest_ack_arrival.min(now))
+            });
+            if let Some(at) = judge {
+                self.detect_path_losses(ci, at);
                 self.touch(ci, Some(now));
             }
         }

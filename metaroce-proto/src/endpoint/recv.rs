@@ -1257,9 +1257,10 @@ impl Endpoint {
         // stall of either host, the ACKs of every path arrive together,
         // and judged one by one the first paths' ACKs would make packets
         // whose ACKs are next in the batch look overdue.
-        let newly_due = self.conns[ci]
-            .as_mut()
-            .is_some_and(|c| !std::mem::replace(&mut c.loss_check_due, true));
+        let newly_due = self.conns[ci].as_mut().is_some_and(|c| {
+            c.newest_ack_arrival = c.newest_ack_arrival.max(arrived);
+            !std::mem::replace(&mut c.loss_check_due, true)
+        });
         if newly_due {
             self.loss_checks.push(ci);
         }
