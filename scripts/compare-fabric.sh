@@ -286,6 +286,8 @@ def report(work, conds, meta):
              f"Mbit/s in all), {meta['dur']} s per cell, random loss on every spine in both "
              f"directions (nftables), "
              + ("jumbo frames (MTU 9000)" if meta["mtu"] == 9000 else f"MTU {meta['mtu']}")
+             + ("; metaroce with 8 KiB payloads (`perf --mtu 8256` on both sides)"
+                if meta["mtu"] >= 8256 + 28 else "")
              + f". Host: {meta['host']}.")
     L.append("")
     L.append("Goodput in Gbit/s (metaroce: verified bytes of completed WRITEs / run time; "
@@ -447,7 +449,13 @@ if [ "$HAVE_MPTCP" = 1 ]; then
     setup_mptcp
 fi
 
-spawn ip netns exec "$H2" "$METAROCE" perf server --bind "$IP2:$MRPORT" --paths "$PATHS" >"$WORK/server.log"
+# metaroce's datagrams as large as the frames allow in whole 4 KiB pages, as
+# TCP's segments fill the frames: 8 KiB payloads in jumbo frames (`perf`'s
+# default, 4160, carries 4 KiB, RoCE's largest MTU); in smaller frames a
+# client keeps within its route by itself.
+MRMTU=()
+[ "$MTU" -ge $((8256 + 28)) ] && MRMTU=(--mtu 8256)
+spawn ip netns exec "$H2" "$METAROCE" perf server --bind "$IP2:$MRPORT" --paths "$PATHS" "${MRMTU[@]}" >"$WORK/server.log"
 sleep 0.5
 
 # run_cell TRANSPORT COND: one measurement.
@@ -474,7 +482,7 @@ run_cell() {
     case $t in
     metaroce)
         ip netns exec "$H1" timeout $((${DUR%.*} + 60)) "$METAROCE" perf client "$IP2:$MRPORT" \
-            -D "$DUR" --paths "$PATHS" --json >"$out" 2>"$WORK/err" || rc=$?
+            -D "$DUR" --paths "$PATHS" "${MRMTU[@]}" --json >"$out" 2>"$WORK/err" || rc=$?
         ;;
     bbr | cubic)
         ip netns exec "$H1" timeout $((${DUR%.*} + 30)) iperf3 -c "$IP2" -p "$PORT" -t "$DUR" \
