@@ -347,8 +347,11 @@ impl PathTx {
     /// it was sent, plus `lag` (at most one more RTO; see
     /// `Connection::path_deadline`).
     pub(crate) fn deadline(&self, conn: &RttEstimator, lag: Duration) -> Option<Instant> {
+        // An idle path (most of them, between small messages) has no
+        // deadline: asked first, before the timeout is worked out.
+        let oldest = self.oldest_outstanding()?;
         let rto = self.rto(conn);
-        self.oldest_outstanding().map(|t| t + rto + lag.min(rto))
+        Some(oldest + rto + lag.min(rto))
     }
 
     /// How full the path would be with `bytes` more: lower is better.
