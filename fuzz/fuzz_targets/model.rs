@@ -10,6 +10,8 @@
 
 use libfuzzer_sys::fuzz_target;
 
+// The plain test's entry (`run_case`, a seed's rounds) is not the fuzzer's.
+#[allow(dead_code)]
 #[path = "../../metaroce-proto/tests/fuzz_logic/model.rs"]
 mod model;
 

@@ -385,35 +385,11 @@ fn unsignaled_requests_complete_silently_in_order() {
     let src = reg(&mut p.a, v.pda, vec![9; 4096], 0, AccessFlags::NONE);
     let win = reg(&mut p.b, v.pdb, vec![0; 4096], 0, AccessFlags::REMOTE_WRITE);
     let now = p.now;
-    let r = RemoteAddr {
-        rkey: win.rkey,
-        addr: 0,
-    };
-    let mut wr = SendWr::new(
-        1,
-        SendOp::Write(r),
-        Sge {
-            lkey: src.lkey,
-            addr: 0,
-            len: 4096,
-        },
-    );
+    let mut wr = write_wr(1, &src, &win, 0, 4096);
     wr.signaled = false;
     p.a.post_send(now, v.qa, wr).unwrap();
-    p.a.post_send(
-        now,
-        v.qa,
-        SendWr::new(
-            2,
-            SendOp::Write(r),
-            Sge {
-                lkey: src.lkey,
-                addr: 0,
-                len: 10,
-            },
-        ),
-    )
-    .unwrap();
+    p.a.post_send(now, v.qa, write_wr(2, &src, &win, 0, 10))
+        .unwrap();
     let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_millis(50));
     assert_eq!(wa.len(), 1);
     assert_eq!(wa[0].wr_id, 2);
@@ -429,24 +405,8 @@ fn large_message_over_lossy_link() {
     let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
     let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
     let now = p.now;
-    let r = RemoteAddr {
-        rkey: win.rkey,
-        addr: 0,
-    };
-    p.a.post_send(
-        now,
-        v.qa,
-        SendWr::new(
-            1,
-            SendOp::Write(r),
-            Sge {
-                lkey: src.lkey,
-                addr: 0,
-                len: len as u32,
-            },
-        ),
-    )
-    .unwrap();
+    p.a.post_send(now, v.qa, write_wr(1, &src, &win, 0, len as u32))
+        .unwrap();
     let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(5));
     assert_eq!(wa[0].status, WcStatus::Success);
     assert!(p.b.mr(win.lkey).unwrap() == &data[..], "payload corrupted");
@@ -1052,24 +1012,8 @@ fn deterministic_for_a_seed() {
             0,
             AccessFlags::REMOTE_WRITE,
         );
-        let r = RemoteAddr {
-            rkey: win.rkey,
-            addr: 0,
-        };
-        p.a.post_send(
-            p.now,
-            v.qa,
-            SendWr::new(
-                1,
-                SendOp::Write(r),
-                Sge {
-                    lkey: src.lkey,
-                    addr: 0,
-                    len: 300_000,
-                },
-            ),
-        )
-        .unwrap();
+        p.a.post_send(p.now, v.qa, write_wr(1, &src, &win, 0, 300_000))
+            .unwrap();
         wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(2));
         (
             p.now,
@@ -1092,24 +1036,8 @@ fn gigabyte_write() {
     }
     let src = reg(&mut p.a, v.pda, data, 0, AccessFlags::NONE);
     let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
-    let r = RemoteAddr {
-        rkey: win.rkey,
-        addr: 0,
-    };
-    p.a.post_send(
-        p.now,
-        v.qa,
-        SendWr::new(
-            1,
-            SendOp::Write(r),
-            Sge {
-                lkey: src.lkey,
-                addr: 0,
-                len: len as u32,
-            },
-        ),
-    )
-    .unwrap();
+    p.a.post_send(p.now, v.qa, write_wr(1, &src, &win, 0, len as u32))
+        .unwrap();
     let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(60));
     assert_eq!(wa[0].status, WcStatus::Success);
     assert_eq!(wa[0].byte_len, len as u32);
@@ -1235,24 +1163,8 @@ fn lost_acks_are_recovered_by_probes() {
     let src = reg(&mut p.a, v.pda, vec![4; 8192], 0, AccessFlags::NONE);
     let win = reg(&mut p.b, v.pdb, vec![0; 8192], 0, AccessFlags::REMOTE_WRITE);
     p.cut = (false, true);
-    let r = RemoteAddr {
-        rkey: win.rkey,
-        addr: 0,
-    };
-    p.a.post_send(
-        p.now,
-        v.qa,
-        SendWr::new(
-            1,
-            SendOp::Write(r),
-            Sge {
-                lkey: src.lkey,
-                addr: 0,
-                len: 8192,
-            },
-        ),
-    )
-    .unwrap();
+    p.a.post_send(p.now, v.qa, write_wr(1, &src, &win, 0, 8192))
+        .unwrap();
     p.run_for(Duration::from_millis(3));
     assert!(
         p.b.mr(win.lkey).unwrap().iter().all(|&x| x == 4),
@@ -1270,24 +1182,8 @@ fn gso_batches_carry_full_segments_on_one_path() {
     let data = pattern(24, len);
     let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
     let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
-    let r = RemoteAddr {
-        rkey: win.rkey,
-        addr: 0,
-    };
-    p.a.post_send(
-        p.now,
-        v.qa,
-        SendWr::new(
-            1,
-            SendOp::Write(r),
-            Sge {
-                lkey: src.lkey,
-                addr: 0,
-                len: len as u32,
-            },
-        ),
-    )
-    .unwrap();
+    p.a.post_send(p.now, v.qa, write_wr(1, &src, &win, 0, len as u32))
+        .unwrap();
     // Look at what the core hands the driver.
     let mut buf = vec![0u8; 65536];
     let t = p.a.poll_transmit(p.now, &mut buf).unwrap();
@@ -1345,17 +1241,12 @@ fn gso_batches_run_across_message_boundaries() {
         AccessFlags::REMOTE_WRITE,
     );
     for i in 0..count {
-        let r = RemoteAddr {
-            rkey: win.rkey,
-            addr: (i * size) as u64,
-        };
-        let sge = Sge {
-            lkey: src.lkey,
-            addr: (i * size) as u64,
-            len: size as u32,
-        };
-        p.a.post_send(p.now, v.qa, SendWr::new(i as u64, SendOp::Write(r), sge))
-            .unwrap();
+        p.a.post_send(
+            p.now,
+            v.qa,
+            write_wr(i as u64, &src, &win, (i * size) as u64, size as u32),
+        )
+        .unwrap();
     }
     let mut buf = vec![0u8; 65536];
     let (mut batches, mut segments, mut spanning) = (Vec::new(), 0, 0);
@@ -1771,16 +1662,7 @@ fn a_gathered_batch_pins_its_region_once() {
         0,
         AccessFlags::REMOTE_WRITE,
     );
-    let r = RemoteAddr {
-        rkey: win.rkey,
-        addr: 0,
-    };
-    let sge = Sge {
-        lkey: src.lkey,
-        addr: 0,
-        len: 1 << 17,
-    };
-    p.a.post_send(p.now, v.qa, SendWr::new(1, SendOp::Write(r), sge))
+    p.a.post_send(p.now, v.qa, write_wr(1, &src, &win, 0, 1 << 17))
         .unwrap();
     let mut buf = vec![0u8; 65536];
     let mut g = Gather::new(1024);
@@ -1813,16 +1695,7 @@ fn a_gathered_batch_is_no_larger_than_the_buffer() {
     let len = 1 << 18;
     let src = reg(&mut p.a, v.pda, pattern(30, len), 0, AccessFlags::NONE);
     let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
-    let r = RemoteAddr {
-        rkey: win.rkey,
-        addr: 0,
-    };
-    let sge = Sge {
-        lkey: src.lkey,
-        addr: 0,
-        len: len as u32,
-    };
-    p.a.post_send(p.now, v.qa, SendWr::new(1, SendOp::Write(r), sge))
+    p.a.post_send(p.now, v.qa, write_wr(1, &src, &win, 0, len as u32))
         .unwrap();
     let mut buf = vec![0u8; 65_507];
     let mut g = Gather::new(1024);
