@@ -775,10 +775,16 @@ impl Endpoint {
                 if gen_newer(a.gen, hdr.gen) {
                     return self.reject(RejectReason::StaleGeneration, from);
                 }
-                if !same_message(&a, hdr) {
+                if same_message(&a, hdr) {
+                    a
+                } else if opens(&a, hdr) {
+                    match self.open_message(ci, idx, a, hdr, rnr_timer) {
+                        Some(a) => a,
+                        None => return,
+                    }
+                } else {
                     return self.reject(RejectReason::Inconsistent, from);
                 }
-                a
             }
             Incoming::Empty | Incoming::Refused { .. } => match self.admit(ci, idx, hdr, rnr_timer)
             {
@@ -856,8 +862,7 @@ impl Endpoint {
         rnr_timer: core::time::Duration,
     ) -> Option<Accepted> {
         let q = self.qps[idx].as_ref()?;
-        let (qpn, remote_qpn, qp_access, pd, rq_base) =
-            (q.qpn, q.remote_qpn, q.access, q.pd, q.rq_base_seq);
+        let (qp_access, pd) = (q.access, q.pd);
         // READs still being executed: admitted, or with response packets
         // still to send. A response sent in full but not yet acknowledged
         // stays held for retransmission without counting: the requester saw
@@ -881,6 +886,20 @@ impl Endpoint {
             rkey: 0,
             addr: 0,
         };
+        let recv_seq = match hdr.ext {
+            OpcodeExt::Send { recv_seq }
+            | OpcodeExt::SendImm { recv_seq, .. }
+            | OpcodeExt::WriteImm { recv_seq, .. } => Some(recv_seq),
+            _ => None,
+        };
+        if let OpcodeExt::SendImm { imm, .. } | OpcodeExt::WriteImm { imm, .. } = hdr.ext {
+            rec.imm = Some(imm);
+        }
+        // RNR first: without a receive the message cannot be judged yet.
+        if let Some(rs) = recv_seq {
+            rec.recv_seq = rs;
+            self.receive_for(ci, idx, hdr, rs, rnr_timer)?;
+        }
         // Zero-length WRITEs and READs touch no memory: no key check (as in verbs).
         let remote_ok = |rkey: u32, addr: u64, need: AccessFlags| -> bool {
             let len = u64::from(hdr.msg_len);
@@ -897,63 +916,6 @@ impl Endpoint {
             }
             checked.is_ok()
         };
-        let recv_seq = match hdr.ext {
-            OpcodeExt::Send { recv_seq }
-            | OpcodeExt::SendImm { recv_seq, .. }
-            | OpcodeExt::WriteImm { recv_seq, .. } => Some(recv_seq),
-            _ => None,
-        };
-        if let OpcodeExt::SendImm { imm, .. } | OpcodeExt::WriteImm { imm, .. } = hdr.ext {
-            rec.imm = Some(imm);
-        }
-        // RNR first: without a receive the message cannot be judged yet.
-        if let Some(rs) = recv_seq {
-            rec.recv_seq = rs;
-            // A receive already taken, or one further ahead than the
-            // message itself is (each earlier message takes one receive at
-            // most): the requester breaks the protocol.
-            let q = self.qps[idx].as_ref()?;
-            if seq_lt(rs, rq_base) || seq_dist(rq_base, rs) > seq_dist(q.msn_done, hdr.msn) {
-                self.stats.rejects.bump(RejectReason::Inconsistent);
-                self.fail_message(ci, idx, hdr.msn, NakCode::InvalidRequest, false);
-                return None;
-            }
-            let d = seq_dist(rq_base, rs) as usize;
-            let q = self.qps[idx].as_ref()?;
-            match q.rq.get(d) {
-                None => {
-                    let nak = NakEntry {
-                        qpn: remote_qpn,
-                        msn: hdr.msn,
-                        code: NakCode::Rnr,
-                        gen: hdr.gen,
-                        rnr_timer_us: rnr_us(rnr_timer),
-                    };
-                    if let Some(q) = self.qps[idx].as_mut() {
-                        if let Ok(s) = q.incoming_slot(hdr.msn) {
-                            *s = Incoming::Refused { gen: hdr.gen };
-                        }
-                    }
-                    if let Some(c) = self.conns[ci].as_mut() {
-                        // With the QP's `msn_done`, which the requester
-                        // checks the NAK against (§11.5).
-                        c.mark_stream(qpn);
-                        c.push_nak(nak);
-                    }
-                    return None;
-                }
-                Some(r)
-                    if hdr.opcode != Opcode::WriteImm
-                        && u64::from(hdr.msg_len) > r.sge.byte_len() =>
-                {
-                    // The receive is too small: it completes with a local
-                    // length error, the requester sees an invalid request.
-                    self.fail_message(ci, idx, hdr.msn, NakCode::InvalidRequest, true);
-                    return None;
-                }
-                Some(_) => {}
-            }
-        }
         let fatal = match hdr.ext {
             OpcodeExt::Write { rkey, remote_addr }
             | OpcodeExt::WriteImm {
@@ -982,6 +944,92 @@ impl Endpoint {
             return None;
         }
         Some(rec)
+    }
+
+    /// Whether the receive `rs` that message `hdr` names is there for it
+    /// (§11.3): `None`, once the RNR NAK is queued or the message failed,
+    /// if it is not posted yet (RNR), if the requester names one it cannot
+    /// (taken already, or further ahead than its message), or if it is
+    /// too small for a SEND.
+    fn receive_for(
+        &mut self,
+        ci: usize,
+        idx: usize,
+        hdr: &DataHeader,
+        rs: u32,
+        rnr_timer: core::time::Duration,
+    ) -> Option<()> {
+        let q = self.qps[idx].as_ref()?;
+        let (qpn, remote_qpn, rq_base, msn_done) = (q.qpn, q.remote_qpn, q.rq_base_seq, q.msn_done);
+        // A receive already taken, or one further ahead than the
+        // message itself is (each earlier message takes one receive at
+        // most): the requester breaks the protocol.
+        if seq_lt(rs, rq_base) || seq_dist(rq_base, rs) > seq_dist(msn_done, hdr.msn) {
+            self.stats.rejects.bump(RejectReason::Inconsistent);
+            self.fail_message(ci, idx, hdr.msn, NakCode::InvalidRequest, false);
+            return None;
+        }
+        let d = seq_dist(rq_base, rs) as usize;
+        let q = self.qps[idx].as_ref()?;
+        match q.rq.get(d) {
+            None => {
+                let nak = NakEntry {
+                    qpn: remote_qpn,
+                    msn: hdr.msn,
+                    code: NakCode::Rnr,
+                    gen: hdr.gen,
+                    rnr_timer_us: rnr_us(rnr_timer),
+                };
+                if let Some(q) = self.qps[idx].as_mut() {
+                    if let Ok(s) = q.incoming_slot(hdr.msn) {
+                        *s = Incoming::Refused { gen: hdr.gen };
+                    }
+                }
+                if let Some(c) = self.conns[ci].as_mut() {
+                    // With the QP's `msn_done`, which the requester
+                    // checks the NAK against (§11.5).
+                    c.mark_stream(qpn);
+                    c.push_nak(nak);
+                }
+                return None;
+            }
+            Some(r)
+                if hdr.opcode != Opcode::WriteImm && u64::from(hdr.msg_len) > r.sge.byte_len() =>
+            {
+                // The receive is too small: it completes with a local
+                // length error, the requester sees an invalid request.
+                self.fail_message(ci, idx, hdr.msn, NakCode::InvalidRequest, true);
+                return None;
+            }
+            Some(_) => {}
+        }
+        Some(())
+    }
+
+    /// The first packet of a SEND_IMM or WRITE_IMM, the one with the
+    /// immediate data, whose later packets came first and made record `a`
+    /// as a SEND or WRITE (§5.3): the record takes the immediate data, and
+    /// a WRITE_IMM its receive, judged now as at the record's creation
+    /// (§11.3; without one, the generation is refused and sent again whole).
+    fn open_message(
+        &mut self,
+        ci: usize,
+        idx: usize,
+        mut a: Accepted,
+        hdr: &DataHeader,
+        rnr_timer: core::time::Duration,
+    ) -> Option<Accepted> {
+        match hdr.ext {
+            OpcodeExt::SendImm { imm, .. } => a.imm = Some(imm),
+            OpcodeExt::WriteImm { recv_seq, imm, .. } => {
+                self.receive_for(ci, idx, hdr, recv_seq, rnr_timer)?;
+                a.recv_seq = recv_seq;
+                a.imm = Some(imm);
+            }
+            _ => return None,
+        }
+        a.opcode = hdr.opcode;
+        Some(a)
     }
 
     /// Copies a payload to where it belongs. False if the target is gone or
@@ -1380,8 +1428,11 @@ fn gen_newer(a: u8, b: u8) -> bool {
 }
 
 /// Whether a packet agrees with the message record its first packet made.
+/// A SEND_IMM's or WRITE_IMM's packets after the one at offset 0 go as
+/// SEND or WRITE packets, without the immediate data (§5.3).
 fn same_message(a: &Accepted, h: &DataHeader) -> bool {
-    if a.opcode != h.opcode || a.len != h.msg_len || a.gen != h.gen {
+    let opcode = a.opcode == h.opcode || h.msg_offset != 0 && h.opcode == a.opcode.continuation();
+    if !opcode || a.len != h.msg_len || a.gen != h.gen {
         return false;
     }
     match h.ext {
@@ -1398,6 +1449,25 @@ fn same_message(a: &Accepted, h: &DataHeader) -> bool {
             ..
         } => rkey == a.rkey && remote_addr == a.addr && recv_seq == a.recv_seq,
         OpcodeExt::ReadResp | OpcodeExt::Nop => false,
+    }
+}
+
+/// Whether `h` is the first packet of a SEND_IMM or WRITE_IMM (at offset
+/// 0, with the immediate data) whose later packets made record `a` as a
+/// SEND or WRITE: the same message, its opcode now known (§5.3).
+fn opens(a: &Accepted, h: &DataHeader) -> bool {
+    if h.msg_offset != 0 || a.len != h.msg_len || a.gen != h.gen {
+        return false;
+    }
+    match (a.opcode, h.ext) {
+        (Opcode::Send, OpcodeExt::SendImm { recv_seq, .. }) => recv_seq == a.recv_seq,
+        (
+            Opcode::Write,
+            OpcodeExt::WriteImm {
+                rkey, remote_addr, ..
+            },
+        ) => rkey == a.rkey && remote_addr == a.addr,
+        _ => false,
     }
 }
 

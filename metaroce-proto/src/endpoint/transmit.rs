@@ -972,8 +972,8 @@ impl Endpoint {
             } => {
                 if let Some(q) = qp_of(qp).filter(|q| q.state.takes_send()) {
                     if let Some(w) = q.wqe(msn).filter(|w| w.gen == gen) {
-                        hdr.opcode = w.opcode();
-                        hdr.ext = w.ext();
+                        hdr.opcode = w.opcode_at(offset);
+                        hdr.ext = w.ext_at(offset);
                         hdr.dst_qpn = q.remote_qpn;
                         hdr.gen = gen;
                         hdr.msn = msn;
@@ -1051,8 +1051,13 @@ impl Endpoint {
             return None;
         }
         let template = match (kind, source) {
+            // The header of a first packet with immediate data is no
+            // template for the next ones, which go without it.
             (CsnKind::Request { qp, msn, gen, .. }, Some((local, key, addr, _)))
-                if found.is_some() && !retransmit && probe.is_none() =>
+                if found.is_some()
+                    && !retransmit
+                    && probe.is_none()
+                    && hdr.opcode == hdr.opcode.continuation() =>
             {
                 Some(Template {
                     qp,

@@ -286,6 +286,28 @@ impl SendWqe {
         }
     }
 
+    /// The opcode of the packet at `offset` of the message: a SEND_IMM's or
+    /// WRITE_IMM's immediate data goes in its first packet only (PROTOCOL
+    /// §5.3).
+    pub(crate) fn opcode_at(&self, offset: u32) -> Opcode {
+        let op = self.opcode();
+        if offset == 0 {
+            op
+        } else {
+            op.continuation()
+        }
+    }
+
+    /// The extension of the packet at `offset` (see [`opcode_at`](Self::opcode_at)).
+    pub(crate) fn ext_at(&self, offset: u32) -> OpcodeExt {
+        let ext = self.ext();
+        if offset == 0 {
+            ext
+        } else {
+            ext.continuation()
+        }
+    }
+
     pub(crate) fn is_read(&self) -> bool {
         matches!(self.wr.op, SendOp::Read(_))
     }
@@ -691,7 +713,7 @@ impl Qp {
         while let Some(&(msn, offset)) = self.resend.front() {
             let Some((len_total, room, gen, opcode)) = self.wqe(msn).map(|w| {
                 let room = w.segment_room(offset);
-                (w.request_len(), room, w.gen, w.opcode())
+                (w.request_len(), room, w.gen, w.opcode_at(offset))
             }) else {
                 // Completed or flushed meanwhile.
                 self.resend.pop_front();
@@ -718,7 +740,7 @@ impl Qp {
         let wqe = &self.sq[idx];
         let offset = self.send_offset;
         let total = wqe.request_len();
-        let max = limit.payload(wqe.opcode());
+        let max = limit.payload(wqe.opcode_at(offset));
         let len = wqe.segment_room(offset).min(max);
         let seg = Segment::Request {
             msn: wqe.msn,
@@ -755,7 +777,13 @@ impl Qp {
             return None;
         }
         let w = self.sq.get(self.send_idx)?;
-        Some((w.msn, w.gen, self.send_offset, w.request_len(), w.opcode()))
+        Some((
+            w.msn,
+            w.gen,
+            self.send_offset,
+            w.request_len(),
+            w.opcode_at(self.send_offset),
+        ))
     }
 
     /// Takes `len` more bytes of the request under way (see

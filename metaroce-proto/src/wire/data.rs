@@ -116,6 +116,24 @@ impl Opcode {
     pub fn carries_payload(self) -> bool {
         !matches!(self, Self::ReadReq | Self::Nop)
     }
+
+    /// The opcode of a message's packets after its first (PROTOCOL §5.3):
+    /// SEND for SEND_IMM, WRITE for WRITE_IMM (the immediate data goes once,
+    /// in the packet at offset 0); the opcode itself otherwise.
+    ///
+    /// ```
+    /// use metaroce_proto::wire::Opcode;
+    /// assert_eq!(Opcode::WriteImm.continuation(), Opcode::Write);
+    /// assert_eq!(Opcode::SendImm.continuation(), Opcode::Send);
+    /// assert_eq!(Opcode::Write.continuation(), Opcode::Write);
+    /// ```
+    pub fn continuation(self) -> Self {
+        match self {
+            Self::SendImm => Self::Send,
+            Self::WriteImm => Self::Write,
+            other => other,
+        }
+    }
 }
 
 /// The opcode-specific extension of a DATA header.
@@ -165,6 +183,24 @@ pub enum OpcodeExt {
 }
 
 impl OpcodeExt {
+    /// The extension of a message's packets after its first
+    /// ([`Opcode::continuation`]): without the immediate data.
+    ///
+    /// ```
+    /// use metaroce_proto::wire::OpcodeExt;
+    /// let first = OpcodeExt::WriteImm { rkey: 7, remote_addr: 64, recv_seq: 3, imm: 9 };
+    /// assert_eq!(first.continuation(), OpcodeExt::Write { rkey: 7, remote_addr: 64 });
+    /// ```
+    pub fn continuation(self) -> Self {
+        match self {
+            Self::SendImm { recv_seq, .. } => Self::Send { recv_seq },
+            Self::WriteImm {
+                rkey, remote_addr, ..
+            } => Self::Write { rkey, remote_addr },
+            other => other,
+        }
+    }
+
     /// The opcode this extension belongs to.
     pub fn opcode(&self) -> Opcode {
         match self {

@@ -1,0 +1,184 @@
+//! A SEND_IMM's or WRITE_IMM's immediate data goes in its first packet
+//! only; the packets after it go as SEND or WRITE packets, 8 bytes shorter
+//! in the header and that much longer in the payload (PROTOCOL §5.3). The
+//! receiver takes them in any order: later packets first make a record
+//! without the immediate data, and the first packet completes it, judging
+//! a WRITE_IMM's receive then (an RNR NAK if there is none yet).
+
+mod common;
+
+use common::*;
+use metaroce_proto::consts::DATA_HEADER_LEN;
+use metaroce_proto::verbs::*;
+use metaroce_proto::wire::{DataHeader, Opcode};
+use metaroce_proto::EndpointConfig;
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+
+/// UDP payload of a standard 1,500-byte Ethernet path.
+const MTU: u16 = 1472;
+
+fn pair_1500(seed: u64, link: LinkConfig) -> (Pair, Verbs) {
+    let cfg = EndpointConfig {
+        mtu: MTU,
+        ..EndpointConfig::default()
+    };
+    let mut p = Pair::new(cfg.clone(), cfg, seed, link);
+    p.connect();
+    let v = Verbs::setup(&mut p);
+    (p, v)
+}
+
+/// A DATA packet A sent B, as the wire carried it: (opcode, offset, payload
+/// length, datagram length).
+type Seen = (Opcode, u32, usize, usize);
+
+/// Records every DATA packet from A to B; `drop_first_imm` loses the first
+/// transmission of a packet with immediate data (a packet that comes
+/// after the others of its message).
+fn watch(p: &mut Pair, drop_first_imm: bool) -> Rc<RefCell<Vec<Seen>>> {
+    let seen = Rc::new(RefCell::new(Vec::new()));
+    let log = seen.clone();
+    let mut dropped = false;
+    p.on_wire = Some(Box::new(move |to_b, dg: &mut Vec<u8>| {
+        if !to_b {
+            return;
+        }
+        let Ok((h, payload)) = DataHeader::parse(dg) else {
+            return;
+        };
+        if h.opcode == Opcode::Nop {
+            return;
+        }
+        log.borrow_mut()
+            .push((h.opcode, h.msg_offset, payload.len(), dg.len()));
+        if drop_first_imm && !dropped && h.opcode == Opcode::WriteImm {
+            dropped = true;
+            dg.clear();
+        }
+    }));
+    seen
+}
+
+fn post_recv(p: &mut Pair, v: &Verbs, wr_id: u64) {
+    let rbuf = reg(&mut p.b, v.pdb, vec![0; 16], 0, AccessFlags::LOCAL_WRITE);
+    p.b.post_recv(
+        v.qb,
+        RecvWr {
+            wr_id,
+            sge: Sge {
+                lkey: rbuf.lkey,
+                addr: 0,
+                len: 16,
+            }
+            .into(),
+        },
+    )
+    .unwrap();
+}
+
+#[test]
+fn immediate_data_rides_in_the_first_packet_only() {
+    let (mut p, v) = pair_1500(41, LinkConfig::lossy(0.01));
+    let len = 256 << 10;
+    let data = pattern(41, len);
+    let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
+    let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+    post_recv(&mut p, &v, 7);
+    let seen = watch(&mut p, false);
+    let r = RemoteAddr {
+        rkey: win.rkey,
+        addr: 0,
+    };
+    let sge = Sge {
+        lkey: src.lkey,
+        addr: 0,
+        len: len as u32,
+    };
+    p.a.post_send(
+        p.now,
+        v.qa,
+        SendWr::new(1, SendOp::WriteImm(r, 0xabcd), sge),
+    )
+    .unwrap();
+    let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(5));
+    assert_eq!(wa[0].status, WcStatus::Success);
+    let wb = drain_cq(&mut p.b, v.cqb);
+    assert_eq!(
+        (wb[0].wr_id, wb[0].opcode, wb[0].imm, wb[0].byte_len),
+        (7, WcOpcode::RecvRdmaWithImm, Some(0xabcd), len as u32)
+    );
+    assert_eq!(p.b.mr(win.lkey).unwrap(), &data[..]);
+
+    let seen = seen.borrow();
+    let full = usize::from(MTU);
+    let imm_hdr = DATA_HEADER_LEN + Opcode::WriteImm.ext_len();
+    let hdr = DATA_HEADER_LEN + Opcode::Write.ext_len();
+    assert!(seen.len() > len / (full - hdr), "{} packets", seen.len());
+    for &(op, offset, payload, size) in seen.iter() {
+        if offset == 0 {
+            // Sent again after a loss, it still carries the immediate data.
+            assert_eq!(op, Opcode::WriteImm);
+            assert_eq!((payload, size), (full - imm_hdr, full));
+        } else {
+            assert_eq!(op, Opcode::Write, "offset {offset}");
+            assert_eq!(size, hdr + payload);
+            if offset as usize + payload < len {
+                // Every packet but the last fills the path: 1,420 bytes of
+                // payload, against 1,412 with the immediate data.
+                assert_eq!(payload, full - hdr, "offset {offset}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_write_imm_whose_first_packet_comes_last_waits_for_its_receive() {
+    let (mut p, v) = pair_1500(42, LinkConfig::perfect());
+    let len = 64 << 10;
+    let data = pattern(42, len);
+    let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
+    let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+    // The first packet is lost once: the rest of the message arrives before
+    // it and makes a record without the immediate data. No receive is
+    // posted yet, so when the first packet comes, the message is refused
+    // (RNR) though the later packets were placed.
+    let seen = watch(&mut p, true);
+    let r = RemoteAddr {
+        rkey: win.rkey,
+        addr: 0,
+    };
+    let sge = Sge {
+        lkey: src.lkey,
+        addr: 0,
+        len: len as u32,
+    };
+    p.a.post_send(p.now, v.qa, SendWr::new(1, SendOp::WriteImm(r, 77), sge))
+        .unwrap();
+    let a_conn = p.conn_a.unwrap();
+    let deadline = p.now + Duration::from_secs(1);
+    p.run_until(deadline, |p| {
+        p.a.connection_stats(a_conn).unwrap().naks_received > 0
+    });
+    assert!(
+        p.a.connection_stats(a_conn).unwrap().naks_received > 0,
+        "the first packet, last to come, met no receive: RNR"
+    );
+    assert!(drain_cq(&mut p.b, v.cqb).is_empty());
+    post_recv(&mut p, &v, 9);
+    let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(5));
+    assert_eq!(wa[0].status, WcStatus::Success);
+    let wb = drain_cq(&mut p.b, v.cqb);
+    assert_eq!(
+        (wb[0].wr_id, wb[0].opcode, wb[0].imm, wb[0].byte_len),
+        (9, WcOpcode::RecvRdmaWithImm, Some(77), len as u32)
+    );
+    assert_eq!(p.b.mr(win.lkey).unwrap(), &data[..]);
+    // The later packets went without the immediate data, the lost one
+    // went again with it.
+    let seen = seen.borrow();
+    let imm: Vec<_> = seen.iter().filter(|s| s.0 == Opcode::WriteImm).collect();
+    assert!(imm.len() >= 2 && imm.iter().all(|s| s.1 == 0), "{imm:?}");
+    assert!(seen.iter().any(|s| s.0 == Opcode::Write));
+}
