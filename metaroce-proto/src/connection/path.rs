@@ -564,6 +564,15 @@ impl PathTx {
         self.stats.tail_probes += 1;
     }
 
+    /// Whether the path may have a packet outstanding: every packet before
+    /// `una` is acknowledged or declared lost, so with `una` at the next
+    /// PSN none is, and the path has no timer (no timeout, no tail-loss
+    /// probe), which a field comparison tells.
+    #[inline]
+    pub(crate) fn has_records(&self) -> bool {
+        self.una != self.next_psn
+    }
+
     /// Whether another packet fits in the SACK span.
     pub(crate) fn has_room(&self) -> bool {
         seq_dist(self.una, self.next_psn) < SACK_BITS

@@ -765,9 +765,12 @@ impl Endpoint {
                 if c.ack_needed && !c.ack_now {
                     consider(c.ack_deadline);
                 }
+                // Most paths are idle between small messages: no timer.
                 for (pi, p) in c.paths_tx.iter().enumerate() {
-                    consider(c.path_deadline(pi));
-                    consider(p.probe_deadline(self.config.ack_delay, &c.rtt));
+                    if p.has_records() {
+                        consider(c.path_deadline(pi));
+                        consider(p.probe_deadline(self.config.ack_delay, &c.rtt));
+                    }
                 }
                 // Paced data waits for its credit (a spare wake-up at worst;
                 // a debt already paid off needs no timer).
