@@ -61,21 +61,25 @@ fn watch(p: &mut Pair, drop_first_imm: bool) -> Rc<RefCell<Vec<Seen>>> {
     seen
 }
 
+/// A 16-byte receive on B's QP.
 fn post_recv(p: &mut Pair, v: &Verbs, wr_id: u64) {
     let rbuf = reg(&mut p.b, v.pdb, vec![0; 16], 0, AccessFlags::LOCAL_WRITE);
-    p.b.post_recv(
-        v.qb,
-        RecvWr {
-            wr_id,
-            sge: Sge {
-                lkey: rbuf.lkey,
-                addr: 0,
-                len: 16,
-            }
-            .into(),
-        },
-    )
-    .unwrap();
+    post_recv_into(&mut p.b, v.qb, wr_id, &rbuf, 0, 16);
+}
+
+/// A WRITE_IMM of all of `src` to offset 0 of `win`.
+fn post_write_imm(p: &mut Pair, v: &Verbs, src: &MrInfo, win: &MrInfo, len: usize, imm: u32) {
+    let r = RemoteAddr {
+        rkey: win.rkey,
+        addr: 0,
+    };
+    let sge = Sge {
+        lkey: src.lkey,
+        addr: 0,
+        len: len as u32,
+    };
+    p.a.post_send(p.now, v.qa, SendWr::new(1, SendOp::WriteImm(r, imm), sge))
+        .unwrap();
 }
 
 #[test]
@@ -145,17 +149,7 @@ fn a_write_imm_whose_first_packet_comes_last_waits_for_its_receive() {
     // posted yet, so when the first packet comes, the message is refused
     // (RNR) though the later packets were placed.
     let seen = watch(&mut p, true);
-    let r = RemoteAddr {
-        rkey: win.rkey,
-        addr: 0,
-    };
-    let sge = Sge {
-        lkey: src.lkey,
-        addr: 0,
-        len: len as u32,
-    };
-    p.a.post_send(p.now, v.qa, SendWr::new(1, SendOp::WriteImm(r, 77), sge))
-        .unwrap();
+    post_write_imm(&mut p, &v, &src, &win, len, 77);
     let a_conn = p.conn_a.unwrap();
     let deadline = p.now + Duration::from_secs(1);
     p.run_until(deadline, |p| {

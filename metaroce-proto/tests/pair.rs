@@ -58,32 +58,8 @@ fn send_recv_and_immediate() {
         0x10_0000,
         AccessFlags::LOCAL_WRITE,
     );
-    p.b.post_recv(
-        v.qb,
-        RecvWr {
-            wr_id: 10,
-            sge: Sge {
-                lkey: dst.lkey,
-                addr: dst.addr,
-                len: 20_000,
-            }
-            .into(),
-        },
-    )
-    .unwrap();
-    p.b.post_recv(
-        v.qb,
-        RecvWr {
-            wr_id: 11,
-            sge: Sge {
-                lkey: dst.lkey,
-                addr: dst.addr + 20_000,
-                len: 20_000,
-            }
-            .into(),
-        },
-    )
-    .unwrap();
+    post_recv_into(&mut p.b, v.qb, 10, &dst, dst.addr, 20_000);
+    post_recv_into(&mut p.b, v.qb, 11, &dst, dst.addr + 20_000, 20_000);
     let now = p.now;
     p.a.post_send(
         now,
@@ -237,19 +213,7 @@ fn write_write_imm_and_read() {
         AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
     );
     let rbuf = reg(&mut p.b, v.pdb, vec![0; 16], 0, AccessFlags::LOCAL_WRITE);
-    p.b.post_recv(
-        v.qb,
-        RecvWr {
-            wr_id: 7,
-            sge: Sge {
-                lkey: rbuf.lkey,
-                addr: 0,
-                len: 16,
-            }
-            .into(),
-        },
-    )
-    .unwrap();
+    post_recv_into(&mut p.b, v.qb, 7, &rbuf, 0, 16);
     let now = p.now;
     let remote = RemoteAddr {
         rkey: win.rkey,
@@ -543,32 +507,8 @@ fn receive_too_small_is_local_length_error_and_invalid_request() {
     let (mut p, v) = pair(10, LinkConfig::perfect());
     let src = reg(&mut p.a, v.pda, vec![3; 1000], 0, AccessFlags::NONE);
     let rb = reg(&mut p.b, v.pdb, vec![0; 100], 0, AccessFlags::LOCAL_WRITE);
-    p.b.post_recv(
-        v.qb,
-        RecvWr {
-            wr_id: 1,
-            sge: Sge {
-                lkey: rb.lkey,
-                addr: 0,
-                len: 100,
-            }
-            .into(),
-        },
-    )
-    .unwrap();
-    p.b.post_recv(
-        v.qb,
-        RecvWr {
-            wr_id: 2,
-            sge: Sge {
-                lkey: rb.lkey,
-                addr: 0,
-                len: 100,
-            }
-            .into(),
-        },
-    )
-    .unwrap();
+    post_recv_into(&mut p.b, v.qb, 1, &rb, 0, 100);
+    post_recv_into(&mut p.b, v.qb, 2, &rb, 0, 100);
     let now = p.now;
     p.a.post_send(
         now,
@@ -628,19 +568,7 @@ fn rnr_then_success_once_a_receive_is_posted() {
     );
     let s = p.a.connection_stats(p.conn_a.unwrap()).unwrap();
     assert!(s.naks_received > 0);
-    p.b.post_recv(
-        v.qb,
-        RecvWr {
-            wr_id: 9,
-            sge: Sge {
-                lkey: rb.lkey,
-                addr: 0,
-                len: 10_000,
-            }
-            .into(),
-        },
-    )
-    .unwrap();
+    post_recv_into(&mut p.b, v.qb, 9, &rb, 0, 10_000);
     let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_millis(50));
     assert_eq!(wa[0].status, WcStatus::Success);
     let wb = drain_cq(&mut p.b, v.cqb);
@@ -912,19 +840,7 @@ fn sqd_finishes_requests_in_progress_and_holds_new_ones() {
 fn close_flushes_both_sides() {
     let (mut p, v) = pair(17, LinkConfig::perfect());
     let rb = reg(&mut p.b, v.pdb, vec![0; 10], 0, AccessFlags::LOCAL_WRITE);
-    p.b.post_recv(
-        v.qb,
-        RecvWr {
-            wr_id: 5,
-            sge: Sge {
-                lkey: rb.lkey,
-                addr: 0,
-                len: 10,
-            }
-            .into(),
-        },
-    )
-    .unwrap();
+    post_recv_into(&mut p.b, v.qb, 5, &rb, 0, 10);
     let c = p.conn_a.unwrap();
     p.a.close(p.now, c).unwrap();
     let wb = wait_cq(&mut p, false, v.cqb, 1, Duration::from_millis(50));
@@ -1584,19 +1500,7 @@ fn gather_run(seed: u64, loss: f64, gather: Option<usize>) -> GatherRun {
         0,
         AccessFlags::LOCAL_WRITE,
     );
-    p.b.post_recv(
-        v.qb,
-        RecvWr {
-            wr_id: 9,
-            sge: Sge {
-                lkey: inbox.lkey,
-                addr: 0,
-                len: 1000,
-            }
-            .into(),
-        },
-    )
-    .unwrap();
+    post_recv_into(&mut p.b, v.qb, 9, &inbox, 0, 1000);
     let now = p.now;
     let remote = RemoteAddr {
         rkey: win.rkey,
@@ -1938,19 +1842,7 @@ fn rnr_naks_of_a_lost_ack_are_repeated() {
     // Receives come one at a time.
     let mut wa = Vec::new();
     for i in 0..32u64 {
-        p.b.post_recv(
-            v.qb,
-            RecvWr {
-                wr_id: i,
-                sge: Sge {
-                    lkey: rb.lkey,
-                    addr: i * 100,
-                    len: 100,
-                }
-                .into(),
-            },
-        )
-        .unwrap();
+        post_recv_into(&mut p.b, v.qb, i, &rb, i * 100, 100);
         p.run_for(Duration::from_micros(20));
         wa.extend(drain_cq(&mut p.a, v.cqa));
     }

@@ -602,3 +602,28 @@ pub fn reg(
     ep.reg_mr(pd, data.into_boxed_slice(), addr, access)
         .unwrap()
 }
+
+/// Posts on `qp` of `ep` a receive (`wr_id`) of `len` bytes at `addr` of
+/// region `mr`.
+pub fn post_recv_into(
+    ep: &mut metaroce_proto::Endpoint,
+    qp: Qpn,
+    wr_id: u64,
+    mr: &MrInfo,
+    addr: u64,
+    len: u32,
+) {
+    let sge = Sge {
+        lkey: mr.lkey,
+        addr,
+        len,
+    };
+    ep.post_recv(
+        qp,
+        RecvWr {
+            wr_id,
+            sge: sge.into(),
+        },
+    )
+    .unwrap();
+}
