@@ -82,6 +82,24 @@ fn post_write_imm(p: &mut Pair, v: &Verbs, src: &MrInfo, win: &MrInfo, len: usiz
         .unwrap();
 }
 
+/// The WRITE_IMM completes at A, and at B in receive `wr_id` with `imm`,
+/// every byte of `data` in `win`.
+fn check_delivered(p: &mut Pair, v: &Verbs, wr_id: u64, imm: u32, win: &MrInfo, data: &[u8]) {
+    let wa = wait_cq(p, true, v.cqa, 1, Duration::from_secs(5));
+    assert_eq!(wa[0].status, WcStatus::Success);
+    let wb = drain_cq(&mut p.b, v.cqb);
+    assert_eq!(
+        (wb[0].wr_id, wb[0].opcode, wb[0].imm, wb[0].byte_len),
+        (
+            wr_id,
+            WcOpcode::RecvRdmaWithImm,
+            Some(imm),
+            data.len() as u32
+        )
+    );
+    assert_eq!(p.b.mr(win.lkey).unwrap(), data);
+}
+
 #[test]
 fn immediate_data_rides_in_the_first_packet_only() {
     let (mut p, v) = pair_1500(41, LinkConfig::lossy(0.01));
@@ -91,29 +109,8 @@ fn immediate_data_rides_in_the_first_packet_only() {
     let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
     post_recv(&mut p, &v, 7);
     let seen = watch(&mut p, false);
-    let r = RemoteAddr {
-        rkey: win.rkey,
-        addr: 0,
-    };
-    let sge = Sge {
-        lkey: src.lkey,
-        addr: 0,
-        len: len as u32,
-    };
-    p.a.post_send(
-        p.now,
-        v.qa,
-        SendWr::new(1, SendOp::WriteImm(r, 0xabcd), sge),
-    )
-    .unwrap();
-    let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(5));
-    assert_eq!(wa[0].status, WcStatus::Success);
-    let wb = drain_cq(&mut p.b, v.cqb);
-    assert_eq!(
-        (wb[0].wr_id, wb[0].opcode, wb[0].imm, wb[0].byte_len),
-        (7, WcOpcode::RecvRdmaWithImm, Some(0xabcd), len as u32)
-    );
-    assert_eq!(p.b.mr(win.lkey).unwrap(), &data[..]);
+    post_write_imm(&mut p, &v, &src, &win, len, 0xabcd);
+    check_delivered(&mut p, &v, 7, 0xabcd, &win, &data);
 
     let seen = seen.borrow();
     let full = usize::from(MTU);
@@ -161,14 +158,7 @@ fn a_write_imm_whose_first_packet_comes_last_waits_for_its_receive() {
     );
     assert!(drain_cq(&mut p.b, v.cqb).is_empty());
     post_recv(&mut p, &v, 9);
-    let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(5));
-    assert_eq!(wa[0].status, WcStatus::Success);
-    let wb = drain_cq(&mut p.b, v.cqb);
-    assert_eq!(
-        (wb[0].wr_id, wb[0].opcode, wb[0].imm, wb[0].byte_len),
-        (9, WcOpcode::RecvRdmaWithImm, Some(77), len as u32)
-    );
-    assert_eq!(p.b.mr(win.lkey).unwrap(), &data[..]);
+    check_delivered(&mut p, &v, 9, 77, &win, &data);
     // The later packets went without the immediate data, the lost one
     // went again with it.
     let seen = seen.borrow();
