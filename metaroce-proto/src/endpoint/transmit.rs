@@ -779,7 +779,7 @@ impl Endpoint {
         ) else {
             return 0;
         };
-        let Some((msn, gen, start, total, opcode)) = q.request_under_way(now) else {
+        let Some((msn, gen, start, total, opcode)) = q.request_under_way(now, limit.mtu) else {
             return 0;
         };
         if (msn, gen) != (tp.msn, tp.gen) {
@@ -925,6 +925,8 @@ impl Endpoint {
             conns, qps, mrs, ..
         } = self;
         let c = conns[ci].as_mut()?;
+        // What segments are sized by (`SegLimit`): the MTU less the trailer.
+        let mtu = c.mtu - c.protect.trailer_len();
         let p = &c.paths_tx[path];
         let mut hdr = DataHeader {
             opcode: Opcode::Nop,
@@ -972,8 +974,8 @@ impl Endpoint {
             } => {
                 if let Some(q) = qp_of(qp).filter(|q| q.state.takes_send()) {
                     if let Some(w) = q.wqe(msn).filter(|w| w.gen == gen) {
-                        hdr.opcode = w.opcode_at(offset);
-                        hdr.ext = w.ext_at(offset);
+                        hdr.opcode = w.opcode_at(offset, mtu);
+                        hdr.ext = w.ext_at(offset, mtu);
                         hdr.dst_qpn = q.remote_qpn;
                         hdr.gen = gen;
                         hdr.msn = msn;
