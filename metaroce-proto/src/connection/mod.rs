@@ -682,6 +682,14 @@ impl Connection {
             .map(|t| t + self.timeout_round())
     }
 
+    /// The MTU full segments are sized by: the connection's, less the
+    /// datagram's trailer (`wire::segment_payload`, `SegLimit`). Where a
+    /// SEND_IMM's or WRITE_IMM's later packets drop the immediate data
+    /// depends on it too, so segmenting and encoding must ask the same.
+    pub(crate) fn segment_mtu(&self) -> usize {
+        self.mtu - self.protect.trailer_len()
+    }
+
     /// The sum of the paths' windows.
     pub(crate) fn window(&self) -> u64 {
         self.paths_tx.iter().map(|p| p.cc.window()).sum()

@@ -529,6 +529,9 @@ impl Endpoint {
         if !c.csn_room() || !c.cwnd_room(mtu as u64) || !c.pacer.ready(now) {
             return None;
         }
+        // Full segments are sized by the connection's MTU; this buffer
+        // may take less.
+        let seg_mtu = c.segment_mtu();
         let nq = c.qps.len();
         let start = c.qp_rr;
         for k in 0..nq {
@@ -548,7 +551,7 @@ impl Endpoint {
                     }
                 }
             }
-            let limit = SegLimit::new(mtu - tl);
+            let limit = SegLimit::new(seg_mtu).within(mtu - tl);
             let Some((kind, full)) = self.take_segment(qpn, now, limit) else {
                 continue;
             };
@@ -925,8 +928,7 @@ impl Endpoint {
             conns, qps, mrs, ..
         } = self;
         let c = conns[ci].as_mut()?;
-        // What segments are sized by (`SegLimit`): the MTU less the trailer.
-        let mtu = c.mtu - c.protect.trailer_len();
+        let mtu = c.segment_mtu();
         let p = &c.paths_tx[path];
         let mut hdr = DataHeader {
             opcode: Opcode::Nop,
@@ -964,6 +966,10 @@ impl Endpoint {
         let mut remote_read: Option<PdHandle> = None;
         // A request's payload: where its element ends in the message.
         let mut sge_end = 0;
+        // The message's later packets carry the same header as this one,
+        // which can then serve them as a template (not a first packet
+        // whose immediate data the later ones go without).
+        let mut same_later = false;
         match kind {
             CsnKind::Request {
                 qp,
@@ -974,8 +980,9 @@ impl Endpoint {
             } => {
                 if let Some(q) = qp_of(qp).filter(|q| q.state.takes_send()) {
                     if let Some(w) = q.wqe(msn).filter(|w| w.gen == gen) {
-                        hdr.opcode = w.opcode_at(offset, mtu);
                         hdr.ext = w.ext_at(offset, mtu);
+                        hdr.opcode = hdr.ext.opcode();
+                        same_later = hdr.opcode == w.later_opcode(mtu);
                         hdr.dst_qpn = q.remote_qpn;
                         hdr.gen = gen;
                         hdr.msn = msn;
@@ -1053,13 +1060,8 @@ impl Endpoint {
             return None;
         }
         let template = match (kind, source) {
-            // The header of a first packet with immediate data is no
-            // template for the next ones, which go without it.
             (CsnKind::Request { qp, msn, gen, .. }, Some((local, key, addr, _)))
-                if found.is_some()
-                    && !retransmit
-                    && probe.is_none()
-                    && hdr.opcode == hdr.opcode.continuation() =>
+                if found.is_some() && !retransmit && probe.is_none() && same_later =>
             {
                 Some(Template {
                     qp,

@@ -286,26 +286,35 @@ impl SendWqe {
         }
     }
 
-    /// The opcode of the packet at `offset` of the message on a path of
-    /// `mtu` (PROTOCOL §5.3): a SEND_IMM's or WRITE_IMM's packets after the
-    /// first go without the immediate data where that lets them carry more
-    /// payload (1,420 bytes of a WRITE_IMM on a 1,500-byte Ethernet path,
-    /// against 1,412). Where it does not (4 KiB either way at the default
-    /// MTU) every packet keeps it: all are then the same size, and a UDP GSO
-    /// batch runs on from one message into the next, where a first packet
-    /// 8 bytes longer than the rest would split each message's batch in two
-    /// (loopback `perf`: 0.75 of the rate).
-    pub(crate) fn opcode_at(&self, offset: u32, mtu: usize) -> Opcode {
+    /// The opcode of the message's packets after its first, on a path of
+    /// `mtu` (PROTOCOL §5.3): a SEND_IMM's or WRITE_IMM's go without the
+    /// immediate data where that lets them carry more payload (1,420 bytes
+    /// of a WRITE_IMM on a 1,500-byte Ethernet path, against 1,412). Where
+    /// it does not (4 KiB either way at the default MTU) they keep it: all
+    /// packets are then the same size, and a UDP GSO batch runs on from one
+    /// message into the next, where a first packet 8 bytes longer than the
+    /// rest would split each message's batch in two (loopback `perf`: 0.75
+    /// of the rate).
+    pub(crate) fn later_opcode(&self, mtu: usize) -> Opcode {
         let op = self.opcode();
         let cont = op.continuation();
-        if offset != 0 && cont != op && segment_payload(mtu, cont) > segment_payload(mtu, op) {
+        if cont != op && segment_payload(mtu, cont) > segment_payload(mtu, op) {
             cont
         } else {
             op
         }
     }
 
-    /// The extension of the packet at `offset` (see [`opcode_at`](Self::opcode_at)).
+    /// The opcode of the packet at `offset` (see [`later_opcode`](Self::later_opcode)).
+    pub(crate) fn opcode_at(&self, offset: u32, mtu: usize) -> Opcode {
+        if offset == 0 {
+            self.opcode()
+        } else {
+            self.later_opcode(mtu)
+        }
+    }
+
+    /// The extension of the packet at `offset` (see [`later_opcode`](Self::later_opcode)).
     pub(crate) fn ext_at(&self, offset: u32, mtu: usize) -> OpcodeExt {
         if self.opcode_at(offset, mtu) == self.opcode() {
             self.ext()
