@@ -10,10 +10,10 @@
 //! parses anything past the common header.
 
 use crate::consts::{
-    AEAD_PROOF_LEN, AEAD_SEQ_LEN, AEAD_TAG_LEN, AEAD_TRAILER_LEN, COMMON_HEADER_LEN,
-    CRC32C_TRAILER_LEN, HANDSHAKE_NONCE_LEN, PSK_LEN,
+    AEAD_PROOF_LEN, AEAD_TAG_LEN, AEAD_TRAILER_LEN, COMMON_HEADER_LEN, CRC32C_TRAILER_LEN,
+    HANDSHAKE_NONCE_LEN, PSK_LEN,
 };
-use ring::{aead, hkdf, hmac};
+use aws_lc_rs::{aead, hkdf, hmac};
 
 /// A pre-shared key (PROTOCOL §3.2): 32 secret bytes both endpoints hold,
 /// from which each connection derives its own keys. Its `Debug` shows no
@@ -255,24 +255,65 @@ impl Protect {
         }
     }
 
+    /// [`seal`](Self::seal) of one datagram, `dg`, whose packets end with
+    /// a payload that is not in it yet: `payload`, whose place is at `at`,
+    /// right before the trailer. Sealed with AES-128-GCM, the payload is
+    /// encrypted from where it is straight into its place (one pass over
+    /// its bytes, where a copy first would make two); the datagram is the
+    /// one [`seal`](Self::seal) would make of it copied in. Otherwise it is
+    /// copied in and `seal` does the rest.
+    pub(crate) fn seal_from(&mut self, dg: &mut [u8], at: usize, payload: &[u8]) {
+        let end = at + payload.len();
+        match self {
+            Protect::Aead(a)
+                if at >= COMMON_HEADER_LEN
+                    && end + AEAD_TRAILER_LEN == dg.len()
+                    && a.tx_seq != u64::MAX =>
+            {
+                let seq = a.tx_seq;
+                a.tx_seq += 1;
+                let (head, rest) = dg.split_at_mut(COMMON_HEADER_LEN);
+                let (packets, rest) = rest.split_at_mut(at - COMMON_HEADER_LEN);
+                let (sealed, seq_out) = rest.split_at_mut(payload.len() + AEAD_TAG_LEN);
+                // As `seal`: fails only past GCM's length limit, and
+                // `sealed` is exactly the payload's and the tag's length.
+                let _ = a.tx.seal_in_place_scatter(
+                    nonce(seq),
+                    aead::Aad::from(&*head),
+                    packets,
+                    payload,
+                    sealed,
+                );
+                seq_out.copy_from_slice(&seq.to_be_bytes());
+            }
+            _ => {
+                dg[at..end].copy_from_slice(payload);
+                self.seal(dg);
+            }
+        }
+    }
+
     /// Opens a received datagram sealed with AES-128-GCM into `scratch`
     /// (at least as long): the length of its packets there (common header
     /// and plaintext), or `None` if it is not authentic. Any other
-    /// protection: `None`.
+    /// protection: `None`. The ciphertext is decrypted from `dg` straight
+    /// into `scratch`, one pass over the bytes; what `scratch` holds after
+    /// a datagram that fails is never read.
     pub(crate) fn open_into(&self, dg: &[u8], scratch: &mut [u8]) -> Option<usize> {
         let Protect::Aead(a) = self else {
             return None;
         };
         let n = dg.len().checked_sub(AEAD_TRAILER_LEN)?;
-        if n < COMMON_HEADER_LEN || scratch.len() < dg.len() {
+        if n < COMMON_HEADER_LEN || scratch.len() < n {
             return None;
         }
-        let seq = u64::from_be_bytes(dg[dg.len() - AEAD_SEQ_LEN..].try_into().ok()?);
-        let sealed = &mut scratch[..dg.len() - AEAD_SEQ_LEN];
-        sealed.copy_from_slice(&dg[..dg.len() - AEAD_SEQ_LEN]);
-        let (head, body) = sealed.split_at_mut(COMMON_HEADER_LEN);
-        a.rx.open_in_place(nonce(seq), aead::Aad::from(&*head), body)
+        let seq = u64::from_be_bytes(dg[n + AEAD_TAG_LEN..].try_into().ok()?);
+        let (head, body) = dg[..n].split_at(COMMON_HEADER_LEN);
+        let tag = &dg[n..n + AEAD_TAG_LEN];
+        let (out_head, out_body) = scratch[..n].split_at_mut(COMMON_HEADER_LEN);
+        a.rx.open_separate_gather(nonce(seq), aead::Aad::from(head), body, tag, out_body)
             .ok()?;
+        out_head.copy_from_slice(head);
         Some(n)
     }
 
@@ -441,5 +482,69 @@ mod tests {
             let t = i * (8 + T) + 8;
             assert_eq!(&buf[t..t + T], &dg[dg.len() - T..], "segment {i}");
         }
+    }
+
+    /// A sending and a receiving side of one connection's keys.
+    fn aead_pair() -> (Protect, Protect) {
+        let psk = Psk::new([9; PSK_LEN]);
+        let derive = || psk.derive(&[1; HANDSHAKE_NONCE_LEN], &[2; HANDSHAKE_NONCE_LEN], 5, 6);
+        (
+            Protect::Aead(Box::new(Aead::new(derive(), true))),
+            Protect::Aead(Box::new(Aead::new(derive(), false))),
+        )
+    }
+
+    #[test]
+    fn sealing_from_a_payload_elsewhere_is_sealing_it_copied_in() {
+        let payload: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+        // Common header, 40 more bytes of packets, payload, trailer.
+        let at = COMMON_HEADER_LEN + 40;
+        let len = at + payload.len() + AEAD_TRAILER_LEN;
+        let head: Vec<u8> = (0..at as u8).collect();
+        let (mut a, _) = aead_pair();
+        let (mut b, rx) = aead_pair();
+        for round in 0..3 {
+            let mut copied = vec![0u8; len];
+            copied[..at].copy_from_slice(&head);
+            copied[at..at + payload.len()].copy_from_slice(&payload);
+            a.seal(&mut copied);
+            let mut scattered = vec![0xa5u8; len];
+            scattered[..at].copy_from_slice(&head);
+            b.seal_from(&mut scattered, at, &payload);
+            assert_eq!(scattered, copied, "round {round}");
+            let mut out = vec![0u8; len];
+            assert_eq!(
+                rx.open_into(&scattered, &mut out),
+                Some(len - AEAD_TRAILER_LEN)
+            );
+            assert_eq!(&out[..at], &head[..]);
+            assert_eq!(&out[at..at + payload.len()], &payload[..]);
+        }
+        // Not a payload right before the trailer: copied in, then sealed.
+        let mut copied = vec![0u8; len];
+        copied[..at].copy_from_slice(&head);
+        copied[at..at + 100].copy_from_slice(&payload[..100]);
+        a.seal(&mut copied);
+        let mut other = vec![0u8; len];
+        other[..at].copy_from_slice(&head);
+        b.seal_from(&mut other, at, &payload[..100]);
+        assert_eq!(other, copied);
+    }
+
+    #[test]
+    fn opening_refuses_any_flipped_bit() {
+        let (mut tx, rx) = aead_pair();
+        let at = COMMON_HEADER_LEN + 8;
+        let mut dg = vec![3u8; at + 64 + AEAD_TRAILER_LEN];
+        tx.seal_from(&mut dg, at, &[0x5a; 64]);
+        let mut out = vec![0u8; dg.len()];
+        assert_eq!(rx.open_into(&dg, &mut out), Some(at + 64));
+        for bit in 0..dg.len() * 8 {
+            let mut d = dg.clone();
+            d[bit / 8] ^= 1 << (bit % 8);
+            assert_eq!(rx.open_into(&d, &mut out), None, "bit {bit}");
+        }
+        assert_eq!(rx.open_into(&dg[..AEAD_TRAILER_LEN + 3], &mut out), None);
+        assert_eq!(rx.open_into(&dg, &mut out[..10]), None);
     }
 }

@@ -250,6 +250,16 @@ impl Gather {
     }
 }
 
+/// A payload of a sealed connection's datagram that is not in the
+/// transmit buffer yet: `range` of region `lkey`, whose place is at `at` in
+/// the buffer, right before its datagram's trailer.
+#[derive(Debug)]
+struct SealPayload {
+    at: usize,
+    lkey: u32,
+    range: core::ops::Range<usize>,
+}
+
 /// Something the application should know about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {
@@ -403,6 +413,10 @@ pub struct Endpoint {
     /// Where sealed datagrams are opened (PROTOCOL §3.2): grown to the
     /// largest datagram once, reused for every one.
     rx_scratch: Vec<u8>,
+    /// The payloads of the transmit being built for a sealed connection,
+    /// in order: left in their regions, to be encrypted straight into
+    /// their places when the transmit is sealed.
+    sealing: Vec<SealPayload>,
     local_ip: Option<IpAddr>,
     /// The latest `now` the driver has given.
     last_now: Instant,
@@ -472,6 +486,7 @@ impl Endpoint {
             qp_count: 0,
             stats: EndpointStats::default(),
             rx_scratch: Vec::new(),
+            sealing: Vec::new(),
             local_ip: None,
             last_now: Instant::ZERO,
             ack_scratch: Default::default(),

@@ -4,7 +4,7 @@
 //! retransmissions, a completion probe, then new data from the connection's
 //! QPs in round robin.
 
-use super::{Ecn, Endpoint, Gather, RegionPin, Transmit};
+use super::{Ecn, Endpoint, Gather, RegionPin, SealPayload, Transmit};
 use crate::connection::{CsnKind, Ctrl};
 use crate::consts::{
     ACK_HEADER_LEN, ACK_NAK_ENTRY_LEN, ACK_OPT_RECV_WINDOW, ACK_PATH_ENTRY_MIN_LEN,
@@ -199,6 +199,7 @@ impl Endpoint {
             // can stay in a region.
             let sealed = self.conns[ci].as_ref().is_some_and(|c| c.protect.is_aead());
             let g = if sealed { None } else { gather.as_deref_mut() };
+            self.sealing.clear();
             let t = self.transmit_conn(ci, now, buf, g);
             if let Some(c) = self.conns[ci].as_mut() {
                 c.tx_mask = u64::MAX;
@@ -244,7 +245,14 @@ impl Endpoint {
         gather: Option<&Gather>,
         t: &Transmit,
     ) {
-        let Some(c) = self.conns[ci].as_mut() else {
+        let Endpoint {
+            conns,
+            mrs,
+            sealing,
+            ..
+        } = self;
+        let region = |p: &SealPayload| mrs.by_lkey(p.lkey).and_then(|m| m.buf.get(p.range.clone()));
+        let Some(c) = conns[ci].as_mut() else {
             return;
         };
         if c.protect.trailer_len() == 0
@@ -253,12 +261,18 @@ impl Endpoint {
                 Some(Ok(PacketType::Hello | PacketType::Accept))
             )
         {
+            // Nothing to seal: payloads left in their regions go in as
+            // they are.
+            for p in sealing.drain(..) {
+                if let Some(bytes) = region(&p) {
+                    buf[p.at..p.at + bytes.len()].copy_from_slice(bytes);
+                }
+            }
             return;
         }
         let seg = t.segment_size.unwrap_or(t.size);
         match gather {
             Some(g) if !g.chunks.is_empty() => {
-                let mrs = &self.mrs;
                 crate::integrity::crc_gathered(
                     buf,
                     &g.chunks,
@@ -268,11 +282,38 @@ impl Endpoint {
                 );
             }
             _ => {
-                for dg in buf[..t.size].chunks_mut(seg) {
-                    c.protect.seal(dg);
+                let mut left = sealing.drain(..).peekable();
+                for (i, dg) in buf[..t.size].chunks_mut(seg).enumerate() {
+                    let (start, end) = (i * seg, i * seg + dg.len());
+                    // The payload at this datagram's end (a datagram
+                    // carries one DATA packet, its payload last). Were
+                    // there more, all would be copied in first.
+                    let first = left.next_if(|p| p.at < end);
+                    let mut whole = true;
+                    while let Some(p) = left.next_if(|p| p.at < end) {
+                        whole = false;
+                        if let Some(bytes) = region(&p) {
+                            dg[p.at - start..p.at - start + bytes.len()].copy_from_slice(bytes);
+                        }
+                    }
+                    match first
+                        .as_ref()
+                        .and_then(|p| Some((p.at - start, region(p)?)))
+                    {
+                        Some((at, bytes)) if whole => c.protect.seal_from(dg, at, bytes),
+                        Some((at, bytes)) => {
+                            dg[at..at + bytes.len()].copy_from_slice(bytes);
+                            c.protect.seal(dg);
+                        }
+                        // No payload, or (never the case: it was read when
+                        // the packet was built, in this same call) its
+                        // region gone.
+                        None => c.protect.seal(dg),
+                    }
                 }
             }
         }
+        sealing.clear();
     }
 
     /// The address stateless replies and handshakes go from: plane 0.
@@ -478,7 +519,7 @@ impl Endpoint {
                     csn,
                     kind,
                     now,
-                    &mut buf[..mtu],
+                    (&mut buf[..mtu], 0),
                     true,
                     None,
                     gather,
@@ -579,7 +620,7 @@ impl Endpoint {
                 csn,
                 kind,
                 now,
-                &mut buf[at..mtu],
+                (&mut buf[at..mtu], at),
                 false,
                 None,
                 gather.as_deref_mut(),
@@ -719,7 +760,7 @@ impl Endpoint {
                     csn,
                     kind,
                     now,
-                    &mut buf[at..at + seg],
+                    (&mut buf[at..at + seg], at),
                     false,
                     None,
                     gather.as_deref_mut(),
@@ -774,7 +815,11 @@ impl Endpoint {
             return 0;
         };
         let Endpoint {
-            conns, qps, mrs, ..
+            conns,
+            qps,
+            mrs,
+            sealing,
+            ..
         } = self;
         let (Some(c), Some(q)) = (
             conns.get_mut(ci).and_then(|c| c.as_mut()),
@@ -854,7 +899,14 @@ impl Endpoint {
                     g.push_trailer(tl);
                 }
                 g => {
-                    if let Some(m) = mrs.by_lkey(lkey) {
+                    if c.protect.is_aead() {
+                        // Encrypted into place when the transmit is sealed.
+                        sealing.push(SealPayload {
+                            at: at + hlen,
+                            lkey,
+                            range,
+                        });
+                    } else if let Some(m) = mrs.by_lkey(lkey) {
                         buf[at + hlen..end - tl].copy_from_slice(&m.buf[range]);
                     }
                     if let Some(g) = g {
@@ -887,8 +939,17 @@ impl Endpoint {
     ) -> Option<Transmit> {
         let c = self.conns[ci].as_mut()?;
         let csn = c.new_csn(CsnKind::Nop);
-        let (size, _) =
-            self.encode_data(ci, path, csn, CsnKind::Nop, now, buf, false, probe, gather)?;
+        let (size, _) = self.encode_data(
+            ci,
+            path,
+            csn,
+            CsnKind::Nop,
+            now,
+            (buf, 0),
+            false,
+            probe,
+            gather,
+        )?;
         self.data_transmit(ci, path, size)
     }
 
@@ -919,13 +980,17 @@ impl Endpoint {
         csn: u32,
         kind: CsnKind,
         now: Instant,
-        buf: &mut [u8],
+        (buf, base): (&mut [u8], usize),
         retransmit: bool,
         probe: Option<(u32, u32)>,
         gather: Option<&mut Gather>,
     ) -> Option<(usize, Option<Template>)> {
         let Endpoint {
-            conns, qps, mrs, ..
+            conns,
+            qps,
+            mrs,
+            sealing,
+            ..
         } = self;
         let c = conns[ci].as_mut()?;
         let mtu = c.segment_mtu();
@@ -1084,7 +1149,16 @@ impl Endpoint {
             }
             (found, g) => {
                 if let Some((mr, range)) = found {
-                    buf[hlen..hlen + plen].copy_from_slice(&mr.buf[range]);
+                    if c.protect.is_aead() {
+                        // Encrypted into place when the transmit is sealed.
+                        sealing.push(SealPayload {
+                            at: base + hlen,
+                            lkey: mr.info.lkey,
+                            range,
+                        });
+                    } else {
+                        buf[hlen..hlen + plen].copy_from_slice(&mr.buf[range]);
+                    }
                 }
                 if let Some(g) = g {
                     g.push_buf(size);
