@@ -240,6 +240,9 @@ pub struct DriverStats {
     pub gso_sends: u64,
     /// Receive calls that returned several datagrams at once (GRO).
     pub gro_batches: u64,
+    /// Reads of a receive socket (portable only: `recvmmsg` calls, those
+    /// that found nothing included).
+    pub reads: u64,
     /// Sends the kernel refused (logged; the protocol recovers the loss).
     pub send_errors: u64,
     /// Turns of the loop that waited for the network or a timer.

@@ -27,6 +27,10 @@ impl Sock {
     }
 }
 
+/// Messages one read of a receive socket may return (`recvmmsg`): as many
+/// as a turn's default budget holds GRO batches of 64 KiB.
+const RX_BATCH: usize = 4;
+
 /// Runs one [`Endpoint`] on UDP sockets. Single-threaded: call
 /// [`poll`](Self::poll) in a loop and use [`endpoint`](Self::endpoint) in
 /// between to post work and read completions.
@@ -38,7 +42,10 @@ pub struct PortableDriver {
     send: Vec<Sock>,
     sockets: Sockets,
     local: SocketAddr,
+    /// [`RX_BATCH`] receive buffers of `rx_chunk` bytes each, one per
+    /// message a read may return.
     rx_buf: Vec<u8>,
+    rx_chunk: usize,
     tx_buf: Vec<u8>,
     /// Bytes a turn sends before it reads ([`DriverConfig::turn_send_bytes`]).
     turn_send_bytes: usize,
@@ -108,6 +115,10 @@ impl PortableDriver {
             gso_segments = ep.config().max_gso_segments,
             "portable UDP driver bound"
         );
+        // A message is a datagram, or with GRO several coalesced (at most
+        // 64 KiB of them); the read's buffers hold as much as one buffer
+        // of GRO's size did.
+        let rx_chunk = (65_536 * gro.min(64) / RX_BATCH).max(65_536);
         Ok(PortableDriver {
             ep,
             clock: Clock::new(),
@@ -115,7 +126,8 @@ impl PortableDriver {
             send,
             sockets,
             local,
-            rx_buf: vec![0u8; 65_536 * gro.min(64)],
+            rx_buf: vec![0u8; RX_BATCH * rx_chunk],
+            rx_chunk,
             tx_buf: vec![0u8; 65_536],
             turn_send_bytes: cfg.turn_send_bytes,
             turn_recv_bytes: cfg.turn_recv_bytes,
@@ -257,14 +269,22 @@ impl PortableDriver {
             if any && budget == 0 {
                 break;
             }
-            let mut meta = [RecvMeta::default()];
+            // No more messages than the budget left may take whole (each
+            // may be a GRO batch of 64 KiB), one at least.
+            let ask = budget.div_ceil(65_536).clamp(1, RX_BATCH);
+            let mut meta = [RecvMeta::default(); RX_BATCH];
             let n = {
-                let mut bufs = [IoSliceMut::new(&mut self.rx_buf)];
+                let mut bufs: [IoSliceMut<'_>; RX_BATCH] = {
+                    let mut chunks = self.rx_buf.chunks_mut(self.rx_chunk);
+                    std::array::from_fn(|_| IoSliceMut::new(chunks.next().unwrap_or_default()))
+                };
                 let r = &self.recv[k];
-                match r
-                    .state
-                    .recv(UdpSockRef::from(&r.sock), &mut bufs, &mut meta)
-                {
+                self.stats.reads += 1;
+                match r.state.recv(
+                    UdpSockRef::from(&r.sock),
+                    &mut bufs[..ask],
+                    &mut meta[..ask],
+                ) {
                     Ok(n) => n,
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -273,7 +293,7 @@ impl PortableDriver {
             };
             let now = self.clock.now();
             let mut wall = None;
-            for m in &meta[..n] {
+            for (i, m) in meta[..n].iter().enumerate() {
                 any = true;
                 budget = budget.saturating_sub(m.len);
                 // quinn-udp turns SO_TIMESTAMPNS on and reads the stamps.
@@ -283,7 +303,8 @@ impl PortableDriver {
                 if m.stride != 0 && m.len > m.stride {
                     self.stats.gro_batches += 1;
                 }
-                for dg in crate::sockets::datagrams(&self.rx_buf[..m.len], Some(m.stride)) {
+                let at = i * self.rx_chunk;
+                for dg in crate::sockets::datagrams(&self.rx_buf[at..at + m.len], Some(m.stride)) {
                     self.stats.datagrams_received += 1;
                     if let Some(n) = self.stats.received_per_plane.get_mut(k) {
                         *n += 1;
@@ -299,6 +320,13 @@ impl PortableDriver {
                         &mut self.stats,
                     );
                 }
+            }
+            // Fewer messages than buffers: the socket had no more when it
+            // was read. Another read now would most likely find nothing, a
+            // system call that holds up what this one brought (the next
+            // turn reads again).
+            if n < ask {
+                break;
             }
         }
         Ok(any)

@@ -846,6 +846,24 @@ suite!(
     arrival_stamps
 );
 
+/// A portable turn that reads fewer messages than it asked the socket for
+/// reads no more: the socket had nothing else, and a second read would
+/// only hold up what the first brought (a system call on the way of every
+/// answer).
+#[test]
+fn a_portable_read_that_drains_the_socket_is_the_turns_last() {
+    let mut p = pair::<PortableDriver>(config(16));
+    let w = p.post_write(64, 1);
+    // Loopback: the WRITE is in b's socket when a's send returns.
+    p.a.poll(Duration::ZERO).unwrap();
+    let before = p.b.stats();
+    p.b.poll(Duration::ZERO).unwrap();
+    let s = p.b.stats();
+    assert!(s.datagrams_received > before.datagrams_received, "{s:?}");
+    assert_eq!(s.reads - before.reads, 1, "{before:?}\n{s:?}");
+    p.finish_write("portable", w);
+}
+
 #[test]
 fn auto_picks_io_uring_where_the_kernel_has_it() {
     let d = Driver::bind(config(1)).unwrap();
