@@ -63,6 +63,7 @@ use metaroce_io::{
     AccessFlags, CompletionQueue, Connection, Device, MemoryRegion, ProtectionDomain, QpCaps,
     QueuePair, RcAttrs, RegionBuf, RemoteAddr, WcOpcode, WorkRequest,
 };
+use rustc_hash::FxHashMap;
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
@@ -705,7 +706,7 @@ const STASH_MAX: usize = 64;
 const ANNOUNCE_LATE: Duration = Duration::from_millis(1);
 
 /// The next sequence number of `tag` in `seqs`, counted on.
-fn next_seq(seqs: &mut HashMap<i32, u32>, tag: i32) -> u32 {
+fn next_seq<S: std::hash::BuildHasher>(seqs: &mut HashMap<i32, u32, S>, tag: i32) -> u32 {
     let next = seqs.entry(tag).or_insert(0);
     let seq = *next;
     *next = seq.wrapping_add(1);
@@ -814,8 +815,9 @@ pub(crate) struct SendComm {
     fifo_posted: VecDeque<(WorkRequest, usize)>,
     /// Buffers the peer announced, by tag and sequence number.
     ready: HashMap<(i32, u32), Announced>,
-    /// The sequence number of the next message of each tag.
-    sent: HashMap<i32, u32>,
+    /// The sequence number of the next message of each tag (this side's
+    /// tags: a fast hash).
+    sent: FxHashMap<i32, u32>,
 }
 
 impl SendComm {
@@ -840,7 +842,7 @@ impl SendComm {
             fifo,
             fifo_posted,
             ready: HashMap::new(),
-            sent: HashMap::new(),
+            sent: FxHashMap::default(),
         })
     }
 
@@ -1028,11 +1030,13 @@ struct RecvEngine {
     /// The receives posted into them, oldest first, with their buffer.
     posted: VecDeque<(WorkRequest, usize)>,
     groups: VecDeque<Group>,
-    done: HashMap<u32, Vec<usize>>,
+    /// Receives done and not tested yet, by id (this side's ids: a fast
+    /// hash; the maps keyed by what the peer sends keep the default one).
+    done: FxHashMap<u32, Vec<usize>>,
     failed: Option<(crate::abi::NcclResult, String)>,
     next_id: u32,
     /// The sequence number of the next buffer posted, by tag.
-    posted_seq: HashMap<i32, u32>,
+    posted_seq: FxHashMap<i32, u32>,
     /// The sequence number of the next message to arrive, by tag.
     arrived_seq: HashMap<i32, u32>,
     stash: HashMap<(i32, u32), Stashed>,
@@ -1056,10 +1060,10 @@ impl RecvEngine {
             bounce,
             posted: VecDeque::with_capacity(BOUNCE_RECVS),
             groups: VecDeque::new(),
-            done: HashMap::new(),
+            done: FxHashMap::default(),
             failed: None,
             next_id: 0,
-            posted_seq: HashMap::new(),
+            posted_seq: FxHashMap::default(),
             arrived_seq: HashMap::new(),
             stash: HashMap::new(),
             copied: 0,

@@ -10,6 +10,7 @@ use metaroce_proto::verbs::*;
 use metaroce_proto::{
     ConnectionError, ConnectionState, ConnectionStats, Endpoint, EndpointStats, Event,
 };
+use rustc_hash::FxHashMap;
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
@@ -123,14 +124,15 @@ pub(super) struct Worker {
     incoming: tmpsc::UnboundedSender<Incoming>,
     metrics: Option<Metrics>,
     /// Completion-queue sinks, by core CQ.
-    cqs: HashMap<CqHandle, Arc<CqSink>>,
+    cqs: FxHashMap<CqHandle, Arc<CqSink>>,
     /// Requests in flight, by the internal wr_id given to the core.
-    pending: HashMap<u64, Pending>,
+    /// (Keys the device makes, never the network's: a fast hash.)
+    pending: FxHashMap<u64, Pending>,
     next_wr: u64,
     /// Unsignaled sends posted to a completion queue, by QP, oldest first
     /// (internal wr_ids): done, with no completion of their own, when a
     /// later send of their QP completes (RC completes in order).
-    unsignaled: HashMap<Qpn, VecDeque<u64>>,
+    unsignaled: FxHashMap<Qpn, VecDeque<u64>>,
     /// Connects waiting for the handshake.
     connecting: HashMap<ConnectionHandle, Reply<ConnectionHandle>>,
     /// Regions and PDs whose handles were dropped while still in use.
@@ -546,10 +548,10 @@ impl Worker {
             rx,
             incoming,
             metrics,
-            cqs: HashMap::new(),
-            pending: HashMap::new(),
+            cqs: FxHashMap::default(),
+            pending: FxHashMap::default(),
             next_wr: 1,
-            unsignaled: HashMap::new(),
+            unsignaled: FxHashMap::default(),
             connecting: HashMap::new(),
             zombies_mr: Vec::new(),
             deregs: Vec::new(),
@@ -633,7 +635,15 @@ impl Worker {
     }
 
     fn command(&mut self, c: Command) {
-        let now = self.drv.now();
+        // The clock is read for the commands that take the time only (a
+        // receive posted between two messages does not).
+        let now = match c {
+            Command::PostSend(..)
+            | Command::PostSendBatch(..)
+            | Command::Connect(..)
+            | Command::Close(..) => self.drv.now(),
+            _ => metaroce_proto::Instant::ZERO,
+        };
         let ep = self.drv.endpoint();
         match c {
             Command::AllocPd(r) => {
@@ -923,7 +933,7 @@ fn try_lend(ep: &mut Endpoint, lkey: u32, r: Reply<RegionBuf>) -> Option<(u32, R
 /// remembers where its completion goes and returns the id; if not, tells
 /// the caller why.
 fn track(
-    pending: &mut HashMap<u64, Pending>,
+    pending: &mut FxHashMap<u64, Pending>,
     next_wr: &mut u64,
     user_wr_id: u64,
     notify: Notify,
@@ -948,8 +958,8 @@ fn track(
 /// that QP are done too, with no completion of their own (and the request
 /// itself, if it was unsignaled and failed, leaves the list).
 fn retire_unsignaled(
-    unsignaled: &mut HashMap<Qpn, VecDeque<u64>>,
-    pending: &mut HashMap<u64, Pending>,
+    unsignaled: &mut FxHashMap<Qpn, VecDeque<u64>>,
+    pending: &mut FxHashMap<u64, Pending>,
     wc: &WorkCompletion,
 ) {
     let Some(q) = unsignaled.get_mut(&wc.qpn) else {
