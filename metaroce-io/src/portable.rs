@@ -31,6 +31,12 @@ impl Sock {
 /// as a turn's default budget holds GRO batches of 64 KiB.
 const RX_BATCH: usize = 4;
 
+/// Whether a read returns several messages (`recvmmsg`) and one that
+/// returns fewer than asked says the socket had no more. Elsewhere
+/// quinn-udp reads one message a call, and reading goes on until the
+/// socket is empty or the budget is spent.
+const READS_MANY: bool = cfg!(any(target_os = "linux", target_os = "android"));
+
 /// Runs one [`Endpoint`] on UDP sockets. Single-threaded: call
 /// [`poll`](Self::poll) in a loop and use [`endpoint`](Self::endpoint) in
 /// between to post work and read completions.
@@ -271,7 +277,11 @@ impl PortableDriver {
             }
             // No more messages than the budget left may take whole (each
             // may be a GRO batch of 64 KiB), one at least.
-            let ask = budget.div_ceil(65_536).clamp(1, RX_BATCH);
+            let ask = if READS_MANY {
+                budget.div_ceil(65_536).clamp(1, RX_BATCH)
+            } else {
+                1
+            };
             let mut meta = [RecvMeta::default(); RX_BATCH];
             let n = {
                 let mut bufs: [IoSliceMut<'_>; RX_BATCH] = {
@@ -325,7 +335,7 @@ impl PortableDriver {
             // was read. Another read now would most likely find nothing, a
             // system call that holds up what this one brought (the next
             // turn reads again).
-            if n < ask {
+            if READS_MANY && n < ask {
                 break;
             }
         }

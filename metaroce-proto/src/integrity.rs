@@ -236,19 +236,26 @@ impl Protect {
                 let seq = a.tx_seq;
                 if seq == u64::MAX {
                     // Never wraps (PROTOCOL §3.2): the datagram goes out
-                    // unsealed, and the peer drops it.
-                    dg[n..].fill(0);
+                    // zeroed past its common header, and the peer drops it.
+                    dg[COMMON_HEADER_LEN..].fill(0);
                     return;
                 }
                 a.tx_seq += 1;
                 let (head, rest) = dg.split_at_mut(COMMON_HEADER_LEN);
                 let (body, trailer) = rest.split_at_mut(n - COMMON_HEADER_LEN);
                 // Sealing fails only past GCM's per-message length limit
-                // (64 GiB), far above any datagram.
-                if let Ok(tag) =
-                    a.tx.seal_in_place_separate_tag(nonce(seq), aead::Aad::from(&*head), body)
+                // (64 GiB), far above any datagram; were it to fail, the
+                // datagram goes out zeroed, never in clear.
+                match a
+                    .tx
+                    .seal_in_place_separate_tag(nonce(seq), aead::Aad::from(&*head), body)
                 {
-                    trailer[..AEAD_TAG_LEN].copy_from_slice(tag.as_ref());
+                    Ok(tag) => trailer[..AEAD_TAG_LEN].copy_from_slice(tag.as_ref()),
+                    Err(_) => {
+                        body.fill(0);
+                        trailer.fill(0);
+                        return;
+                    }
                 }
                 trailer[AEAD_TAG_LEN..].copy_from_slice(&seq.to_be_bytes());
             }
@@ -275,15 +282,20 @@ impl Protect {
                 let (head, rest) = dg.split_at_mut(COMMON_HEADER_LEN);
                 let (packets, rest) = rest.split_at_mut(at - COMMON_HEADER_LEN);
                 let (sealed, seq_out) = rest.split_at_mut(payload.len() + AEAD_TAG_LEN);
-                // As `seal`: fails only past GCM's length limit, and
-                // `sealed` is exactly the payload's and the tag's length.
-                let _ = a.tx.seal_in_place_scatter(
+                // As `seal`: fails only past GCM's length limit (`sealed`
+                // is exactly the payload's and the tag's length); were it
+                // to fail, the datagram goes out zeroed, never in clear.
+                let r = a.tx.seal_in_place_scatter(
                     nonce(seq),
                     aead::Aad::from(&*head),
                     packets,
                     payload,
                     sealed,
                 );
+                if r.is_err() {
+                    dg[COMMON_HEADER_LEN..].fill(0);
+                    return;
+                }
                 seq_out.copy_from_slice(&seq.to_be_bytes());
             }
             _ => {
@@ -546,5 +558,25 @@ mod tests {
         }
         assert_eq!(rx.open_into(&dg[..AEAD_TRAILER_LEN + 3], &mut out), None);
         assert_eq!(rx.open_into(&dg, &mut out[..10]), None);
+    }
+
+    #[test]
+    fn the_last_sequence_number_sends_nothing_in_clear() {
+        let (mut tx, rx) = aead_pair();
+        if let Protect::Aead(a) = &mut tx {
+            a.tx_seq = u64::MAX;
+        }
+        let at = COMMON_HEADER_LEN + 8;
+        for scatter in [false, true] {
+            let mut dg = vec![0x77u8; at + 64 + AEAD_TRAILER_LEN];
+            if scatter {
+                tx.seal_from(&mut dg, at, &[0x5a; 64]);
+            } else {
+                tx.seal(&mut dg);
+            }
+            assert!(dg[COMMON_HEADER_LEN..].iter().all(|&b| b == 0), "{dg:?}");
+            let mut out = vec![0u8; dg.len()];
+            assert_eq!(rx.open_into(&dg, &mut out), None);
+        }
     }
 }

@@ -264,15 +264,14 @@ impl Endpoint {
             // Nothing to seal: payloads left in their regions go in as
             // they are.
             for p in sealing.drain(..) {
-                if let Some(bytes) = region(&p) {
-                    buf[p.at..p.at + bytes.len()].copy_from_slice(bytes);
-                }
+                fill_in(buf, 0, &p, region(&p));
             }
             return;
         }
         let seg = t.segment_size.unwrap_or(t.size);
         match gather {
-            Some(g) if !g.chunks.is_empty() => {
+            // A sealed connection's transmit is never gathered.
+            Some(g) if !g.chunks.is_empty() && !c.protect.is_aead() => {
                 crate::integrity::crc_gathered(
                     buf,
                     &g.chunks,
@@ -287,27 +286,22 @@ impl Endpoint {
                     let (start, end) = (i * seg, i * seg + dg.len());
                     // The payload at this datagram's end (a datagram
                     // carries one DATA packet, its payload last). Were
-                    // there more, all would be copied in first.
+                    // there more, all would be copied in first. Entries
+                    // come in order, each inside its datagram.
                     let first = left.next_if(|p| p.at < end);
                     let mut whole = true;
                     while let Some(p) = left.next_if(|p| p.at < end) {
                         whole = false;
-                        if let Some(bytes) = region(&p) {
-                            dg[p.at - start..p.at - start + bytes.len()].copy_from_slice(bytes);
-                        }
+                        fill_in(dg, start, &p, region(&p));
                     }
-                    match first
-                        .as_ref()
-                        .and_then(|p| Some((p.at - start, region(p)?)))
-                    {
-                        Some((at, bytes)) if whole => c.protect.seal_from(dg, at, bytes),
-                        Some((at, bytes)) => {
-                            dg[at..at + bytes.len()].copy_from_slice(bytes);
+                    match first.as_ref().map(|p| (p, region(p))) {
+                        Some((p, Some(bytes))) if whole && p.at >= start => {
+                            c.protect.seal_from(dg, p.at - start, bytes);
+                        }
+                        Some((p, bytes)) => {
+                            fill_in(dg, start, p, bytes);
                             c.protect.seal(dg);
                         }
-                        // No payload, or (never the case: it was read when
-                        // the packet was built, in this same call) its
-                        // region gone.
                         None => c.protect.seal(dg),
                     }
                 }
@@ -1470,5 +1464,23 @@ fn nop_of(h: &DataHeader) -> DataHeader {
         msg_len: 0,
         msg_offset: 0,
         ..*h
+    }
+}
+
+/// Copies a deferred payload into datagram `dg` (which starts at `start` in
+/// the transmit buffer); where its region is gone (never the case: it was
+/// read when the packet was built, in the same call), what is at its place
+/// is zeroed rather than sent as it is.
+fn fill_in(dg: &mut [u8], start: usize, p: &SealPayload, bytes: Option<&[u8]>) {
+    let Some(at) = p.at.checked_sub(start) else {
+        return;
+    };
+    let len = p.range.len();
+    let Some(place) = dg.get_mut(at..at + len) else {
+        return;
+    };
+    match bytes {
+        Some(b) if b.len() == len => place.copy_from_slice(b),
+        _ => place.fill(0),
     }
 }
