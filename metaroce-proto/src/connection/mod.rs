@@ -616,12 +616,35 @@ impl Connection {
         if !self.csn_room() {
             return None;
         }
-        self.paths_tx.iter().position(|p| {
-            let failed = p.state == PathState::Probing && p.in_flight == 0;
-            let tail = p.state == PathState::Active && p.probe_due && p.move_to.is_none();
-            let check = p.check_due && p.in_flight == 0 && p.move_to.is_none();
-            (failed || tail || check) && p.has_room() && self.path_open(p)
-        })
+        self.paths_tx
+            .iter()
+            .position(|p| p.has_room() && self.probe_due_on(p))
+    }
+
+    /// Whether path `p` may send a NOP probe, its window aside (the test
+    /// of [`probe_path`](Self::probe_path)).
+    #[inline]
+    fn probe_due_on(&self, p: &PathTx) -> bool {
+        let failed = p.state == PathState::Probing && p.in_flight == 0;
+        let tail = p.state == PathState::Active && p.probe_due && p.move_to.is_none();
+        let check = p.check_due && p.in_flight == 0 && p.move_to.is_none();
+        (failed || tail || check) && self.path_open(p)
+    }
+
+    /// In one look at the paths: whether any has room in its window, and
+    /// whether [`probe_path`](Self::probe_path) has one (a probe is due).
+    pub(crate) fn room_and_probe(&self) -> (bool, bool) {
+        let csn = self.csn_room();
+        let mut room = false;
+        for p in &self.paths_tx {
+            if p.has_room() {
+                room = true;
+                if csn && self.probe_due_on(p) {
+                    return (true, true);
+                }
+            }
+        }
+        (room, false)
     }
 
     /// Whether [`pick_path`](Self::pick_path) has a path for `bytes`: one

@@ -798,10 +798,13 @@ impl Endpoint {
         if !c.is_established() {
             return false;
         }
-        if c.ack_due(now) || c.probe_path().is_some() {
+        if c.ack_due(now) {
             return true;
         }
-        let path_room = c.paths_tx.iter().any(|p| p.has_room());
+        let (path_room, probe) = c.room_and_probe();
+        if probe {
+            return true;
+        }
         if !path_room {
             return false;
         }
