@@ -107,8 +107,7 @@ fn immediate_data_rides_in_the_first_packet_only() {
     let (mut p, v) = pair_1500(41, LinkConfig::lossy(0.01));
     let len = 256 << 10;
     let data = pattern(41, len);
-    let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
-    let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+    let (src, win) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &data);
     post_recv(&mut p, &v, 7);
     let seen = watch(&mut p, false);
     post_write_imm(&mut p, &v, &src, &win, len, 0xabcd);
@@ -141,8 +140,7 @@ fn a_write_imm_whose_first_packet_comes_last_waits_for_its_receive() {
     let (mut p, v) = pair_1500(42, LinkConfig::perfect());
     let len = 64 << 10;
     let data = pattern(42, len);
-    let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
-    let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+    let (src, win) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &data);
     // The first packet is lost once: the rest of the message arrives before
     // it and makes a record without the immediate data. No receive is
     // posted yet, so when the first packet comes, the message is refused
@@ -181,8 +179,7 @@ fn at_the_default_mtu_every_packet_keeps_the_immediate_data() {
     let v = Verbs::setup(&mut p);
     let len = 64 << 10;
     let data = pattern(43, len);
-    let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
-    let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+    let (src, win) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &data);
     post_recv(&mut p, &v, 3);
     let seen = watch(&mut p, false);
     post_write_imm(&mut p, &v, &src, &win, len, 5);

@@ -139,8 +139,7 @@ fn the_smaller_mtu_of_the_two_is_used() {
         let v = Verbs::setup(&mut p);
         let len = 200_000;
         let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
-        let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
-        let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+        let (src, win) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &data);
         p.a.post_send(p.now, v.qa, write_whole(1, &src, &win, len))
             .unwrap();
         let wcs = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(1));
@@ -366,8 +365,7 @@ fn large_message_over_lossy_link() {
     let (mut p, v) = pair(5, LinkConfig::lossy(0.05));
     let len = 8 << 20;
     let data = pattern(5, len);
-    let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
-    let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+    let (src, win) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &data);
     let now = p.now;
     p.a.post_send(now, v.qa, write_wr(1, &src, &win, 0, len as u32))
         .unwrap();
@@ -950,8 +948,7 @@ fn gigabyte_write() {
     for (i, chunk) in data.chunks_mut(4096).enumerate() {
         chunk.fill(i as u8 ^ (i >> 8) as u8);
     }
-    let src = reg(&mut p.a, v.pda, data, 0, AccessFlags::NONE);
-    let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+    let (src, win) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &data);
     p.a.post_send(p.now, v.qa, write_wr(1, &src, &win, 0, len as u32))
         .unwrap();
     let wa = wait_cq(&mut p, true, v.cqa, 1, Duration::from_secs(60));
@@ -1096,8 +1093,7 @@ fn gso_batches_carry_full_segments_on_one_path() {
     let (mut p, v) = pair_with(gso8(), 24, LinkConfig::lossy(0.01));
     let len = 1 << 20;
     let data = pattern(24, len);
-    let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
-    let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+    let (src, win) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &data);
     p.a.post_send(p.now, v.qa, write_wr(1, &src, &win, 0, len as u32))
         .unwrap();
     // Look at what the core hands the driver.
@@ -1431,8 +1427,7 @@ fn the_receivers_grant_caps_the_sender() {
         p.connect();
         let v = Verbs::setup(&mut p);
         let len = 4 << 20;
-        let src = reg(&mut p.a, v.pda, pattern(27, len), 0, AccessFlags::NONE);
-        let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+        let (src, win) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &pattern(27, len));
         let r = RemoteAddr {
             rkey: win.rkey,
             addr: 0,
@@ -1597,8 +1592,7 @@ fn a_gathered_batch_is_no_larger_than_the_buffer() {
     // 16 segments of 4,148 bytes would be 66,368.
     let (mut p, v) = batching_pair(16, 30);
     let len = 1 << 18;
-    let src = reg(&mut p.a, v.pda, pattern(30, len), 0, AccessFlags::NONE);
-    let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+    let (src, win) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &pattern(30, len));
     p.a.post_send(p.now, v.qa, write_wr(1, &src, &win, 0, len as u32))
         .unwrap();
     let mut buf = vec![0u8; 65_507];
@@ -1679,8 +1673,7 @@ fn the_timer_is_right_whenever_it_is_read() {
     let (mut p, v) = pair(21, LinkConfig::perfect());
     let len = 256 << 10;
     let data = pattern(21, len);
-    let src = reg(&mut p.a, v.pda, data.clone(), 0, AccessFlags::NONE);
-    let win = reg(&mut p.b, v.pdb, vec![0; len], 0, AccessFlags::REMOTE_WRITE);
+    let (src, win) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &data);
     let conn = p.conn_a.unwrap();
     // A quiet connection owes nothing soon.
     p.run_for(Duration::from_millis(5));
