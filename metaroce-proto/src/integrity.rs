@@ -150,6 +150,37 @@ impl Aead {
         };
         Aead { tx, rx, tx_seq: 0 }
     }
+
+    /// Seals datagram `dg`: common header (AAD), ciphertext, tag,
+    /// sequence number. Its packets are in it up to `at`; `payload`, which
+    /// may be empty, is encrypted from where it is into its place from
+    /// `at` on, right before the trailer. The last sequence number, or a
+    /// seal that fails (only past GCM's per-message limit of 64 GiB), sends
+    /// the datagram zeroed past its common header, never in clear: the
+    /// peer drops it (PROTOCOL §3.2).
+    fn seal(&mut self, dg: &mut [u8], at: usize, payload: &[u8]) {
+        let seq = self.tx_seq;
+        if seq == u64::MAX {
+            dg[COMMON_HEADER_LEN..].fill(0);
+            return;
+        }
+        self.tx_seq += 1;
+        let (head, rest) = dg.split_at_mut(COMMON_HEADER_LEN);
+        let (packets, rest) = rest.split_at_mut(at - COMMON_HEADER_LEN);
+        let (sealed, seq_out) = rest.split_at_mut(payload.len() + AEAD_TAG_LEN);
+        let r = self.tx.seal_in_place_scatter(
+            nonce(seq),
+            aead::Aad::from(&*head),
+            packets,
+            payload,
+            sealed,
+        );
+        if r.is_err() {
+            dg[COMMON_HEADER_LEN..].fill(0);
+            return;
+        }
+        seq_out.copy_from_slice(&seq.to_be_bytes());
+    }
 }
 
 /// The nonce of datagram `seq`: four zero bytes and the sequence number.
@@ -231,33 +262,8 @@ impl Protect {
                 trailer.copy_from_slice(&crc32c(body).to_be_bytes());
             }
             Protect::Aead(a) => {
-                // Layout: common header (AAD), ciphertext, tag, sequence number.
                 let n = dg.len() - AEAD_TRAILER_LEN;
-                let seq = a.tx_seq;
-                if seq == u64::MAX {
-                    // Never wraps (PROTOCOL §3.2): the datagram goes out
-                    // zeroed past its common header, and the peer drops it.
-                    dg[COMMON_HEADER_LEN..].fill(0);
-                    return;
-                }
-                a.tx_seq += 1;
-                let (head, rest) = dg.split_at_mut(COMMON_HEADER_LEN);
-                let (body, trailer) = rest.split_at_mut(n - COMMON_HEADER_LEN);
-                // Sealing fails only past GCM's per-message length limit
-                // (64 GiB), far above any datagram; were it to fail, the
-                // datagram goes out zeroed, never in clear.
-                match a
-                    .tx
-                    .seal_in_place_separate_tag(nonce(seq), aead::Aad::from(&*head), body)
-                {
-                    Ok(tag) => trailer[..AEAD_TAG_LEN].copy_from_slice(tag.as_ref()),
-                    Err(_) => {
-                        body.fill(0);
-                        trailer.fill(0);
-                        return;
-                    }
-                }
-                trailer[AEAD_TAG_LEN..].copy_from_slice(&seq.to_be_bytes());
+                a.seal(dg, n, &[]);
             }
         }
     }
@@ -272,31 +278,8 @@ impl Protect {
     pub(crate) fn seal_from(&mut self, dg: &mut [u8], at: usize, payload: &[u8]) {
         let end = at + payload.len();
         match self {
-            Protect::Aead(a)
-                if at >= COMMON_HEADER_LEN
-                    && end + AEAD_TRAILER_LEN == dg.len()
-                    && a.tx_seq != u64::MAX =>
-            {
-                let seq = a.tx_seq;
-                a.tx_seq += 1;
-                let (head, rest) = dg.split_at_mut(COMMON_HEADER_LEN);
-                let (packets, rest) = rest.split_at_mut(at - COMMON_HEADER_LEN);
-                let (sealed, seq_out) = rest.split_at_mut(payload.len() + AEAD_TAG_LEN);
-                // As `seal`: fails only past GCM's length limit (`sealed`
-                // is exactly the payload's and the tag's length); were it
-                // to fail, the datagram goes out zeroed, never in clear.
-                let r = a.tx.seal_in_place_scatter(
-                    nonce(seq),
-                    aead::Aad::from(&*head),
-                    packets,
-                    payload,
-                    sealed,
-                );
-                if r.is_err() {
-                    dg[COMMON_HEADER_LEN..].fill(0);
-                    return;
-                }
-                seq_out.copy_from_slice(&seq.to_be_bytes());
+            Protect::Aead(a) if at >= COMMON_HEADER_LEN && end + AEAD_TRAILER_LEN == dg.len() => {
+                a.seal(dg, at, payload);
             }
             _ => {
                 dg[at..end].copy_from_slice(payload);
