@@ -27,6 +27,10 @@ impl Sock {
     }
 }
 
+/// The most one received message holds: a datagram, or a GRO batch of
+/// them.
+const RX_MESSAGE_MAX: usize = 65_536;
+
 /// Messages one read of a receive socket may return (`recvmmsg`): as many
 /// as a turn's default budget holds GRO batches of 64 KiB.
 const RX_BATCH: usize = 4;
@@ -124,7 +128,7 @@ impl PortableDriver {
         // A message is a datagram, or with GRO several coalesced (at most
         // 64 KiB of them); the read's buffers hold as much as one buffer
         // of GRO's size did.
-        let rx_chunk = (65_536 * gro.min(64) / RX_BATCH).max(65_536);
+        let rx_chunk = (RX_MESSAGE_MAX * gro.min(64) / RX_BATCH).max(RX_MESSAGE_MAX);
         Ok(PortableDriver {
             ep,
             clock: Clock::new(),
@@ -278,7 +282,7 @@ impl PortableDriver {
             // No more messages than the budget left may take whole (each
             // may be a GRO batch of 64 KiB), one at least.
             let ask = if READS_MANY {
-                budget.div_ceil(65_536).clamp(1, RX_BATCH)
+                budget.div_ceil(RX_MESSAGE_MAX).clamp(1, RX_BATCH)
             } else {
                 1
             };
