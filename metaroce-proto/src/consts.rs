@@ -246,6 +246,14 @@ pub const REPATH_WINDOW_SHARE: u64 = 3;
 /// route has room, and each move is a draw among the routes.
 pub const REPATH_ALL_MIN_DRAWS: usize = 2;
 
+/// A path counts as queued when judging moves once its smoothed RTT is
+/// this many times the least RTT the connection has seen (and that plus
+/// the delay target), `REPATH_QUEUED_RTTS`: where every path is queued,
+/// every route is a bottleneck, or some route has no path, or all share
+/// a delay the connection did not make, and only a move can tell (§9.1).
+/// A queue the delay signal keeps within its target stays under it.
+pub const REPATH_QUEUED_RTTS: u32 = 4;
+
 /// Smoothed RTTs between two path moves of one connection (`REPATH_COOLDOWN_RTTS`):
 /// a move must show its effect before the next.
 pub const REPATH_COOLDOWN_RTTS: u32 = 8;

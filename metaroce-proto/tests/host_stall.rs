@@ -195,3 +195,51 @@ fn a_silence_past_the_retry_budget_fails_with_retry_exceeded() {
         "failed {silent_ms} ms into the silence (budget {budget:?})"
     );
 }
+
+/// A delay every path of a connection shares and that it did not make (a
+/// host held up: a receiving thread waiting for its CPU, routers short of
+/// CPU) is not queueing it can drain by sending less (PROTOCOL §14,
+/// Delay): when every packet both ways comes to wait 145 µs more (an RTT
+/// of 300 µs against 10), the windows come down to their minimum, find
+/// the delay there too, and grow again, where counting from the least RTT
+/// ever seen alone kept them at the minimum (8,320 bytes each: no path
+/// could take more than its share of the traffic). The data still arrives
+/// whole.
+#[test]
+fn a_delay_every_path_shares_does_not_pin_the_windows() {
+    let cfg = EndpointConfig {
+        paths: 4,
+        ..EndpointConfig::default()
+    };
+    let min = cfg.min_window;
+    // Packets overtake each other now and then, so that ACKs echo the
+    // timestamps of every path, as on a real network.
+    let link = LinkConfig {
+        reorder: 0.3,
+        reorder_delay: Duration::from_micros(3),
+        ..LinkConfig::perfect()
+    };
+    let mut p = Pair::new(cfg.clone(), cfg, 51, link);
+    p.connect();
+    let v = Verbs::setup(&mut p);
+    let data: Vec<u8> = (0..64usize << 20)
+        .map(|i| (i * 7 + i / 4096) as u8)
+        .collect();
+    let (src, dst) = write_regions(&mut p.a, v.pda, &mut p.b, v.pdb, &data);
+    let now = p.now;
+    p.a.post_send(now, v.qa, write_wr(1, &src, &dst, 0, data.len() as u32))
+        .unwrap();
+    let warm = p.now + Duration::from_micros(300);
+    p.run_until(warm, |_| false);
+    p.link.delay = Duration::from_micros(150);
+    let later = p.now + Duration::from_millis(12);
+    p.run_until(later, |_| false);
+    let s = p.a.connection_stats(p.conn_a.unwrap()).unwrap();
+    let windows: Vec<u64> = s.paths.iter().map(|x| x.cwnd).collect();
+    assert!(
+        windows.iter().all(|&w| w > 4 * min),
+        "windows {windows:?} (minimum {min}) after 12 ms of a delay all paths share"
+    );
+    let deadline = p.now + Duration::from_secs(5);
+    assert!(p.run_until(deadline, |p| p.b.mr(dst.lkey).unwrap() == &data[..]));
+}

@@ -10,11 +10,13 @@ use core::time::Duration;
 /// - ECN: if any acknowledged packet carried a CE mark, the window shrinks in
 ///   proportion to the smoothed marked fraction `alpha` (DCTCP):
 ///   `cwnd *= 1 - alpha/2`.
-/// - Delay: if the RTT stayed above the smallest RTT seen plus a target
-///   queueing delay (the configured target, or the smallest RTT where
-///   that is longer), the window shrinks in proportion to the excess (as
-///   in Swift), at most by half: queues the network does not mark (a
-///   host's socket buffer, a switch without ECN) still slow the sender.
+/// - Delay: if the RTT stayed above a reference RTT plus a target
+///   queueing delay (the configured target, or the reference where that
+///   is longer), the window shrinks in proportion to the excess (as in
+///   Swift), at most by half: queues the network does not mark (a host's
+///   socket buffer, a switch without ECN) still slow the sender. The
+///   reference is the caller's: a connection gives the smallest RTT it
+///   has seen, or more where all its paths share a delay it did not make.
 ///
 /// Random loss is not a congestion signal: it is recovered selectively.
 ///
@@ -81,6 +83,12 @@ impl SenderCc {
         self.cwnd
     }
 
+    /// Whether the window is within twice its smallest: the path sends
+    /// about as little as it may.
+    pub fn near_min(&self) -> bool {
+        self.cwnd <= 2 * self.min
+    }
+
     /// Whether the window is at its smallest.
     pub fn at_min(&self) -> bool {
         self.cwnd <= self.min
@@ -110,8 +118,8 @@ impl SenderCc {
 
     /// Feeds an acknowledgement: `bytes` newly acknowledged, the ECN echo
     /// delta (`pkts` packets received by the peer, `marked` of them CE), the
-    /// latest RTT sample and the smallest RTT ever seen, and the time since
-    /// the previous call.
+    /// latest RTT sample and the reference RTT delay is judged against, and
+    /// the time since the previous call.
     pub fn on_ack(
         &mut self,
         bytes: u64,

@@ -286,6 +286,10 @@ pub(crate) struct Connection {
     /// back from a stall works through what waited in its socket, and
     /// says so here; packets still in that backlog are late, not lost.
     pub(crate) peer_lag: Duration,
+    /// The delay all active paths shared while every window was near its
+    /// minimum (a moving average): delay this connection's own traffic
+    /// did not make (PROTOCOL §14, Delay).
+    floor_shared: Option<Duration>,
     /// How far behind this side was when it read that ACK: the time from
     /// its arrival to its handling. A thread that falls behind its own
     /// socket has ACKs waiting there that it has not seen yet.
@@ -481,6 +485,7 @@ impl Connection {
             consecutive_rto: 0,
             silent_probe_at: None,
             peer_lag: Duration::ZERO,
+            floor_shared: None,
             own_lag: Duration::ZERO,
             timeout_probes: 0,
             retry_cnt: config.retry_cnt,
@@ -629,6 +634,45 @@ impl Connection {
         let tail = p.state == PathState::Active && p.probe_due && p.move_to.is_none();
         let check = p.check_due && p.in_flight == 0 && p.move_to.is_none();
         (failed || tail || check) && self.path_open(p)
+    }
+
+    /// The delay every active path has: the least smoothed RTT among
+    /// them, once two or more have one.
+    fn shared_delay(&self) -> Option<Duration> {
+        let mut n = 0;
+        let mut least = Duration::MAX;
+        for p in &self.paths_tx {
+            if p.state == PathState::Active {
+                if let Some(s) = p.rtt.srtt() {
+                    n += 1;
+                    least = least.min(s);
+                }
+            }
+        }
+        (n >= 2).then_some(least)
+    }
+
+    /// The reference RTT of the delay signal (PROTOCOL §14, Delay): the
+    /// least RTT seen (`least`), or more where every active path has a
+    /// delay this connection did not make: the delay they all share now,
+    /// at most what they shared while every window was near its minimum
+    /// (a host held up, routers short of CPU: sending less drains none
+    /// of it). A queue that all paths cross and that this connection fills
+    /// grows past that, and counts.
+    pub(crate) fn delay_reference(&mut self, least: Duration) -> Duration {
+        let Some(shared) = self.shared_delay() else {
+            return least;
+        };
+        let at_floor = self
+            .paths_tx
+            .iter()
+            .filter(|p| p.state == PathState::Active)
+            .all(|p| p.cc.near_min());
+        if at_floor {
+            self.floor_shared = Some(self.floor_shared.map_or(shared, |f| (f * 7 + shared) / 8));
+        }
+        self.floor_shared
+            .map_or(least, |f| shared.min(f).max(least))
     }
 
     /// In one look at the paths: whether any has room in its window, and

@@ -5,7 +5,10 @@ use super::{Endpoint, Event};
 use crate::connection::{
     Connection, ConnectionError, ConnectionState, CsnKind, Ctrl, LossCause, PathEvent,
 };
-use crate::consts::{REPATH_ALL_MIN_DRAWS, REPATH_MAX_BACKOFF, REPATH_ROUNDS, REPATH_WINDOW_SHARE};
+use crate::consts::{
+    REPATH_ALL_MIN_DRAWS, REPATH_MAX_BACKOFF, REPATH_QUEUED_RTTS, REPATH_ROUNDS,
+    REPATH_WINDOW_SHARE,
+};
 use crate::rng::Rng;
 use crate::time::Instant;
 use crate::verbs::qp::{Accepted, Incoming, ReadResp};
@@ -115,8 +118,10 @@ impl Endpoint {
     /// and moves a starved path to a new source port (a new ECMP route): one whose
     /// window was cut `REPATH_ROUNDS` rounds in a row and is below the
     /// connection's mean path window / `REPATH_WINDOW_SHARE` (the smallest
-    /// such window first). One path at a time (two where every window is
-    /// at its minimum, `REPATH_ALL_MIN_DRAWS`), the n-th move at least
+    /// such window first); or, where every path is queued past
+    /// `REPATH_QUEUED_RTTS` least RTTs, the slowest. One path at a time
+    /// (two where every window is at its minimum or every path is queued,
+    /// `REPATH_ALL_MIN_DRAWS`), the n-th move at least
     /// `REPATH_COOLDOWN_RTTS` × 2^min(n, `REPATH_MAX_BACKOFF`) smoothed
     /// RTTs after the one before.
     ///
@@ -189,6 +194,15 @@ impl Endpoint {
         let mean = c.window() / c.paths_tx.len() as u64;
         let fastest = active().filter_map(|p| p.rtt.srtt()).min();
         let all_min = active().all(|p| p.cc.at_min());
+        // Every path queued past the least RTT ever seen by more than the
+        // delay target: every route is a bottleneck, or some route has no
+        // path, or the delay is one all paths share (PROTOCOL §14, Delay).
+        // The windows need not be at their minimum then (the delay signal
+        // discounts a shared delay), and only a move can tell.
+        let queued_everywhere = c.rtt.min_rtt().is_some_and(|least| {
+            let over = (least * REPATH_QUEUED_RTTS).max(least + self.config.delay_target);
+            active().count() >= 2 && active().all(|p| p.rtt.srtt().is_some_and(|s| s >= over))
+        });
         let mut candidates: Vec<usize> = c
             .paths_tx
             .iter()
@@ -198,21 +212,34 @@ impl Endpoint {
                     && (all_min
                         || fastest.is_some_and(|f| p.rtt.srtt().is_some_and(|s| s >= f * 2)));
                 p.state == crate::connection::PathState::Active
-                    && p.cc.congested_rounds() >= REPATH_ROUNDS
-                    && (p.cc.window().saturating_mul(REPATH_WINDOW_SHARE) < mean || crowded)
+                    && (queued_everywhere
+                        || p.cc.congested_rounds() >= REPATH_ROUNDS
+                            && (p.cc.window().saturating_mul(REPATH_WINDOW_SHARE) < mean
+                                || crowded))
             })
             .map(|(i, _)| i)
             .collect();
-        // The smallest window first; among equals, the slowest route.
-        candidates.sort_by_key(|&i| {
-            let p = &c.paths_tx[i];
-            (p.cc.window(), core::cmp::Reverse(p.rtt.srtt()), i)
-        });
-        // Where every window is at its minimum, windows no longer show
-        // which route has room, and a move is a draw among the routes: two
-        // paths draw at once, so that a route no path uses is found in
-        // half the moves (each waits for the cooldown, which doubles).
-        let draws = if all_min { REPATH_ALL_MIN_DRAWS } else { 1 };
+        if queued_everywhere {
+            // The slowest route first: the most crowded, where a route no
+            // path uses would help most.
+            candidates.sort_by_key(|&i| (core::cmp::Reverse(c.paths_tx[i].rtt.srtt()), i));
+        } else {
+            // The smallest window first; among equals, the slowest route.
+            candidates.sort_by_key(|&i| {
+                let p = &c.paths_tx[i];
+                (p.cc.window(), core::cmp::Reverse(p.rtt.srtt()), i)
+            });
+        }
+        // Where every window is at its minimum, or every route is queued,
+        // windows no longer show which route has room, and a move is a
+        // draw among the routes: two paths draw at once, so that a route
+        // no path uses is found in half the moves (each waits for the
+        // cooldown, which doubles).
+        let draws = if all_min || queued_everywhere {
+            REPATH_ALL_MIN_DRAWS
+        } else {
+            1
+        };
         let mut moved = false;
         for &pi in candidates.iter().take(draws) {
             let Some(port) = unused_port(&self.config.source_ports, &mut self.rng, c, now) else {

@@ -1154,7 +1154,10 @@ impl Endpoint {
         if plausible {
             c.rtt.sample_at(now, rtt);
         }
-        let base = c.rtt.min_rtt().unwrap_or(rtt);
+        // The delay signal's reference (PROTOCOL §14): the least RTT seen,
+        // or more where every path has a delay this connection did not make.
+        let least = c.rtt.min_rtt().unwrap_or(rtt);
+        let base = c.delay_reference(least);
         // What the ACK acknowledges had reached the peer by its arrival
         // here less the time the peer held it (delivery samples, §9.1).
         let reached =
