@@ -12,4 +12,4 @@ mod sender;
 
 pub use pacer::Pacer;
 pub use receiver::{ActiveSenders, ReceiverCc};
-pub use sender::SenderCc;
+pub use sender::{DelayBase, SenderCc};

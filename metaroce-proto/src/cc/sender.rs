@@ -2,6 +2,34 @@
 
 use core::time::Duration;
 
+/// What [`SenderCc`]'s delay signal judges an RTT against.
+///
+/// ```
+/// use core::time::Duration;
+/// use metaroce_proto::cc::DelayBase;
+/// let b = DelayBase::new(Duration::from_micros(10));
+/// assert_eq!(b.reference, b.least);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DelayBase {
+    /// The RTT with no queue of the sender's making: queueing is what an
+    /// RTT has above it.
+    pub reference: Duration,
+    /// The least RTT the connection has seen (at most `reference`): the
+    /// queueing tolerated is at least this long.
+    pub least: Duration,
+}
+
+impl DelayBase {
+    /// Both the reference and the least RTT: `rtt`.
+    pub fn new(rtt: Duration) -> Self {
+        Self {
+            reference: rtt,
+            least: rtt,
+        }
+    }
+}
+
 /// A connection's congestion window, in bytes.
 ///
 /// Additive increase of one MTU per window of acknowledged bytes. Once per
@@ -11,30 +39,31 @@ use core::time::Duration;
 ///   proportion to the smoothed marked fraction `alpha` (DCTCP):
 ///   `cwnd *= 1 - alpha/2`.
 /// - Delay: if the RTT stayed above a reference RTT plus a target
-///   queueing delay (the configured target, or the reference where that
-///   is longer), the window shrinks in proportion to the excess (as in
-///   Swift), at most by half: queues the network does not mark (a host's
-///   socket buffer, a switch without ECN) still slow the sender. The
-///   reference is the caller's: a connection gives the smallest RTT it
-///   has seen, or more where all its paths share a delay it did not make.
+///   queueing delay (the configured target, or the least RTT seen where
+///   that is longer), the window shrinks in proportion to the excess (as
+///   in Swift), at most by half: queues the network does not mark (a
+///   host's socket buffer, a switch without ECN) still slow the sender.
+///   The reference is the caller's ([`DelayBase`]): a connection gives the
+///   smallest RTT it has seen, or more where all its paths share a delay
+///   it did not make.
 ///
 /// Random loss is not a congestion signal: it is recovered selectively.
 ///
 /// ```
 /// use core::time::Duration;
-/// use metaroce_proto::cc::SenderCc;
+/// use metaroce_proto::cc::{DelayBase, SenderCc};
 /// let mut cc = SenderCc::new(64 * 1024, 8 * 1024, 1 << 20, 4096, Duration::from_micros(50));
 /// let rtt = Duration::from_micros(10);
-/// cc.on_ack(64 * 1024, 16, 0, rtt, rtt, Duration::ZERO);
+/// cc.on_ack(64 * 1024, 16, 0, rtt, DelayBase::new(rtt), Duration::ZERO);
 /// assert!(cc.window() > 64 * 1024);
 /// let before = cc.window();
-/// cc.on_ack(4096, 16, 16, rtt, rtt, Duration::from_micros(20));
+/// cc.on_ack(4096, 16, 16, rtt, DelayBase::new(rtt), Duration::from_micros(20));
 /// assert!(cc.window() < before, "ECN marks shrink the window");
 /// let before = cc.window();
-/// cc.on_ack(4096, 16, 0, Duration::from_micros(200), rtt, Duration::from_micros(300));
+/// cc.on_ack(4096, 16, 0, Duration::from_micros(200), DelayBase::new(rtt), Duration::from_micros(300));
 /// assert!(cc.window() < before, "queueing delay shrinks the window");
 /// assert_eq!(cc.congested_rounds(), 2, "two rounds in a row cut the window");
-/// cc.on_ack(4096, 16, 0, rtt, rtt, Duration::from_micros(20));
+/// cc.on_ack(4096, 16, 0, rtt, DelayBase::new(rtt), Duration::from_micros(20));
 /// assert_eq!(cc.congested_rounds(), 0, "a clean round ends the run");
 /// ```
 #[derive(Debug, Clone)]
@@ -118,26 +147,29 @@ impl SenderCc {
 
     /// Feeds an acknowledgement: `bytes` newly acknowledged, the ECN echo
     /// delta (`pkts` packets received by the peer, `marked` of them CE), the
-    /// latest RTT sample and the reference RTT delay is judged against, and
-    /// the time since the previous call.
+    /// latest RTT sample and what delay is judged against, and the time
+    /// since the previous call.
     pub fn on_ack(
         &mut self,
         bytes: u64,
         pkts: u64,
         marked: u64,
         rtt: Duration,
-        base_rtt: Duration,
+        base: DelayBase,
         elapsed: Duration,
     ) {
+        let base_rtt = base.reference;
         self.win_marked += marked.min(pkts);
         self.win_total += pkts;
         self.win_elapsed += elapsed;
         self.win_min_rtt = Some(self.win_min_rtt.map_or(rtt, |m| m.min(rtt)));
-        // The queueing tolerated: the target, or the base RTT where that is
-        // longer (on a slow link one packet's serialization alone exceeds
-        // a datacenter target, and a window pinned at its minimum cannot
-        // shift traffic between routes).
-        let target = self.delay_target.max(base_rtt);
+        // The queueing tolerated: the target, or the least RTT seen where
+        // that is longer (on a slow link one packet's serialization alone
+        // exceeds a datacenter target, and a window pinned at its minimum
+        // cannot shift traffic between routes). Not the reference, which
+        // may hold a delay all paths share: tolerating that much again
+        // would let the queues grow by as much.
+        let target = self.delay_target.max(base.least);
         let queueing = rtt.saturating_sub(base_rtt);
         if marked == 0 && self.win_marked == 0 && queueing <= target {
             // Additive increase: one MTU per window's worth of acknowledged bytes.
@@ -188,7 +220,7 @@ mod tests {
         let mut cc = SenderCc::new(64 * 1024, 8 * 1024, 1 << 20, 4096, 100 * US);
         for _ in 0..rounds {
             for _ in 0..4 {
-                cc.on_ack(4096, 1, 0, rtt, base, rtt / 4);
+                cc.on_ack(4096, 1, 0, rtt, DelayBase::new(base), rtt / 4);
             }
         }
         (cc.window(), cc.congested_rounds())
@@ -220,5 +252,31 @@ mod tests {
         // Twice the smallest RTT of queueing is too much all the same.
         let (w, _) = run(1500 * US, 500 * US, 8);
         assert!(w < 64 * 1024, "{w}");
+    }
+
+    /// A reference raised above the least RTT (a delay all paths share)
+    /// moves where queueing starts, not how much is tolerated: 100 µs
+    /// (the target) above a 300 µs reference, not 300 µs more.
+    #[test]
+    fn a_raised_reference_does_not_raise_the_target() {
+        let base = DelayBase {
+            reference: 300 * US,
+            least: 20 * US,
+        };
+        let run = |rtt: Duration| {
+            let mut cc = SenderCc::new(64 * 1024, 8 * 1024, 1 << 20, 4096, 100 * US);
+            for _ in 0..8 {
+                for _ in 0..4 {
+                    cc.on_ack(4096, 1, 0, rtt, base, rtt / 4);
+                }
+            }
+            (cc.window(), cc.congested_rounds())
+        };
+        let (w, rounds) = run(380 * US);
+        assert!(w > 64 * 1024, "{w}");
+        assert_eq!(rounds, 0);
+        let (w, rounds) = run(560 * US);
+        assert!(w < 64 * 1024, "{w}");
+        assert_eq!(rounds, 8);
     }
 }

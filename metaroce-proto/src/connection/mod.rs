@@ -8,7 +8,7 @@
 
 mod path;
 
-pub(crate) use path::{LossCause, PathEvent, PathRx, PathTx};
+pub(crate) use path::{Drawn, LossCause, PathEvent, PathRx, PathTx};
 pub use path::{PathState, PathStats};
 
 use crate::cc::{Pacer, SenderCc};

@@ -110,6 +110,17 @@ pub struct PathStats {
     pub plane: u8,
 }
 
+/// A move drawn where every path was queued (PROTOCOL §9.1), to be judged.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Drawn {
+    /// The source port the path left.
+    pub(crate) from: u16,
+    /// Its smoothed RTT on the route it left.
+    pub(crate) srtt: Duration,
+    /// When its new route is judged.
+    pub(crate) judge_at: Instant,
+}
+
 /// Sender side of a path.
 #[derive(Debug)]
 pub(crate) struct PathTx {
@@ -145,6 +156,10 @@ pub(crate) struct PathTx {
     /// until those on its current route are resolved, so that its PSNs stay
     /// in order on one route.
     pub(crate) move_to: Option<u16>,
+    /// The path was drawn off a route where every path was queued (§9.1):
+    /// the port it left, its smoothed RTT there, and when the new route is
+    /// judged. A draw that gained nothing is undone.
+    pub(crate) drawn: Option<Drawn>,
     /// The pending move leaves a slow route: the RTT estimate restarts on
     /// the new one.
     slow_move: bool,
@@ -234,6 +249,7 @@ impl PathTx {
             first_lost_at: None,
             restart_window: restart,
             move_to: None,
+            drawn: None,
             slow_move: false,
             slow_score: 0,
             slow_judged: 0,
@@ -416,6 +432,7 @@ impl PathTx {
 
     /// Declares the path failed: moves it to `new_port` and starts probing.
     pub(crate) fn fail(&mut self, new_port: u16, min_window: u64) {
+        self.drawn = None;
         self.move_to = None;
         // A new route: its probe gets a plain timeout, not the old route's
         // backoff. But a probe that timed out keeps doubling it (the timer

@@ -121,7 +121,8 @@ impl Endpoint {
     /// such window first); or, where every path is queued past
     /// `REPATH_QUEUED_RTTS` least RTTs, the slowest. One path at a time
     /// (two where every window is at its minimum or every path is queued,
-    /// `REPATH_ALL_MIN_DRAWS`), the n-th move at least
+    /// `REPATH_ALL_MIN_DRAWS`: draws, each undone if it gained nothing),
+    /// the n-th move at least
     /// `REPATH_COOLDOWN_RTTS` × 2^min(n, `REPATH_MAX_BACKOFF`) smoothed
     /// RTTs after the one before.
     ///
@@ -166,6 +167,7 @@ impl Endpoint {
                     lost.push(csn);
                 }
             });
+            p.drawn = None;
             if p.start_slow_move(port) {
                 c.stats.path_moves += 1;
             }
@@ -173,6 +175,37 @@ impl Endpoint {
             c.retransmit_lost(&lost);
             moving = true;
             c.slow_ports.note(old, now);
+        }
+        // A draw (below) that gained nothing goes back to the port it left:
+        // drawn where every route looked alike, it may have left a route
+        // that only it used (PROTOCOL §9.1).
+        for pi in 0..c.paths_tx.len() {
+            let p = &c.paths_tx[pi];
+            let Some(d) = p.drawn else {
+                continue;
+            };
+            if p.move_to.is_some() || now < d.judge_at {
+                continue;
+            }
+            let gained = p.rtt.srtt().is_some_and(|s| s < d.srtt - d.srtt / 8);
+            let taken = c
+                .paths_tx
+                .iter()
+                .any(|q| q.src_port == d.from || q.move_to == Some(d.from));
+            let p = &mut c.paths_tx[pi];
+            p.drawn = None;
+            if !gained && !taken && p.state == crate::connection::PathState::Active {
+                tracing::debug!(
+                    conn = ci,
+                    path = p.id,
+                    port = d.from,
+                    "a drawn path gained nothing: back to its port"
+                );
+                if p.start_move(d.from) {
+                    c.stats.path_moves += 1;
+                }
+                moving = true;
+            }
         }
         if moving || c.paths_tx.len() < 2 || now < c.next_move_at {
             return;
@@ -241,11 +274,20 @@ impl Endpoint {
             1
         };
         let mut moved = false;
+        let judge_at = now + c.move_cooldown(0);
         for &pi in candidates.iter().take(draws) {
             let Some(port) = unused_port(&self.config.source_ports, &mut self.rng, c, now) else {
                 break;
             };
             let p = &mut c.paths_tx[pi];
+            p.drawn = match (draws > 1, p.rtt.srtt()) {
+                (true, Some(srtt)) => Some(crate::connection::Drawn {
+                    from: p.src_port,
+                    srtt,
+                    judge_at,
+                }),
+                _ => None,
+            };
             tracing::debug!(
                 conn = ci,
                 path = p.id,

@@ -1157,7 +1157,10 @@ impl Endpoint {
         // The delay signal's reference (PROTOCOL §14): the least RTT seen,
         // or more where every path has a delay this connection did not make.
         let least = c.rtt.min_rtt().unwrap_or(rtt);
-        let base = c.delay_reference(least);
+        let base = crate::cc::DelayBase {
+            reference: c.delay_reference(least),
+            least,
+        };
         // What the ACK acknowledges had reached the peer by its arrival
         // here less the time the peer held it (delivery samples, §9.1).
         let reached =
