@@ -950,6 +950,15 @@ impl Connection {
     /// The wait after a congested-path move before the next (§9.1):
     /// `REPATH_COOLDOWN_RTTS` smoothed RTTs, doubled `doublings` times (at
     /// most `REPATH_MAX_BACKOFF`).
+    /// A path left its route for a reason other than a draw (failed, or
+    /// slow): it may have been the only path there, and the route is then
+    /// found again only by draws. They start over from the shortest
+    /// cooldown (each draw that gains nothing is undone, PROTOCOL §9.1).
+    pub(crate) fn rearm_draws(&mut self, now: Instant) {
+        self.moves_made = 0;
+        self.next_move_at = self.next_move_at.min(now + self.move_cooldown(0));
+    }
+
     pub(crate) fn move_cooldown(&self, doublings: u32) -> Duration {
         let srtt = self.rtt.srtt().unwrap_or(self.rtt.rto());
         srtt * REPATH_COOLDOWN_RTTS * (1u32 << doublings.min(REPATH_MAX_BACKOFF))

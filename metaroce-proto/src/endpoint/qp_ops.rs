@@ -111,6 +111,7 @@ impl Endpoint {
         );
         p.fail(new_port, min_window);
         c.stats.path_failures += 1;
+        c.rearm_draws(now);
     }
 
     /// After an ACK: completes path moves whose old route drained, moves
@@ -175,6 +176,7 @@ impl Endpoint {
             c.retransmit_lost(&lost);
             moving = true;
             c.slow_ports.note(old, now);
+            c.rearm_draws(now);
         }
         // A draw (below) that gained nothing goes back to the port it left:
         // drawn where every route looked alike, it may have left a route
