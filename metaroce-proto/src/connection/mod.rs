@@ -947,9 +947,6 @@ impl Connection {
         slow
     }
 
-    /// The wait after a congested-path move before the next (§9.1):
-    /// `REPATH_COOLDOWN_RTTS` smoothed RTTs, doubled `doublings` times (at
-    /// most `REPATH_MAX_BACKOFF`).
     /// A path left its route for a reason other than a draw (failed, or
     /// slow): it may have been the only path there, and the route is then
     /// found again only by draws. They start over from the shortest
@@ -959,6 +956,9 @@ impl Connection {
         self.next_move_at = self.next_move_at.min(now + self.move_cooldown(0));
     }
 
+    /// The wait after a congested-path move before the next (§9.1):
+    /// `REPATH_COOLDOWN_RTTS` smoothed RTTs, doubled `doublings` times (at
+    /// most `REPATH_MAX_BACKOFF`).
     pub(crate) fn move_cooldown(&self, doublings: u32) -> Duration {
         let srtt = self.rtt.srtt().unwrap_or(self.rtt.rto());
         srtt * REPATH_COOLDOWN_RTTS * (1u32 << doublings.min(REPATH_MAX_BACKOFF))
