@@ -241,13 +241,13 @@ fn a_drawn_move_that_gains_nothing_goes_back() {
 }
 
 /// The same, with hosts held up 30% of the time (stalls of 1 ms on average,
-/// 0.3 per ms): paths are declared slow or failed now and then and move at
-/// random, and one can take the only path off a spine. The draws that find
-/// such a spine again start over from their shortest wait after any such
-/// move (PROTOCOL §9.1). Without that, seed 1 ran on three spines from
-/// 2.0 s to 2.7 s (0.871 of the capacity over 3 s, against 0.926).
+/// 0.3 per ms): paths are declared slow now and then and move at random,
+/// and one can take the only path off a spine. The draws that find such a
+/// spine again start over from their shortest wait after a slow path moves
+/// (PROTOCOL §9.1). Without that, seed 1 ran on three spines from 2.0 s to
+/// 2.7 s (0.871 of the capacity over 3 s, against 0.926).
 #[test]
-fn draws_start_over_after_a_path_leaves_its_route_for_another_reason() {
+fn draws_start_over_after_a_slow_path_moves() {
     let mut c = kernel_fabric("0.2:100000:20ms", 1);
     c.mtu = 1420;
     c.host_stalls = Some("0.3:1000".parse().unwrap());

@@ -947,10 +947,11 @@ impl Connection {
         slow
     }
 
-    /// A path left its route for a reason other than a draw (failed, or
-    /// slow): it may have been the only path there, and the route is then
-    /// found again only by draws. They start over from the shortest
-    /// cooldown (each draw that gains nothing is undone, PROTOCOL §9.1).
+    /// A slow path left its route: it may have been the only path there,
+    /// and the route is then found again only by draws. They start over
+    /// from the shortest cooldown (each draw that gains nothing is undone,
+    /// PROTOCOL §9.1). Not after a failure: the route a failed path left
+    /// is dead, and draws would go back into it.
     pub(crate) fn rearm_draws(&mut self, now: Instant) {
         self.moves_made = 0;
         self.next_move_at = self.next_move_at.min(now + self.move_cooldown(0));

@@ -111,7 +111,6 @@ impl Endpoint {
         );
         p.fail(new_port, min_window);
         c.stats.path_failures += 1;
-        c.rearm_draws(now);
     }
 
     /// After an ACK: completes path moves whose old route drained, moves
