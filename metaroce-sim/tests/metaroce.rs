@@ -217,6 +217,19 @@ fn a_spine_no_path_hashes_onto_is_found_by_moving() {
     }
 }
 
+/// The shaped kernel fabric in standard frames (1,420-byte payloads) with
+/// every host stalled now and then (`stalls` as `--host-stall`), run for
+/// `ms` and checked whole.
+fn stalled_in_standard_frames(seed: u64, stalls: &str, ms: u64) -> SimReport {
+    let mut c = kernel_fabric("0.2:100000:20ms", seed);
+    c.mtu = 1420;
+    c.host_stalls = Some(stalls.parse().unwrap());
+    c.duration_ns = ms * NS_PER_MS;
+    let r = run(&c);
+    assert_intact(&r);
+    r
+}
+
 /// The same fabric in standard frames, with every host held up now and
 /// then (150 µs on average, twice per ms: a receiving thread waiting for
 /// its CPU), so that every path is queued and moves are drawn for as long
@@ -226,12 +239,7 @@ fn a_spine_no_path_hashes_onto_is_found_by_moving() {
 #[test]
 fn a_drawn_move_that_gains_nothing_goes_back() {
     for seed in 1..=8 {
-        let mut c = kernel_fabric("0.2:100000:20ms", seed);
-        c.mtu = 1420;
-        c.host_stalls = Some("2:150".parse().unwrap());
-        c.duration_ns = 1000 * NS_PER_MS;
-        let r = run(&c);
-        assert_intact(&r);
+        let r = stalled_in_standard_frames(seed, "2:150", 1000);
         assert!(
             r.goodput_gbps > 0.93 * 0.8,
             "seed {seed}: {} Gbit/s of the spines' 0.8",
@@ -248,12 +256,7 @@ fn a_drawn_move_that_gains_nothing_goes_back() {
 /// 2.7 s (0.871 of the capacity over 3 s, against 0.926).
 #[test]
 fn draws_start_over_after_a_slow_path_moves() {
-    let mut c = kernel_fabric("0.2:100000:20ms", 1);
-    c.mtu = 1420;
-    c.host_stalls = Some("0.3:1000".parse().unwrap());
-    c.duration_ns = 3000 * NS_PER_MS;
-    let r = run(&c);
-    assert_intact(&r);
+    let r = stalled_in_standard_frames(1, "0.3:1000", 3000);
     assert!(
         r.goodput_gbps > 0.9 * 0.8,
         "{} Gbit/s of the spines' 0.8",
