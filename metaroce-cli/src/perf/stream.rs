@@ -9,8 +9,15 @@ use std::collections::VecDeque;
 /// Where each iteration goes: iteration `i` is posted on QP `i % qps`, lands
 /// in server slot `i % slots`, and uses client slot `(i % qps) * per_qp +
 /// (i / qps) % per_qp`. Each QP has at most `per_qp` work requests
-/// outstanding and `2 * per_qp` receives, so per QP the single-QP argument
-/// holds: a server slot is reused only after its message was verified.
+/// outstanding, so per QP the single-QP argument holds: a server slot is
+/// reused only after its message was verified. For SENDs each receive
+/// names its slot (`2 * per_qp` posted, one more per message checked). A
+/// WRITE with immediate data lands by address, and its packets can be
+/// placed before its receive exists (later packets that overtake the
+/// first are placed as a plain WRITE's, PROTOCOL §5.3): so only `per_qp`
+/// are posted at first. WRITE `i` is posted once WRITE `i - per_qp`
+/// completed, which took receive `i - per_qp`, posted only once message
+/// `i - 2 * per_qp`, the slot's previous one, was checked.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Layout {
     pub(super) qps: u64,
@@ -610,8 +617,14 @@ impl Responder {
             }
         } else {
             touch(ep, &mr);
+            // WRITEs: see `Layout` (their data may land before a receive).
+            let first = if p.op == Op::Write {
+                lay.per_qp
+            } else {
+                2 * lay.per_qp
+            };
             for (j, &qp) in qps.iter().enumerate() {
-                for _ in 0..2 * lay.per_qp {
+                for _ in 0..first {
                     ep.post_recv(qp, recv_wr(p.op, &mr, &lay, j, posted[j], size))?;
                     posted[j] += 1;
                 }
