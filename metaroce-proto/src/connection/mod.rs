@@ -636,22 +636,6 @@ impl Connection {
         (failed || tail || check) && self.path_open(p)
     }
 
-    /// The delay every active path has: the least smoothed RTT among
-    /// them, once two or more have one.
-    fn shared_delay(&self) -> Option<Duration> {
-        let mut n = 0;
-        let mut least = Duration::MAX;
-        for p in &self.paths_tx {
-            if p.state == PathState::Active {
-                if let Some(s) = p.rtt.srtt() {
-                    n += 1;
-                    least = least.min(s);
-                }
-            }
-        }
-        (n >= 2).then_some(least)
-    }
-
     /// The reference RTT of the delay signal (PROTOCOL §14, Delay): the
     /// least RTT seen (`least`), or more where every active path has a
     /// delay this connection did not make: the delay they all share now,
@@ -660,14 +644,24 @@ impl Connection {
     /// of it). A queue that all paths cross and that this connection fills
     /// grows past that, and counts.
     pub(crate) fn delay_reference(&mut self, least: Duration) -> Duration {
-        let Some(shared) = self.shared_delay() else {
-            return least;
-        };
-        let at_floor = self
+        // In one look at the active paths (this runs on every ACK): the
+        // delay they all have, the least smoothed RTT among them once two
+        // or more have one, and whether every window is near its minimum.
+        let (mut timed, mut shared, mut at_floor) = (0, Duration::MAX, true);
+        for p in self
             .paths_tx
             .iter()
             .filter(|p| p.state == PathState::Active)
-            .all(|p| p.cc.near_min());
+        {
+            if let Some(s) = p.rtt.srtt() {
+                timed += 1;
+                shared = shared.min(s);
+            }
+            at_floor &= p.cc.near_min();
+        }
+        if timed < 2 {
+            return least;
+        }
         if at_floor {
             self.floor_shared = Some(self.floor_shared.map_or(shared, |f| (f * 7 + shared) / 8));
         }
@@ -945,6 +939,13 @@ impl Connection {
         slow.sort_by_key(|&i| core::cmp::Reverse(self.paths_tx[i].rtt.srtt()));
         slow.truncate(room);
         slow
+    }
+
+    /// Whether a path sends from `port`, or is moving to it.
+    pub(crate) fn uses_port(&self, port: u16) -> bool {
+        self.paths_tx
+            .iter()
+            .any(|p| p.src_port == port || p.move_to == Some(port))
     }
 
     /// A slow path left its route: it may have been the only path there,

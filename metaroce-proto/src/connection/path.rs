@@ -401,6 +401,8 @@ impl PathTx {
     /// siblings') to `new_port`, as [`start_move`](Self::start_move); its
     /// RTT estimate starts over on the new route.
     pub(crate) fn start_slow_move(&mut self, new_port: u16) -> bool {
+        // Left for being slow: no draw to judge any more.
+        self.drawn = None;
         self.slow_move = true;
         self.stats.slow_moves += 1;
         self.start_move(new_port)

@@ -167,7 +167,6 @@ impl Endpoint {
                     lost.push(csn);
                 }
             });
-            p.drawn = None;
             if p.start_slow_move(port) {
                 c.stats.path_moves += 1;
             }
@@ -189,10 +188,7 @@ impl Endpoint {
                 continue;
             }
             let gained = p.rtt.srtt().is_some_and(|s| s < d.srtt - d.srtt / 8);
-            let taken = c
-                .paths_tx
-                .iter()
-                .any(|q| q.src_port == d.from || q.move_to == Some(d.from));
+            let taken = c.uses_port(d.from);
             let p = &mut c.paths_tx[pi];
             p.drawn = None;
             if !gained && !taken && p.state == crate::connection::PathState::Active {
@@ -923,14 +919,8 @@ pub(crate) fn rnr_us(d: core::time::Duration) -> u16 {
 /// uses or is moving to, and not one that a slow path left lately while
 /// another is free; `None` when every port is taken.
 fn unused_port(ports: &[u16], rng: &mut Rng, c: &Connection, now: Instant) -> Option<u16> {
-    let used: Vec<u16> = c
-        .paths_tx
-        .iter()
-        .flat_map(|p| [Some(p.src_port), p.move_to])
-        .flatten()
-        .collect();
     let start = rng.next_u32() as usize % ports.len();
-    let free = |port: &u16| !used.contains(port);
+    let free = |port: &u16| !c.uses_port(*port);
     let candidates = || (0..ports.len()).map(|k| ports[(start + k) % ports.len()]);
     // A port a slow path left lately only if nothing else is free. Lately:
     // within the longest wait between congested-path moves. A route that
