@@ -391,3 +391,44 @@ fn coalesced_datagrams_are_taken_only_as_advertised() {
         }
     }
 }
+
+/// An application that destroys its QP is done with it, and may exit next:
+/// the ACK held for an answer to ride on goes at once, not when the hold
+/// is over (the peer's last SEND, waiting for it, ran out of retries once
+/// the process had exited). The control is
+/// [`a_held_ack_goes_alone_when_the_answer_is_late`]: the same exchange
+/// without the destroy waits the hold.
+#[test]
+fn a_held_ack_goes_at_once_when_the_qp_is_destroyed() {
+    let mut pp = PingPong::new(true, true, false);
+    let mut sends = Vec::new();
+    pp.send(true, 0);
+    pp.await_recv(false, 0, &mut sends);
+    pp.send(false, 1000);
+    pp.await_recv(true, 1000, &mut sends);
+    pp.p.run_for(Duration::from_micros(100));
+    // B has sent lately, so it would hold the ACK of this request.
+    let posted = pp.p.now;
+    pp.send(true, 1);
+    pp.await_recv(false, 1, &mut sends);
+    pp.p.b.destroy_qp(pp.v.qb).unwrap();
+    let cqa = pp.v.cqa;
+    let until = pp.p.now + DEFAULT_ACK_HOLD;
+    let mut done = None;
+    pp.p.run_until(until, |p| {
+        if drain_cq(&mut p.a, cqa)
+            .iter()
+            .any(|w| w.opcode == WcOpcode::Send && w.status == WcStatus::Success)
+        {
+            done = Some(p.now);
+        }
+        done.is_some()
+    });
+    let took = done
+        .expect("A's SEND completed within the hold")
+        .saturating_since(posted);
+    assert!(
+        took < 2 * DELAY + DEFAULT_ACK_HOLD / 4,
+        "the SEND took {took:?}: the destroyed QP's side held its ACK"
+    );
+}

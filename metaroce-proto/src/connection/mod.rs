@@ -22,7 +22,7 @@ use crate::rng::Rng;
 use crate::time::Instant;
 use crate::verbs::Qpn;
 use crate::wire::seq::{seq_dist, seq_lt};
-use crate::wire::{CloseCode, NakEntry};
+use crate::wire::{AckStreamEntry, CloseCode, NakEntry};
 use core::time::Duration;
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
@@ -351,6 +351,10 @@ pub(crate) struct Connection {
     /// Streams whose progress was reported lately, with how many more ACKs
     /// repeat it (a lost ACK must not hold a completion until the next one).
     pub(crate) recent_streams: Vec<(Qpn, u8)>,
+    /// The last progress of QPs destroyed while it was owed or repeated
+    /// ([`retire_stream`](Self::retire_stream)), by local QPN, until its
+    /// repeats are over.
+    pub(crate) retired_streams: Vec<(Qpn, AckStreamEntry)>,
     /// RNR NAKs sent lately, with how many more ACKs repeat them: one ACK
     /// may carry the NAKs of every request of a window, and while the
     /// requester's head request loops on RNR no probe asks for the others.
@@ -519,6 +523,7 @@ impl Connection {
             dirty_streams: Vec::new(),
             repeat_acks: 0,
             recent_streams: Vec::new(),
+            retired_streams: Vec::new(),
             recent_naks: Vec::new(),
             loss_check_due: false,
             newest_ack_arrival: Instant::ZERO,
@@ -1130,6 +1135,26 @@ impl Connection {
             let by = now + hold;
             self.ack_deadline = Some(self.ack_deadline.map_or(by, |d| d.min(by)));
         } else {
+            self.ack_now = true;
+        }
+    }
+
+    /// QP `qpn` (local), whose peer QP is `entry.qpn`, is destroyed: its
+    /// progress still goes to the peer. Not reported yet, it goes now (an
+    /// ACK held for an answer to ride on included: the application is
+    /// done with the QP and may exit before the hold is over, and the
+    /// peer's last requests would wait until their retries ran out); and
+    /// it is repeated as the progress of a live QP is
+    /// ([`recent_streams`](Self::recent_streams)), from `retired_streams`.
+    pub(crate) fn retire_stream(&mut self, qpn: Qpn, entry: AckStreamEntry, unreported: bool) {
+        if unreported {
+            self.note_stream(qpn);
+        }
+        let owed = self.dirty_streams.contains(&qpn);
+        if owed || self.recent_streams.iter().any(|r| r.0 == qpn) {
+            self.retired_streams.push((qpn, entry));
+        }
+        if owed {
             self.ack_now = true;
         }
     }

@@ -866,8 +866,15 @@ impl Endpoint {
         if let Some(qp) = self.qps[idx].take() {
             self.qp_count -= 1;
             if let Some(c) = qp.conn {
-                if let Some(conn) = self.conns.get_mut(c.0 as usize).and_then(|c| c.as_mut()) {
+                let ci = c.0 as usize;
+                if let Some(conn) = self.conns.get_mut(ci).and_then(|c| c.as_mut()) {
                     conn.qps.retain(|&q| q != qpn);
+                    let entry = crate::wire::AckStreamEntry {
+                        qpn: qp.remote_qpn,
+                        msn_done: qp.msn_done,
+                    };
+                    conn.retire_stream(qpn, entry, qp.msn_done != qp.reported_msn_done);
+                    self.touch(ci, None);
                 }
             }
         }

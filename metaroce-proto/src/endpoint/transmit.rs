@@ -1293,15 +1293,20 @@ impl Endpoint {
         }
         let mut entries = Vec::with_capacity(streams.len());
         for (i, &qpn) in streams.iter().enumerate() {
-            if let Some(idx) = self.qp_index(qpn) {
-                if let Some(q) = self.qps[idx].as_mut() {
-                    let e = AckStreamEntry {
-                        qpn: q.remote_qpn,
-                        msn_done: q.msn_done,
-                    };
-                    entries.push((e, qpn, i < fresh));
-                    q.reported_msn_done = q.msn_done;
-                }
+            let live = self.qp_index(qpn).and_then(|idx| self.qps[idx].as_mut());
+            if let Some(q) = live {
+                let e = AckStreamEntry {
+                    qpn: q.remote_qpn,
+                    msn_done: q.msn_done,
+                };
+                entries.push((e, qpn, i < fresh));
+                q.reported_msn_done = q.msn_done;
+            } else if let Some(&(_, e)) = self.conns[ci]
+                .as_ref()
+                .and_then(|c| c.retired_streams.iter().find(|r| r.0 == qpn))
+            {
+                // A destroyed QP's last progress (`retire_stream`).
+                entries.push((e, qpn, i < fresh));
             }
         }
         let c = self.conns[ci].as_mut()?;
@@ -1371,6 +1376,11 @@ impl Endpoint {
         });
         more |= !unsent_streams.is_empty();
         c.dirty_streams.extend(unsent_streams);
+        if !c.retired_streams.is_empty() {
+            let (recent, dirty) = (&c.recent_streams, &c.dirty_streams);
+            c.retired_streams
+                .retain(|r| dirty.contains(&r.0) || recent.iter().any(|x| x.0 == r.0));
+        }
         let repeats_from = c.recent_naks.len();
         while let Some(n) = c.naks.front() {
             if b.push_nak(n).is_err() {
