@@ -42,6 +42,7 @@ pub(crate) fn poll_turn<D: TurnParts>(d: &mut D, max_wait: Duration) -> Result<b
     // when its turn to be sent came sends nothing) are the caller's to see
     // before the turn may sleep.
     let made = d.parts().0.unpolled() != unpolled;
+    let mut waited = false;
     // A turn that may not wait (a caller that polls) has nothing to work
     // out here: no clock reading, no timer lookup.
     if !sent && !got && !made && !max_wait.is_zero() {
@@ -62,6 +63,7 @@ pub(crate) fn poll_turn<D: TurnParts>(d: &mut D, max_wait: Duration) -> Result<b
             }
             d.receive()?;
             d.release();
+            waited = true;
         }
     }
     let (ep, clock, _, _) = d.parts();
@@ -71,6 +73,9 @@ pub(crate) fn poll_turn<D: TurnParts>(d: &mut D, max_wait: Duration) -> Result<b
         ep.handle_timeout(now);
         timers = true;
     }
-    let sent_after = d.flush()?;
+    // Nothing sent, received, made, waited for or due: the endpoint is as
+    // the first flush left it, with nothing to send (a polling caller's
+    // idle turn).
+    let sent_after = (sent || got || made || timers || waited) && d.flush()?;
     Ok(sent || got || made || timers || sent_after)
 }

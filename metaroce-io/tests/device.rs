@@ -1622,6 +1622,98 @@ fn polled_progress_portable() {
     run(Backend::Portable, polled_progress);
 }
 
+/// `post_send_now` and `post_recv_now` on polled devices: posted on the
+/// caller's thread, answered there (a receive into no region at once, as
+/// `ibv_post_recv` answers), completed to the CQs with the caller's `wr_id`s in order,
+/// every byte placed; unsignaled sends leave no completion. A device with
+/// its own thread says it is not polled.
+async fn posting_now(backend: Backend) {
+    MODE.with(|m| m.set(Mode::Polled));
+    let (a, b) = pair(backend, FaultConfig::default()).await;
+    MODE.with(|m| m.set(Mode::Thread));
+    assert!(a.dev.is_polled() && b.dev.is_polled());
+    let size = 256u32;
+    let (ra, rb, [req, _, echo]) = echo_regions(&a, &b, size, 9).await;
+    let bad = metaroce_io::Sge {
+        lkey: 0xdead,
+        ..echo
+    };
+    match b.qp.post_recv_now(RecvWr::new(1, bad)) {
+        Err(ApiError::Verbs(VerbsError::InvalidKey(0xdead))) => {}
+        other => panic!("a receive into no region: {other:?}"),
+    }
+    let rounds = 200u64;
+    let mut wcs = Vec::with_capacity(16);
+    for r in 0..rounds {
+        b.qp.post_recv_now(RecvWr::new(1000 + r, echo)).unwrap();
+        // Every other send unsignaled: done with the next signaled one.
+        let wr = SendWr {
+            signaled: r % 2 == 1,
+            ..SendWr::new(r, SendOp::Send, req)
+        };
+        a.qp.post_send_now(wr).unwrap();
+        let deadline = std::time::Instant::now() + LIMIT;
+        let mut got = None;
+        while got.is_none() {
+            a.dev.progress();
+            b.dev.progress();
+            wcs.clear();
+            b.cq.poll_into(16, &mut wcs);
+            got = wcs.first().copied();
+            assert!(
+                std::time::Instant::now() < deadline,
+                "receive {r} never completed"
+            );
+        }
+        let wc = got.unwrap();
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.byte_len),
+            (1000 + r, WcStatus::Success, size)
+        );
+    }
+    // The signaled sends complete, in order; the unsignaled ones do not.
+    let mut sends = Vec::new();
+    let deadline = std::time::Instant::now() + LIMIT;
+    while sends.len() < rounds as usize / 2 {
+        a.dev.progress();
+        b.dev.progress();
+        a.cq.poll_into(16, &mut sends);
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} sends completed",
+            sends.len()
+        );
+    }
+    let ids: Vec<u64> = sends.iter().map(|w| w.wr_id).collect();
+    assert_eq!(ids, (0..rounds).filter(|r| r % 2 == 1).collect::<Vec<_>>());
+    assert!(sends.iter().all(|w| w.status == WcStatus::Success));
+    assert_eq!(
+        rb.read(0, size as usize).await.unwrap(),
+        pattern(9, size as usize)
+    );
+    drop(ra);
+    // A device with its own thread takes posts through the async calls.
+    let c = open(config(backend, FaultConfig::default())).await.unwrap();
+    assert!(!c.is_polled());
+    let pd = c.alloc_pd().await.unwrap();
+    let cq = c.create_cq(4).await.unwrap();
+    let qp = pd.create_qp(&cq, &cq).await.unwrap();
+    match qp.post_recv_now(RecvWr::new(1, echo)) {
+        Err(ApiError::NotPolled) => {}
+        other => panic!("a post on a threaded device: {other:?}"),
+    }
+}
+
+#[test]
+fn posting_now_portable() {
+    run(Backend::Portable, posting_now);
+}
+
+#[test]
+fn posting_now_io_uring() {
+    run(Backend::Uring, posting_now);
+}
+
 #[test]
 fn polled_progress_io_uring() {
     run(Backend::Uring, polled_progress);

@@ -160,6 +160,7 @@ fn api_code(e: &ApiError) -> c_int {
             METAROCE_EVERBS
         }
         ApiError::Driver(_) | ApiError::NoRuntime => METAROCE_EIO,
+        ApiError::NotPolled => METAROCE_EINVAL,
         ApiError::Connection(_) | ApiError::Failed(_) => METAROCE_ECONN,
         ApiError::Closed => METAROCE_ECLOSED,
     }

@@ -156,6 +156,11 @@ pub enum ApiError {
         /// Why it was refused.
         error: VerbsError,
     },
+    /// A call for a device of [`Device::open_polled`] on one whose own
+    /// thread or task drives the endpoint ([`QueuePair::post_send_now`],
+    /// [`QueuePair::post_recv_now`]).
+    #[error("the call is for a polled device (Device::open_polled)")]
+    NotPolled,
     /// The endpoint thread has stopped (a driver error, logged), or the
     /// runtime an endpoint task ran on shut down.
     #[error("the endpoint thread has stopped")]
@@ -483,6 +488,21 @@ impl Device {
         }
     }
 
+    /// Whether this is a device of [`open_polled`](Self::open_polled),
+    /// which takes [`QueuePair::post_send_now`] and
+    /// [`QueuePair::post_recv_now`].
+    pub fn is_polled(&self) -> bool {
+        matches!(self.shared.waker, Wake::Polled(_))
+    }
+
+    /// The endpoint of a polled device, for a call on the caller's thread.
+    fn polled(&self) -> Result<&worker::Polled, ApiError> {
+        match &self.shared.waker {
+            Wake::Polled(p) => Ok(p),
+            _ => Err(ApiError::NotPolled),
+        }
+    }
+
     /// The address peers connect to.
     pub fn local_addr(&self) -> SocketAddr {
         self.shared.local
@@ -506,6 +526,14 @@ impl Device {
     }
 
     fn send(&self, c: Command) {
+        // A polled device whose endpoint is free runs it here and now.
+        let c = match &self.shared.waker {
+            Wake::Polled(p) => match p.run(c) {
+                None => return,
+                Some(c) => c,
+            },
+            _ => c,
+        };
         // A closed queue means the thread stopped: the reply channel inside
         // `c` is dropped with it and the caller sees `Closed`.
         if self.shared.tx.send(c).is_ok() {
@@ -1634,6 +1662,58 @@ impl QueuePair {
         let (tx, rx) = oneshot::channel();
         self.dev.send(Command::PostSend(self.qpn, wr, Dest::Cq(tx)));
         answer(rx)
+    }
+
+    /// Posts a send request now, on the calling thread, as `ibv_post_send`
+    /// does: the answer is the endpoint's, and the completion goes to the
+    /// send CQ as with [`post_send`](Self::post_send) (`signaled`
+    /// honoured). No command is queued and nothing is allocated: for a
+    /// progress loop that posts and polls itself. For a device of
+    /// [`Device::open_polled`] only (others answer
+    /// [`ApiError::NotPolled`]); it waits while another thread takes a turn
+    /// of the endpoint. The request goes out at the next
+    /// [`Device::progress`]. Errors are those of
+    /// [`post_send_batch`](Self::post_send_batch)'s requests, as
+    /// [`ApiError::Verbs`].
+    ///
+    /// ```no_run
+    /// # fn demo(dev: metaroce_io::Device, qp: metaroce_io::QueuePair, cq: metaroce_io::CompletionQueue, mr: metaroce_io::MemoryRegion) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::{SendOp, SendWr};
+    /// qp.post_send_now(SendWr::new(7, SendOp::Send, mr.sge(0, 64)?))?;
+    /// let mut wcs = Vec::with_capacity(16);
+    /// while wcs.is_empty() {
+    ///     dev.progress();
+    ///     cq.poll_into(16, &mut wcs);
+    /// }
+    /// assert_eq!(wcs[0].wr_id, 7);
+    /// # Ok(()) }
+    /// ```
+    pub fn post_send_now(&self, wr: SendWr) -> Result<(), ApiError> {
+        let qpn = self.qpn;
+        self.dev.polled()?.with_worker(|w| {
+            let now = w.now();
+            w.post_send_to_cq(now, qpn, wr).map_err(Into::into)
+        })
+    }
+
+    /// Posts a receive now, on the calling thread, as `ibv_post_recv`
+    /// does: as [`post_send_now`](Self::post_send_now) for the receive
+    /// queue, the completion to the receive CQ as with
+    /// [`post_recv`](Self::post_recv). Errors are those of
+    /// [`post_recv_batch`](Self::post_recv_batch)'s requests, as
+    /// [`ApiError::Verbs`].
+    ///
+    /// ```no_run
+    /// # fn demo(qp: metaroce_io::QueuePair, mr: metaroce_io::MemoryRegion) -> Result<(), metaroce_io::ApiError> {
+    /// use metaroce_io::RecvWr;
+    /// qp.post_recv_now(RecvWr::new(3, mr.sge(0, 4096)?))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn post_recv_now(&self, wr: RecvWr) -> Result<(), ApiError> {
+        let qpn = self.qpn;
+        self.dev
+            .polled()?
+            .with_worker(|w| w.post_recv_to_cq(qpn, wr).map_err(Into::into))
     }
 
     /// Posts send requests in order, as one chain (`ibv_post_send` with a

@@ -148,6 +148,9 @@ pub(super) struct Worker {
     to_sink: Vec<WorkCompletion>,
     /// When the metrics were last brought up to date.
     last_metrics: std::time::Instant,
+    /// A command ran outside a turn ([`Polled::run`]) since the last one:
+    /// the next turn drives the driver even if it looks quiet.
+    ran: bool,
 }
 
 /// What the endpoint thread tells `open` once it is up.
@@ -275,6 +278,51 @@ impl Polled {
             Err(std::sync::TryLockError::WouldBlock) => return false,
         };
         turn_or_stop(&mut g).unwrap_or(false)
+    }
+
+    /// Runs command `c` on the calling thread if no other thread is taking
+    /// a turn: the commands queued before it first, so that it keeps its
+    /// place, then what it made handed on. Gives `c` back when the
+    /// endpoint is busy (or this thread is inside a turn already), to be
+    /// queued for the next turn.
+    pub(super) fn run(&self, c: Command) -> Option<Command> {
+        let mut g = match self.worker.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Some(c),
+        };
+        let Some(w) = g.as_mut() else {
+            return Some(c);
+        };
+        w.take_commands();
+        w.command(c);
+        w.ran = true;
+        w.events();
+        w.completions();
+        drop(g);
+        // The command may have set a timer the sleeping thread must see.
+        self.wake();
+        None
+    }
+
+    /// Runs `f` on the worker on the calling thread, waiting while another
+    /// thread takes a turn: the commands queued before it first, so that
+    /// it keeps its place, then what it made handed on. `Closed` once the
+    /// endpoint stopped.
+    pub(super) fn with_worker<T>(
+        &self,
+        f: impl FnOnce(&mut Worker) -> Result<T, ApiError>,
+    ) -> Result<T, ApiError> {
+        let mut g = self.worker.lock().unwrap_or_else(|e| e.into_inner());
+        let w = g.as_mut().ok_or(ApiError::Closed)?;
+        w.take_commands();
+        let r = f(w);
+        w.ran = true;
+        w.events();
+        w.completions();
+        drop(g);
+        self.wake();
+        r
     }
 
     /// Wakes the endpoint thread for a new command, unless a caller drives
@@ -560,6 +608,7 @@ impl Worker {
             scratch: Vec::new(),
             to_sink: Vec::new(),
             last_metrics: std::time::Instant::now(),
+            ran: false,
         }
     }
 
@@ -573,7 +622,7 @@ impl Worker {
         };
         // Nothing came and nothing is due: no turn of the driver (a
         // polling caller's usual case).
-        if !commands && self.drv.quiet() {
+        if !commands && !std::mem::take(&mut self.ran) && self.drv.quiet() {
             self.after_turn();
             return Ok(Some(false));
         }
@@ -632,6 +681,47 @@ impl Worker {
             self.after_turn();
         }
         Ok(())
+    }
+
+    /// Posts `wr` to QP `qpn`'s send queue, its completion (if signaled,
+    /// as in verbs) to the CQ with the caller's `wr_id`.
+    pub(super) fn post_send_to_cq(
+        &mut self,
+        now: metaroce_proto::Instant,
+        qpn: Qpn,
+        wr: SendWr,
+    ) -> Result<(), VerbsError> {
+        let id = self.next_wr;
+        self.next_wr += 1;
+        let (user_wr_id, signaled) = (wr.wr_id, wr.signaled);
+        self.drv
+            .endpoint()
+            .post_send(now, qpn, SendWr { wr_id: id, ..wr })?;
+        let waiter = Waiter::Cq;
+        self.pending.insert(id, Pending { user_wr_id, waiter });
+        if !signaled {
+            self.unsignaled.entry(qpn).or_default().push_back(id);
+        }
+        Ok(())
+    }
+
+    /// Posts `wr` to QP `qpn`'s receive queue, its completion to the CQ
+    /// with the caller's `wr_id`.
+    pub(super) fn post_recv_to_cq(&mut self, qpn: Qpn, wr: RecvWr) -> Result<(), VerbsError> {
+        let id = self.next_wr;
+        self.next_wr += 1;
+        let user_wr_id = wr.wr_id;
+        self.drv
+            .endpoint()
+            .post_recv(qpn, RecvWr { wr_id: id, ..wr })?;
+        let waiter = Waiter::Cq;
+        self.pending.insert(id, Pending { user_wr_id, waiter });
+        Ok(())
+    }
+
+    /// The clock of the driver.
+    pub(super) fn now(&self) -> metaroce_proto::Instant {
+        self.drv.now()
     }
 
     fn command(&mut self, c: Command) {
@@ -740,17 +830,9 @@ impl Worker {
             Command::PostSendBatch(qpn, wrs, reply) => {
                 let mut res = Ok(());
                 for (i, wr) in wrs.into_iter().enumerate() {
-                    let id = self.next_wr;
-                    self.next_wr += 1;
-                    if let Err(error) = ep.post_send(now, qpn, SendWr { wr_id: id, ..wr }) {
+                    if let Err(error) = self.post_send_to_cq(now, qpn, wr) {
                         res = Err(ApiError::BatchRefused { posted: i, error });
                         break;
-                    }
-                    let waiter = Waiter::Cq;
-                    let user_wr_id = wr.wr_id;
-                    self.pending.insert(id, Pending { user_wr_id, waiter });
-                    if !wr.signaled {
-                        self.unsignaled.entry(qpn).or_default().push_back(id);
                     }
                 }
                 let _ = reply.send(res);
@@ -764,15 +846,10 @@ impl Worker {
             Command::PostRecvBatch(qpn, wrs, reply) => {
                 let mut res = Ok(());
                 for (i, wr) in wrs.into_iter().enumerate() {
-                    let id = self.next_wr;
-                    self.next_wr += 1;
-                    if let Err(error) = ep.post_recv(qpn, RecvWr { wr_id: id, ..wr }) {
+                    if let Err(error) = self.post_recv_to_cq(qpn, wr) {
                         res = Err(ApiError::BatchRefused { posted: i, error });
                         break;
                     }
-                    let waiter = Waiter::Cq;
-                    let user_wr_id = wr.wr_id;
-                    self.pending.insert(id, Pending { user_wr_id, waiter });
                 }
                 let _ = reply.send(res);
             }
