@@ -306,7 +306,7 @@ unsafe fn irecv(
         let n = usize::try_from(n).unwrap_or(0).min(MAX_RECVS + 1);
         // SAFETY: a receive comm `accept` made and NCCL has not closed.
         let c = unsafe { &mut *(recv_comm as *mut RecvComm) };
-        let mut bufs = Vec::with_capacity(n);
+        let mut bufs = smallvec::SmallVec::<[_; MAX_RECVS]>::new();
         for i in 0..n {
             // SAFETY: NCCL passes arrays of `n` entries.
             let (ptr, tag, mh) = unsafe { (*data.add(i), *tags.add(i), *mhandles.add(i)) };
@@ -375,6 +375,11 @@ unsafe extern "C" fn close_send(comm: *mut c_void) -> NcclResult {
             // the connection stays for the device's other comms.
             let c = unsafe { Box::from_raw(comm as *mut SendComm) };
             c.log_close();
+            let dev = c.device();
+            drop(c);
+            // What the QP's end owes the peer (its last progress) goes now:
+            // the process may exit before the endpoint thread would look.
+            dev.progress();
         }
         Ok(())
     })
@@ -384,7 +389,11 @@ unsafe extern "C" fn close_recv(comm: *mut c_void) -> NcclResult {
     ffi("closeRecv", || {
         if !comm.is_null() {
             // SAFETY: a receive comm `accept` made, closed once.
-            drop(unsafe { Box::from_raw(comm as *mut RecvComm) });
+            let c = unsafe { Box::from_raw(comm as *mut RecvComm) };
+            let dev = c.device();
+            drop(c);
+            // As in `closeSend`.
+            dev.progress();
         }
         Ok(())
     })

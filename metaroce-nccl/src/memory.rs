@@ -67,15 +67,6 @@ pub(crate) fn block_on<F: Future>(f: F) -> F::Output {
     }
 }
 
-/// Polls `f` once without waiting: `Some` if it is done.
-pub(crate) fn poll_now<F: Future + Unpin>(f: &mut F) -> Option<F::Output> {
-    let mut cx = Context::from_waker(Waker::noop());
-    match std::pin::Pin::new(f).poll(&mut cx) {
-        Poll::Ready(v) => Some(v),
-        Poll::Pending => None,
-    }
-}
-
 /// An empty buffer: names no memory (the transport accepts it for a
 /// zero-byte transfer without a region).
 pub(crate) const EMPTY_SGE: Sge = Sge {

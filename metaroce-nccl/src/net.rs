@@ -58,12 +58,14 @@
 use crate::abi::NCCL_NET_MAX_REQUESTS;
 use crate::config::{Config, DeviceSpec, Progress};
 use crate::error::NetError;
-use crate::memory::{block_on, poll_now, AppRegion, EMPTY_SGE};
+use crate::memory::{block_on, AppRegion, EMPTY_SGE};
 use metaroce_io::{
-    AccessFlags, CompletionQueue, Connection, Device, MemoryRegion, ProtectionDomain, QpCaps,
-    QueuePair, RcAttrs, RegionBuf, RemoteAddr, WcOpcode, WorkRequest,
+    AccessFlags, ApiError, CompletionQueue, Connection, Device, MemoryRegion, ProtectionDomain,
+    QpCaps, QueuePair, RcAttrs, RecvWr, RegionBuf, RemoteAddr, SendOp, SendWr, Sge, WcOpcode,
+    WcStatus, WorkCompletion,
 };
 use rustc_hash::FxHashMap;
+use smallvec::SmallVec;
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
@@ -317,14 +319,20 @@ fn fresh_nonce() -> u64 {
     h.finish() | 1
 }
 
-/// The QP side of one comm; fields drop in order (QP, CQ, ...). The
+/// The QP side of one comm; fields drop in order (QP, CQs, ...). The
 /// connection and the endpoint are shared with the device's other comms.
 struct Link {
     qp: QueuePair,
-    _cq: CompletionQueue,
+    /// The QP's sends and their completions (shared with the requests).
+    sends: Arc<Mutex<SendLog>>,
+    /// Where its receives complete.
+    recv_cq: CompletionQueue,
     conn: Connection,
     node: Arc<Node>,
 }
+
+/// A QP not yet connected, with its PD and completion queues.
+type Opened = (ProtectionDomain, [CompletionQueue; 2], QueuePair);
 
 impl Link {
     /// The device's endpoint.
@@ -332,19 +340,90 @@ impl Link {
         &self.node.dev
     }
 
-    /// A PD, CQ and QP on the device's endpoint, not yet connected.
-    fn open(node: &Node) -> Result<(ProtectionDomain, CompletionQueue, QueuePair), NetError> {
+    /// A PD, CQs (send, receive) and QP on the device's endpoint, not yet
+    /// connected.
+    fn open(node: &Node) -> Result<Opened, NetError> {
         let dev = &node.dev;
         let pd = block_on(dev.alloc_pd())?;
         let depth = (NCCL_NET_MAX_REQUESTS * MAX_RECVS) as u32;
-        let cq = block_on(dev.create_cq(2 * depth as usize))?;
+        let send_cq = block_on(dev.create_cq(depth as usize))?;
+        let recv_cq = block_on(dev.create_cq(depth as usize))?;
         let caps = QpCaps {
             max_send_wr: depth,
             max_recv_wr: depth,
             ..QpCaps::default()
         };
-        let qp = block_on(pd.create_qp_with(&cq, &cq, caps))?;
-        Ok((pd, cq, qp))
+        let qp = block_on(pd.create_qp_with(&send_cq, &recv_cq, caps))?;
+        Ok((pd, [send_cq, recv_cq], qp))
+    }
+
+    fn new(opened: ([CompletionQueue; 2], QueuePair), conn: Connection, node: Arc<Node>) -> Link {
+        let ([cq, recv_cq], qp) = opened;
+        let sends = SendLog {
+            cq,
+            next: 0,
+            completed: 0,
+            failed: None,
+            scratch: Vec::with_capacity(64),
+        };
+        Link {
+            qp,
+            sends: Arc::new(Mutex::new(sends)),
+            recv_cq,
+            conn,
+            node,
+        }
+    }
+
+    /// Posts a send of `local`; its number among the QP's sends
+    /// ([`SendLog`]). On a polled device it is posted on the caller's
+    /// thread (no allocation, no command queued), else through the
+    /// endpoint thread, waiting for its answer.
+    fn post_send(&self, op: SendOp, local: Sge) -> Result<u64, NetError> {
+        let mut log = self.sends.lock().unwrap_or_else(|e| e.into_inner());
+        let wr = SendWr::new(log.next, op, local);
+        if self.dev().is_polled() {
+            self.qp.post_send_now(wr)?;
+        } else {
+            block_on(self.qp.post_send(wr))?;
+        }
+        log.next += 1;
+        Ok(log.next - 1)
+    }
+
+    /// The outcome of send `id`, if known (taking what its CQ has).
+    fn send_outcome(&self, id: u64) -> Option<Result<(), NetError>> {
+        let mut log = self.sends.lock().unwrap_or_else(|e| e.into_inner());
+        log.take();
+        log.outcome(id)
+    }
+
+    /// Posts a receive, its completion to `recv_cq`, as
+    /// [`post_send`](Self::post_send).
+    fn post_recv(&self, wr: RecvWr) -> Result<(), NetError> {
+        if self.dev().is_polled() {
+            self.qp.post_recv_now(wr)?;
+        } else {
+            block_on(self.qp.post_recv(wr))?;
+        }
+        Ok(())
+    }
+}
+
+/// Takes every completion of `cq` into `out` (emptied first); whether
+/// there were any.
+fn drain(cq: &CompletionQueue, out: &mut Vec<WorkCompletion>) -> bool {
+    out.clear();
+    while cq.poll_into(64, out) != 0 {}
+    !out.is_empty()
+}
+
+/// A completion's status as a result.
+fn succeeded(wc: &WorkCompletion) -> Result<(), NetError> {
+    if wc.status == WcStatus::Success {
+        Ok(())
+    } else {
+        Err(ApiError::Failed(*wc).into())
     }
 }
 
@@ -525,7 +604,7 @@ pub(crate) fn listen(
         s.set_read_timeout(Some(timeout))?;
         s.set_nodelay(true)?;
         let theirs = read_hello(&mut s, h.nonce)?;
-        let (pd, cq, qp) = Link::open(&node)?;
+        let (pd, cqs, qp) = Link::open(&node)?;
         let ours = Hello {
             qpn: qp.qpn().0,
             endpoint: node.dev.local_addr(),
@@ -542,12 +621,7 @@ pub(crate) fn listen(
         // peer may send.
         let comm = RecvComm::new(
             pd,
-            Link {
-                qp,
-                _cq: cq,
-                conn,
-                node,
-            },
+            Link::new((cqs, qp), conn, node),
             ours.eager.min(theirs.eager) as usize,
         )?;
         s.write_all(&[1])?;
@@ -556,11 +630,12 @@ pub(crate) fn listen(
     Ok(Box::new(ListenComm { stop, pending }))
 }
 
-/// Waits for `f` on a thread that drives the endpoint meanwhile (on a
-/// polled device; elsewhere `progress` does nothing and this only waits).
-fn wait_driving<F: std::future::Future + Unpin>(dev: &Device, mut f: F) -> F::Output {
+/// Waits until `f` has an answer, on a thread that drives the endpoint
+/// meanwhile (on a polled device; elsewhere `progress` does nothing and
+/// this only waits).
+fn wait_driving<T>(dev: &Device, mut f: impl FnMut() -> Option<T>) -> T {
     loop {
-        if let Some(v) = poll_now(&mut f) {
+        if let Some(v) = f() {
             return v;
         }
         if !dev.progress() {
@@ -624,7 +699,7 @@ pub(crate) fn connect(
         let timeout = p.cfg.connect_timeout;
         let eager_bytes = p.cfg.eager_bytes as u32;
         let pending = Pending::spawn("metaroce-connect", move || {
-            let (pd, cq, qp) = Link::open(&node)?;
+            let (pd, cqs, qp) = Link::open(&node)?;
             let mut s = TcpStream::connect_timeout(&h.tcp, timeout)?;
             s.set_read_timeout(Some(timeout))?;
             s.set_nodelay(true)?;
@@ -648,12 +723,7 @@ pub(crate) fn connect(
             block_on(qp.connect_with(&conn, metaroce_io::Qpn(theirs.qpn), rc_attrs()))?;
             let comm = SendComm::new(
                 pd,
-                Link {
-                    qp,
-                    _cq: cq,
-                    conn,
-                    node,
-                },
+                Link::new((cqs, qp), conn, node),
                 ours.eager.min(theirs.eager) as usize,
             )?;
             // The peer's QP is connected and its receives are posted:
@@ -704,6 +774,9 @@ const STASH_MAX: usize = 64;
 /// large for such a buffer then learns its size and fails, instead of
 /// waiting for an announcement forever.
 const ANNOUNCE_LATE: Duration = Duration::from_millis(1);
+/// `progress` calls between two readings of the clock for late
+/// announcements (a polling caller makes one every few microseconds).
+const LATE_CHECK_POLLS: u32 = 16;
 
 /// The next sequence number of `tag` in `seqs`, counted on.
 fn next_seq<S: std::hash::BuildHasher>(seqs: &mut HashMap<i32, u32, S>, tag: i32) -> u32 {
@@ -811,13 +884,58 @@ pub(crate) struct SendComm {
     eager: usize,
     /// Where the peer's clear-to-send messages land, `CTS_RING` slots.
     fifo: MemoryRegion,
-    /// The receives posted into `fifo`, oldest first, with their slot.
-    fifo_posted: VecDeque<(WorkRequest, usize)>,
+    /// The slots whose receives are posted, oldest first (receives
+    /// complete in posting order; each one's `wr_id` is its slot).
+    fifo_posted: VecDeque<usize>,
     /// Buffers the peer announced, by tag and sequence number.
     ready: HashMap<(i32, u32), Announced>,
     /// The sequence number of the next message of each tag (this side's
     /// tags: a fast hash).
     sent: FxHashMap<i32, u32>,
+    /// Completions taken from the receive CQ (reused).
+    scratch: Vec<WorkCompletion>,
+}
+
+/// What became of a QP's sends, numbered from 0 in posting order (their
+/// `wr_id`s): RC completes them in that order, so a count says which are
+/// done.
+struct SendLog {
+    /// The sends' completion queue.
+    cq: CompletionQueue,
+    /// The number of the next send.
+    next: u64,
+    /// The sends numbered below this completed.
+    completed: u64,
+    /// The first send that failed (those after it fail too: the QP is in
+    /// ERROR).
+    failed: Option<WorkCompletion>,
+    /// Completions taken from the CQ (reused).
+    scratch: Vec<WorkCompletion>,
+}
+
+impl SendLog {
+    /// Takes the completions that came.
+    fn take(&mut self) {
+        if !drain(&self.cq, &mut self.scratch) {
+            return;
+        }
+        for wc in &self.scratch {
+            if wc.status == WcStatus::Success {
+                self.completed = self.completed.max(wc.wr_id + 1);
+            } else if self.failed.is_none() {
+                self.failed = Some(*wc);
+            }
+        }
+    }
+
+    /// Send `seq`'s outcome, if it is known.
+    fn outcome(&self, seq: u64) -> Option<Result<(), NetError>> {
+        if seq < self.completed {
+            return Some(Ok(()));
+        }
+        let f = self.failed.filter(|f| f.wr_id <= seq)?;
+        Some(succeeded(&WorkCompletion { wr_id: seq, ..f }))
+    }
 }
 
 impl SendComm {
@@ -829,7 +947,8 @@ impl SendComm {
         let mut fifo_posted = VecDeque::with_capacity(CTS_RING);
         for slot in 0..CTS_RING {
             let sge = fifo.sge((slot * CTS_BYTES) as u64, CTS_BYTES as u32)?;
-            fifo_posted.push_back((link.qp.recv(sge), slot));
+            link.post_recv(RecvWr::new(slot as u64, sge))?;
+            fifo_posted.push_back(slot);
         }
         Ok(SendComm {
             head: CommHead {
@@ -843,7 +962,13 @@ impl SendComm {
             fifo_posted,
             ready: HashMap::new(),
             sent: FxHashMap::default(),
+            scratch: Vec::with_capacity(64),
         })
+    }
+
+    /// The device the comm's endpoint runs on.
+    pub(crate) fn device(&self) -> Device {
+        self.link.dev().clone()
     }
 
     /// A log line with the counters of the comm's connection (shared with
@@ -867,41 +992,50 @@ impl SendComm {
     /// their receives again. A buffer announced for a message that already
     /// went eagerly is dropped.
     fn take_cts(&mut self) -> Result<(), NetError> {
-        while let Some((wr, _)) = self.fifo_posted.front_mut() {
-            let Some(r) = poll_now(wr) else { break };
-            let (_, slot) = self
-                .fifo_posted
-                .pop_front()
-                .unwrap_or_else(|| unreachable!());
-            let wc = r?;
-            let off = slot * CTS_BYTES;
-            let len = (wc.byte_len as usize).min(CTS_BYTES);
-            // SAFETY: the receive into this slot completed, so its bytes
-            // are final, and no transfer uses them until the receive is
-            // posted again below, after they are decoded.
-            let bytes = unsafe { std::slice::from_raw_parts(self.fifo.as_ptr().add(off), len) };
-            let cts = Cts::decode(bytes)?;
-            for c in cts.slots {
-                let next = self.sent.get(&c.tag).copied().unwrap_or(0);
-                if seq_before(c.seq, next) {
-                    continue;
-                }
-                let a = Announced {
-                    rkey: c.rkey,
-                    addr: c.addr,
-                    size: c.size,
-                    imm: cts.id << 3 | u32::from(c.index),
-                };
-                if self.ready.insert((c.tag, c.seq), a).is_some() {
-                    return Err(NetError::Remote(format!(
-                        "buffer {} of tag {} announced twice",
-                        c.seq, c.tag
-                    )));
-                }
-            }
-            let sge = self.fifo.sge(off as u64, CTS_BYTES as u32)?;
-            self.fifo_posted.push_back((self.link.qp.recv(sge), slot));
+        let mut wcs = std::mem::take(&mut self.scratch);
+        drain(&self.link.recv_cq, &mut wcs);
+        let r = wcs.iter().try_for_each(|wc| self.cts_in(wc));
+        self.scratch = wcs;
+        r
+    }
+
+    /// One clear-to-send message in, its slot's receive posted again.
+    fn cts_in(&mut self, wc: &WorkCompletion) -> Result<(), NetError> {
+        succeeded(wc)?;
+        let slot = wc.wr_id as usize;
+        if self.fifo_posted.pop_front() != Some(slot) {
+            return Err(NetError::Remote(format!(
+                "a clear-to-send in slot {slot}, out of order"
+            )));
         }
+        let off = slot * CTS_BYTES;
+        let len = (wc.byte_len as usize).min(CTS_BYTES);
+        // SAFETY: the receive into this slot completed, so its bytes are
+        // final, and no transfer uses them until the receive is posted
+        // again below, after they are decoded.
+        let bytes = unsafe { std::slice::from_raw_parts(self.fifo.as_ptr().add(off), len) };
+        let cts = Cts::decode(bytes)?;
+        for c in cts.slots {
+            let next = self.sent.get(&c.tag).copied().unwrap_or(0);
+            if seq_before(c.seq, next) {
+                continue;
+            }
+            let a = Announced {
+                rkey: c.rkey,
+                addr: c.addr,
+                size: c.size,
+                imm: cts.id << 3 | u32::from(c.index),
+            };
+            if self.ready.insert((c.tag, c.seq), a).is_some() {
+                return Err(NetError::Remote(format!(
+                    "buffer {} of tag {} announced twice",
+                    c.seq, c.tag
+                )));
+            }
+        }
+        let sge = self.fifo.sge(off as u64, CTS_BYTES as u32)?;
+        self.link.post_recv(RecvWr::new(slot as u64, sge))?;
+        self.fifo_posted.push_back(slot);
         Ok(())
     }
 
@@ -923,12 +1057,12 @@ impl SendComm {
             return Ok(None);
         }
         let seq = self.sent.get(&tag).copied().unwrap_or(0);
-        let wr = if size <= self.eager {
+        let op = if size <= self.eager {
             // Eager: into the next bounce receive the peer keeps posted,
             // announced or not; the tag rides in the immediate data.
             self.take_cts()?;
             self.ready.remove(&(tag, seq));
-            self.link.qp.send_imm(local, tag as u32)
+            SendOp::SendImm(tag as u32)
         } else {
             // The buffer the peer announced for this message; if it has
             // not come in yet, a turn of the endpoint (on a polled device)
@@ -957,16 +1091,18 @@ impl SendComm {
                 rkey: a.rkey,
                 addr: a.addr,
             };
-            self.link.qp.write_imm(local, remote, a.imm)
+            SendOp::WriteImm(remote, a.imm)
         };
+        let id = self.link.post_send(op, local)?;
         self.sent.insert(tag, seq.wrapping_add(1));
         self.outstanding.fetch_add(1, Ordering::Relaxed);
         // Out now, not at the next `test`.
         let dev = self.link.dev().clone();
         dev.progress();
         Ok(Some(Box::new(Request::Send(SendReq {
-            wr,
+            id,
             size,
+            sends: self.link.sends.clone(),
             outstanding: self.outstanding.clone(),
             dev,
         }))))
@@ -975,11 +1111,22 @@ impl SendComm {
 
 /// A send in flight.
 pub(crate) struct SendReq {
-    wr: WorkRequest,
+    /// Its `wr_id`: its place among the comm's sends.
+    id: u64,
     size: usize,
+    sends: Arc<Mutex<SendLog>>,
     outstanding: Arc<AtomicU64>,
     /// The endpoint `test` drives.
     dev: Device,
+}
+
+impl SendReq {
+    /// Whether the send completed (and how), taking what its CQ has.
+    fn outcome(&self) -> Option<Result<(), NetError>> {
+        let mut log = self.sends.lock().unwrap_or_else(|e| e.into_inner());
+        log.take();
+        log.outcome(self.id)
+    }
 }
 
 impl Drop for SendReq {
@@ -1004,12 +1151,29 @@ struct Slot {
 
 struct Group {
     id: u32,
-    slots: Vec<Slot>,
+    slots: SmallVec<[Slot; MAX_RECVS]>,
     remaining: usize,
-    /// When it was posted, while buffers of it that take eager messages
-    /// are not announced.
-    quiet_since: Option<Instant>,
+    /// Whether buffers of it that take eager messages are not announced,
+    /// and since when.
+    quiet: Quiet,
 }
+
+/// How long a group's buffers that take eager messages have gone
+/// unannounced. The clock is read for it once every `LATE_CHECK_POLLS`
+/// `progress` calls, not per call: the first reading after the group went
+/// quiet stamps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Quiet {
+    /// Every buffer is filled or announced.
+    No,
+    /// Quiet, not stamped yet.
+    Unstamped,
+    /// Quiet at least since then.
+    Since(Instant),
+}
+
+/// The sizes of a receive's buffers, or a send's size, for `test`.
+pub(crate) type Sizes = SmallVec<[usize; MAX_RECVS]>;
 
 /// An eager message that came before its `irecv`.
 enum Stashed {
@@ -1027,12 +1191,17 @@ struct RecvEngine {
     eager: usize,
     /// Bounce buffers, `BOUNCE_RECVS` of `eager` bytes.
     bounce: MemoryRegion,
-    /// The receives posted into them, oldest first, with their buffer.
-    posted: VecDeque<(WorkRequest, usize)>,
+    /// The buffers whose receives are posted, oldest first (receives
+    /// complete in posting order; each one's `wr_id` is its buffer).
+    posted: VecDeque<usize>,
+    /// Completions taken from the receive CQ (reused).
+    scratch: Vec<WorkCompletion>,
     groups: VecDeque<Group>,
     /// Receives done and not tested yet, by id (this side's ids: a fast
     /// hash; the maps keyed by what the peer sends keep the default one).
-    done: FxHashMap<u32, Vec<usize>>,
+    done: FxHashMap<u32, Sizes>,
+    /// `progress` calls since the clock was last read for `Quiet`.
+    late_polls: u32,
     failed: Option<(crate::abi::NcclResult, String)>,
     next_id: u32,
     /// The sequence number of the next buffer posted, by tag.
@@ -1044,8 +1213,9 @@ struct RecvEngine {
     copied: usize,
     /// Where clear-to-send messages are sent from, `CTS_RING` slots.
     cts: MemoryRegion,
-    /// The SEND of each slot's last message.
-    cts_sent: Vec<Option<WorkRequest>>,
+    /// The SEND of each slot's last message (its number among the QP's
+    /// sends).
+    cts_sent: Vec<Option<u64>>,
 }
 
 impl RecvEngine {
@@ -1059,8 +1229,10 @@ impl RecvEngine {
             eager,
             bounce,
             posted: VecDeque::with_capacity(BOUNCE_RECVS),
+            scratch: Vec::with_capacity(BOUNCE_RECVS),
             groups: VecDeque::new(),
             done: FxHashMap::default(),
+            late_polls: 0,
             failed: None,
             next_id: 0,
             posted_seq: FxHashMap::default(),
@@ -1084,7 +1256,8 @@ impl RecvEngine {
             self.bounce
                 .sge((idx * self.eager) as u64, self.eager as u32)?
         };
-        self.posted.push_back((link.qp.recv(sge), idx));
+        link.post_recv(RecvWr::new(idx as u64, sge))?;
+        self.posted.push_back(idx);
         Ok(())
     }
 
@@ -1149,34 +1322,51 @@ impl RecvEngine {
     /// message of that tag). Then announces the receives that waited too
     /// long for eager messages.
     fn progress(&mut self, link: &Link) -> Result<(), NetError> {
-        while let Some((wr, _)) = self.posted.front_mut() {
-            let Some(r) = poll_now(wr) else { break };
-            let (_, idx) = self.posted.pop_front().unwrap_or_else(|| unreachable!());
-            let wc = r?;
-            let imm = wc
-                .imm
-                .ok_or_else(|| NetError::Remote("a message without immediate data".into()))?;
-            let len = wc.byte_len as usize;
-            if wc.opcode == WcOpcode::RecvRdmaWithImm {
-                self.repost(link, idx)?;
-                self.written(imm, len)?;
-            } else {
-                self.eager_in(link, idx, imm as i32, len)?;
-            }
-        }
-        if self.groups.iter().any(|g| g.quiet_since.is_some()) {
-            let now = Instant::now();
-            let late: Vec<u32> = self
-                .groups
-                .iter()
-                .filter(|g| g.quiet_since.is_some_and(|t| now - t >= ANNOUNCE_LATE))
-                .map(|g| g.id)
-                .collect();
-            for id in late {
-                self.announce(link, id, false)?;
+        let mut wcs = std::mem::take(&mut self.scratch);
+        drain(&link.recv_cq, &mut wcs);
+        let r = wcs.iter().try_for_each(|wc| self.message_in(link, wc));
+        self.scratch = wcs;
+        r?;
+        if self.groups.iter().any(|g| g.quiet != Quiet::No) {
+            self.late_polls += 1;
+            if self.late_polls >= LATE_CHECK_POLLS {
+                self.late_polls = 0;
+                let now = Instant::now();
+                let mut late = Vec::new();
+                for g in &mut self.groups {
+                    match g.quiet {
+                        Quiet::Unstamped => g.quiet = Quiet::Since(now),
+                        Quiet::Since(t) if now - t >= ANNOUNCE_LATE => late.push(g.id),
+                        _ => {}
+                    }
+                }
+                for id in late {
+                    self.announce(link, id, false)?;
+                }
             }
         }
         Ok(())
+    }
+
+    /// One message in (its bounce receive completed).
+    fn message_in(&mut self, link: &Link, wc: &WorkCompletion) -> Result<(), NetError> {
+        succeeded(wc)?;
+        let idx = wc.wr_id as usize;
+        if self.posted.pop_front() != Some(idx) {
+            return Err(NetError::Remote(format!(
+                "bounce receive {idx} completed out of order"
+            )));
+        }
+        let imm = wc
+            .imm
+            .ok_or_else(|| NetError::Remote("a message without immediate data".into()))?;
+        let len = wc.byte_len as usize;
+        if wc.opcode == WcOpcode::RecvRdmaWithImm {
+            self.repost(link, idx)?;
+            self.written(imm, len)
+        } else {
+            self.eager_in(link, idx, imm as i32, len)
+        }
     }
 
     /// A WRITE with immediate `imm` placed `len` bytes.
@@ -1301,11 +1491,12 @@ impl RecvEngine {
                 index: i as u8,
             });
         }
-        g.quiet_since = g
-            .slots
-            .iter()
-            .any(|s| s.got.is_none() && !s.announced)
-            .then(Instant::now);
+        let quiet = g.slots.iter().any(|s| s.got.is_none() && !s.announced);
+        g.quiet = match (quiet, g.quiet) {
+            (false, _) => Quiet::No,
+            (true, Quiet::No) => Quiet::Unstamped,
+            (true, q) => q,
+        };
         if slots.is_empty() {
             return Ok(());
         }
@@ -1313,7 +1504,7 @@ impl RecvEngine {
         // (long ago: 2 * NCCL_NET_MAX_REQUESTS receives).
         let ring = id as usize % CTS_RING;
         if let Some(prev) = self.cts_sent[ring].take() {
-            wait_driving(link.dev(), prev)?;
+            wait_driving(link.dev(), || link.send_outcome(prev))?;
         }
         let mut msg = [0u8; CTS_BYTES];
         let n = Cts { id, slots }.encode(&mut msg);
@@ -1324,7 +1515,7 @@ impl RecvEngine {
             std::ptr::copy_nonoverlapping(msg.as_ptr(), self.cts.as_mut_ptr().add(off), n);
         }
         let sge = self.cts.sge(off as u64, n as u32)?;
-        self.cts_sent[ring] = Some(link.qp.send(sge));
+        self.cts_sent[ring] = Some(link.post_send(SendOp::Send, sge)?);
         Ok(())
     }
 }
@@ -1350,6 +1541,11 @@ impl RecvComm {
         })
     }
 
+    /// The device the comm's endpoint runs on.
+    pub(crate) fn device(&self) -> Device {
+        self.link.dev().clone()
+    }
+
     /// `irecv` of `bufs` (pointer, size, tag, region): `None` when NCCL
     /// should try again later.
     pub(crate) fn irecv(
@@ -1362,7 +1558,7 @@ impl RecvComm {
                 bufs.len()
             )));
         }
-        let mut slots = Vec::with_capacity(bufs.len());
+        let mut slots = SmallVec::<[Slot; MAX_RECVS]>::new();
         for &(ptr, size, tag, mr) in bufs {
             if size > MAX_MESSAGE {
                 return Err(NetError::InvalidArgument(format!("irecv of {size} bytes")));
@@ -1416,7 +1612,7 @@ impl RecvComm {
                 id,
                 slots,
                 remaining,
-                quiet_since: None,
+                quiet: Quiet::No,
             });
             // The buffers a message too large to come eagerly may fill are
             // announced now (the announcement goes out at the next turn:
@@ -1452,19 +1648,19 @@ pub(crate) enum Request {
 
 impl Request {
     /// `test`: the sizes once done (one per buffer of a receive).
-    pub(crate) fn test(&mut self) -> Result<Option<Vec<usize>>, NetError> {
+    pub(crate) fn test(&mut self) -> Result<Option<Sizes>, NetError> {
         match self {
             Request::Send(s) => {
                 // If not done, a turn of a polled endpoint may bring it.
-                let mut r = poll_now(&mut s.wr);
+                let mut r = s.outcome();
                 if r.is_none() && s.dev.progress() {
-                    r = poll_now(&mut s.wr);
+                    r = s.outcome();
                 }
                 match r {
                     None => Ok(None),
                     Some(r) => {
                         r?;
-                        Ok(Some(vec![s.size]))
+                        Ok(Some(smallvec::smallvec![s.size]))
                     }
                 }
             }

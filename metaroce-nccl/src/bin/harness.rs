@@ -23,6 +23,7 @@
 //! round-trip latency.
 
 use metaroce_nccl::abi::*;
+use metaroce_nccl::MAX_RECVS;
 use std::ffi::{c_char, c_int, c_ulong, c_void, CStr};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -311,13 +312,21 @@ impl Table {
         mh: Ptr,
     ) -> Result<Option<Ptr>, String> {
         let mut req: Ptr = std::ptr::null_mut();
+        // On the stack, as NCCL's proxy passes its arrays: no allocation
+        // per call on the way of a message.
+        if bufs.len() > MAX_RECVS {
+            return Err(format!("irecv of {} buffers", bufs.len()));
+        }
         let n = bufs.len() as c_int;
-        let mut data: Vec<Ptr> = bufs.iter().map(|b| b.0 as Ptr).collect();
-        let mut sizes: Vec<usize> = bufs.iter().map(|b| b.1).collect();
-        let mut sizes32: Vec<c_int> = bufs.iter().map(|b| b.1 as c_int).collect();
-        let mut tags: Vec<c_int> = bufs.iter().map(|b| b.2).collect();
-        let mut mhs: Vec<Ptr> = vec![mh; bufs.len()];
-        let mut phs: Vec<Ptr> = vec![std::ptr::null_mut(); bufs.len()];
+        let mut data: [Ptr; MAX_RECVS] = [std::ptr::null_mut(); MAX_RECVS];
+        let mut sizes = [0usize; MAX_RECVS];
+        let mut sizes32: [c_int; MAX_RECVS] = [0; MAX_RECVS];
+        let mut tags: [c_int; MAX_RECVS] = [0; MAX_RECVS];
+        let mut mhs: [Ptr; MAX_RECVS] = [mh; MAX_RECVS];
+        let mut phs: [Ptr; MAX_RECVS] = [std::ptr::null_mut(); MAX_RECVS];
+        for (i, b) in bufs.iter().enumerate() {
+            (data[i], sizes[i], sizes32[i], tags[i]) = (b.0 as Ptr, b.1, b.1 as c_int, b.2);
+        }
         let (d, s, s32, tg, m, p) = (
             data.as_mut_ptr(),
             sizes.as_mut_ptr(),
@@ -336,10 +345,11 @@ impl Table {
         check("irecv", r).map(|_| (!req.is_null()).then_some(req))
     }
 
-    /// `test`: `Some(sizes)` once done.
-    fn test(self, req: Ptr, n: usize) -> Result<Option<Vec<c_int>>, String> {
+    /// `test`: `Some(sizes)` once done (one per buffer, the first `n`).
+    fn test(self, req: Ptr, n: usize) -> Result<Option<[c_int; MAX_RECVS]>, String> {
+        debug_assert!(n <= MAX_RECVS);
         let mut done = 0;
-        let mut sizes = vec![-1 as c_int; n.max(1)];
+        let mut sizes = [-1 as c_int; MAX_RECVS];
         let s = sizes.as_mut_ptr();
         let r = match self {
             Table::V8(t) => call!(t, test(req, &mut done, s)),
