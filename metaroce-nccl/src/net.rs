@@ -1194,6 +1194,8 @@ struct RecvEngine {
     /// The buffers whose receives are posted, oldest first (receives
     /// complete in posting order; each one's `wr_id` is its buffer).
     posted: VecDeque<usize>,
+    /// Bounce buffers whose messages were taken, to post again.
+    freed: Vec<usize>,
     /// Completions taken from the receive CQ (reused).
     scratch: Vec<WorkCompletion>,
     groups: VecDeque<Group>,
@@ -1229,6 +1231,7 @@ impl RecvEngine {
             eager,
             bounce,
             posted: VecDeque::with_capacity(BOUNCE_RECVS),
+            freed: Vec::with_capacity(BOUNCE_RECVS),
             scratch: Vec::with_capacity(BOUNCE_RECVS),
             groups: VecDeque::new(),
             done: FxHashMap::default(),
@@ -1243,13 +1246,29 @@ impl RecvEngine {
             cts_sent: (0..CTS_RING).map(|_| None).collect(),
         };
         for idx in 0..BOUNCE_RECVS {
-            e.repost(link, idx)?;
+            e.post_bounce(link, idx)?;
         }
         Ok(e)
     }
 
-    /// Posts bounce receive `idx` (again).
-    fn repost(&mut self, link: &Link, idx: usize) -> Result<(), NetError> {
+    /// Posts bounce receive `idx` again at the next
+    /// [`progress`](Self::progress): not on the way of the message that
+    /// freed it to `test`.
+    fn repost(&mut self, idx: usize) {
+        self.freed.push(idx);
+    }
+
+    /// Posts the bounce receives freed since the last call.
+    fn post_freed(&mut self, link: &Link) -> Result<(), NetError> {
+        for k in 0..self.freed.len() {
+            self.post_bounce(link, self.freed[k])?;
+        }
+        self.freed.clear();
+        Ok(())
+    }
+
+    /// Posts bounce receive `idx`.
+    fn post_bounce(&mut self, link: &Link, idx: usize) -> Result<(), NetError> {
         let sge = if self.eager == 0 {
             EMPTY_SGE
         } else {
@@ -1322,9 +1341,10 @@ impl RecvEngine {
     /// message of that tag). Then announces the receives that waited too
     /// long for eager messages.
     fn progress(&mut self, link: &Link) -> Result<(), NetError> {
+        self.post_freed(link)?;
         let mut wcs = std::mem::take(&mut self.scratch);
         drain(&link.recv_cq, &mut wcs);
-        let r = wcs.iter().try_for_each(|wc| self.message_in(link, wc));
+        let r = wcs.iter().try_for_each(|wc| self.message_in(wc));
         self.scratch = wcs;
         r?;
         if self.groups.iter().any(|g| g.quiet != Quiet::No) {
@@ -1349,7 +1369,7 @@ impl RecvEngine {
     }
 
     /// One message in (its bounce receive completed).
-    fn message_in(&mut self, link: &Link, wc: &WorkCompletion) -> Result<(), NetError> {
+    fn message_in(&mut self, wc: &WorkCompletion) -> Result<(), NetError> {
         succeeded(wc)?;
         let idx = wc.wr_id as usize;
         if self.posted.pop_front() != Some(idx) {
@@ -1362,10 +1382,10 @@ impl RecvEngine {
             .ok_or_else(|| NetError::Remote("a message without immediate data".into()))?;
         let len = wc.byte_len as usize;
         if wc.opcode == WcOpcode::RecvRdmaWithImm {
-            self.repost(link, idx)?;
+            self.repost(idx);
             self.written(imm, len)
         } else {
-            self.eager_in(link, idx, imm as i32, len)
+            self.eager_in(idx, imm as i32, len)
         }
     }
 
@@ -1402,7 +1422,7 @@ impl RecvEngine {
     }
 
     /// An eager message of `len` bytes of `tag` in bounce buffer `idx`.
-    fn eager_in(&mut self, link: &Link, idx: usize, tag: i32, len: usize) -> Result<(), NetError> {
+    fn eager_in(&mut self, idx: usize, tag: i32, len: usize) -> Result<(), NetError> {
         if len > self.eager {
             return Err(NetError::Remote(format!(
                 "an eager message of {len} bytes (at most {})",
@@ -1413,19 +1433,20 @@ impl RecvEngine {
         match self.find(tag, seq) {
             Some((gi, si)) => {
                 // SAFETY: the receive completed; the buffer is posted again
-                // only below, after the copy. The bounce region is not the
+                // only after the copy (freed below, posted at the next
+                // `progress`). The bounce region is not the
                 // slot's memory (NCCL's), so the two do not overlap.
                 let bytes = unsafe { Self::bounced(&self.bounce, self.eager, idx, len) };
                 Self::place(&mut self.groups[gi].slots[si], bytes)?;
                 self.filled(gi);
-                self.repost(link, idx)?;
+                self.repost(idx);
             }
             None => {
                 let stashed = if self.copied < STASH_MAX {
                     // SAFETY: as above.
                     let bytes =
                         unsafe { Self::bounced(&self.bounce, self.eager, idx, len) }.to_vec();
-                    self.repost(link, idx)?;
+                    self.repost(idx);
                     self.copied += 1;
                     Stashed::Copied(bytes)
                 } else {
@@ -1442,10 +1463,10 @@ impl RecvEngine {
     /// `irecv`s take them; a held message keeps its bounce receive, and a
     /// sender whose SENDs find none waits (RNR) until one is posted again,
     /// so without this it would wait for the held messages' own `irecv`s.
-    fn release_held(&mut self, link: &Link) -> Result<(), NetError> {
+    fn release_held(&mut self) {
         // Every stashed message not copied aside is held.
         if self.copied >= STASH_MAX || self.stash.len() == self.copied {
-            return Ok(());
+            return;
         }
         let mut held: Vec<((i32, u32), usize, usize)> = self
             .stash
@@ -1459,13 +1480,12 @@ impl RecvEngine {
         held.sort_unstable_by_key(|&(_, idx, _)| idx);
         for (key, idx, len) in held.into_iter().take(STASH_MAX - self.copied) {
             // SAFETY: held since its receive completed; posted again only
-            // below, after the copy.
+            // after the copy (freed below, posted at the next `progress`).
             let bytes = unsafe { Self::bounced(&self.bounce, self.eager, idx, len) }.to_vec();
             self.stash.insert(key, Stashed::Copied(bytes));
             self.copied += 1;
-            self.repost(link, idx)?;
+            self.repost(idx);
         }
-        Ok(())
     }
 
     /// Sends the clear-to-send of group `id`: its buffers still empty and
@@ -1594,16 +1614,17 @@ impl RecvComm {
                 }
                 Some(Stashed::Held { idx, len }) => {
                     // SAFETY: held since its receive completed; posted
-                    // again only below, after the copy.
+                    // again only after the copy (freed below, posted at the
+                    // next `progress`).
                     let bytes = unsafe { RecvEngine::bounced(&eng.bounce, eng.eager, idx, len) };
                     RecvEngine::place(s, bytes)?;
                     remaining -= 1;
-                    eng.repost(&self.link, idx)?;
+                    eng.repost(idx);
                 }
                 None => {}
             }
         }
-        eng.release_held(&self.link)?;
+        eng.release_held();
         if remaining == 0 {
             eng.done
                 .insert(id, slots.iter().map(|s| s.got.unwrap_or(0)).collect());

@@ -819,9 +819,12 @@ fn pingpong(c: &Comms, rank: usize, iters: usize, b: &mut Bufs) -> Result<Vec<f6
         }
         Ok(())
     };
-    let post_recv = || -> Result<Ptr, String> {
+    // Two receive buffers in turn: the next receive is posted before the
+    // current one is waited for, as NCCL's proxy posts the receives of the
+    // steps ahead while their buffers are free.
+    let post_recv = |k: usize| -> Result<Ptr, String> {
         loop {
-            if let Some(r) = t.irecv(c.recv, &[(rp, 8, 0)], rmh)? {
+            if let Some(r) = t.irecv(c.recv, &[(rp.wrapping_add(8 * (k & 1)), 8, 0)], rmh)? {
                 return Ok(r);
             }
         }
@@ -836,19 +839,19 @@ fn pingpong(c: &Comms, rank: usize, iters: usize, b: &mut Bufs) -> Result<Vec<f6
         }
     };
     let mut rtts = Vec::with_capacity(iters);
-    let mut rreq = post_recv()?;
-    for _ in 0..iters {
+    let mut rreq = post_recv(0)?;
+    for i in 1..=iters {
+        let next = post_recv(i)?;
         if rank == 0 {
             let t0 = Instant::now();
             send(&mut sends)?;
             wait(rreq, &mut sends)?;
             rtts.push(t0.elapsed().as_secs_f64() * 1e6);
-            rreq = post_recv()?;
         } else {
             wait(rreq, &mut sends)?;
-            rreq = post_recv()?;
             send(&mut sends)?;
         }
+        rreq = next;
     }
     // The last receive posted is answered by nobody: send one more each way.
     send(&mut sends)?;
