@@ -1704,6 +1704,70 @@ async fn posting_now(backend: Backend) {
     }
 }
 
+/// Dropped completion queues go: one dropped while its QP still completes
+/// to it waits for the QP (what completes to it meanwhile is dropped), and
+/// a queue created later, which may take a destroyed one's number, sees
+/// nothing of the old one's. Twenty QP pairs in turn, each with a
+/// receive left posted that the QP's destruction flushes.
+async fn dropped_completion_queues(backend: Backend) {
+    let a = open(config(backend, FaultConfig::default())).await.unwrap();
+    let b = open(config(backend, FaultConfig::default())).await.unwrap();
+    for round in 0..20u64 {
+        let (sa, sb) = metaroce_io::connect_qp_pair(&a, &b).await.unwrap();
+        let ma = sa
+            .pd
+            .reg_mr(pattern(round, 64), AccessFlags::NONE)
+            .await
+            .unwrap();
+        let mb = sb
+            .pd
+            .reg_mr(vec![0u8; 128], AccessFlags::LOCAL_WRITE)
+            .await
+            .unwrap();
+        sb.qp
+            .post_recv(RecvWr::new(round, mb.sge(0, 64).unwrap()))
+            .await
+            .unwrap();
+        // Left posted: flushed when the QP goes.
+        sb.qp
+            .post_recv(RecvWr::new(1000 + round, mb.sge(64, 64).unwrap()))
+            .await
+            .unwrap();
+        sa.qp
+            .post_send(SendWr::new(round, SendOp::Send, ma.sge(0, 64).unwrap()))
+            .await
+            .unwrap();
+        let got = sb.cq.next().await.unwrap();
+        assert_eq!(
+            (got.wr_id, got.status),
+            (round, WcStatus::Success),
+            "round {round}"
+        );
+        let sent = sa.cq.next().await.unwrap();
+        assert_eq!((sent.wr_id, sent.status), (round, WcStatus::Success));
+        let metaroce_io::ConnectedQp {
+            qp: qa, cq: cqa, ..
+        } = sa;
+        let metaroce_io::ConnectedQp {
+            qp: qb, cq: cqb, ..
+        } = sb;
+        if round % 2 == 0 {
+            // The queues first: they wait for their QPs.
+            drop((cqa, cqb));
+            drop((qa, qb));
+        } else {
+            drop((qa, qb));
+            drop((cqa, cqb));
+        }
+        drop((ma, mb));
+    }
+}
+
+#[test]
+fn dropped_completion_queues_portable() {
+    run(Backend::Portable, dropped_completion_queues);
+}
+
 #[test]
 fn posting_now_portable() {
     run(Backend::Portable, posting_now);

@@ -31,6 +31,38 @@ fn qps_beyond_the_limit_fail_typed_and_a_destroyed_one_makes_room() {
     assert_eq!(ep.create_qp(init), Err(VerbsError::TooManyQps));
 }
 
+/// A destroyed completion queue is gone (its handle refused) and its slot
+/// is taken again: creating and destroying queues does not grow the
+/// endpoint. One a QP completes to is not destroyed.
+#[test]
+fn destroyed_completion_queues_free_their_slot() {
+    let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+    let pd = ep.alloc_pd();
+    let cq = ep.create_cq(16);
+    let other = ep.create_cq(16);
+    let qp = ep.create_qp(QpInit::new(pd, cq, other)).unwrap();
+    assert_eq!(ep.destroy_cq(cq), Err(VerbsError::CqInUse));
+    assert_eq!(ep.destroy_cq(other), Err(VerbsError::CqInUse));
+    ep.destroy_qp(qp).unwrap();
+    ep.destroy_cq(cq).unwrap();
+    assert_eq!(
+        ep.poll_cq(cq, 1, &mut Vec::new()),
+        Err(VerbsError::InvalidCq)
+    );
+    assert_eq!(ep.cq_len(cq), Err(VerbsError::InvalidCq));
+    assert_eq!(
+        ep.create_qp(QpInit::new(pd, cq, cq)),
+        Err(VerbsError::InvalidCq)
+    );
+    // A thousand created and destroyed: the same slot each time.
+    for _ in 0..1000 {
+        let again = ep.create_cq(16);
+        assert_eq!(again, cq, "the destroyed queue's slot");
+        assert_eq!(ep.cq_len(again), Ok(0));
+        ep.destroy_cq(again).unwrap();
+    }
+}
+
 #[test]
 fn regions_beyond_the_limit_fail_typed_and_a_deregistered_one_makes_room() {
     let cfg = EndpointConfig {

@@ -1355,8 +1355,13 @@ impl CqSink {
     }
 
     /// Moves every completion of `wcs` to the queue (leaving `wcs` empty,
-    /// its capacity kept for the next batch).
+    /// its capacity kept for the next batch); drops them once the queue's
+    /// handle is gone (closed).
     fn push(&self, wcs: &mut Vec<WorkCompletion>) {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            wcs.clear();
+            return;
+        }
         self.queue
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -1452,6 +1457,14 @@ pub struct QueuePair {
 impl Drop for QueuePair {
     fn drop(&mut self) {
         self.dev.send(Command::DestroyQp(self.qpn));
+    }
+}
+
+impl Drop for CompletionQueue {
+    /// Destroys the queue once no QP completes to it (the endpoint holds
+    /// it until then, dropping what still completes to it).
+    fn drop(&mut self) {
+        self.dev.send(Command::DestroyCq(self.cq));
     }
 }
 

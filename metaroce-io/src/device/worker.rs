@@ -94,6 +94,8 @@ pub(super) enum Command {
     },
     QpState(Qpn, Reply<Option<QpState>>),
     DestroyQp(Qpn),
+    /// The queue's handle was dropped.
+    DestroyCq(CqHandle),
     PostSend(Qpn, SendWr, Notify),
     /// Send requests posted in order, to the send CQ; the reply says how
     /// far it got.
@@ -138,6 +140,8 @@ pub(super) struct Worker {
     /// Regions and PDs whose handles were dropped while still in use.
     zombies_mr: Vec<u32>,
     zombies_pd: Vec<PdHandle>,
+    /// Completion queues whose handles were dropped while a QP used them.
+    zombies_cq: Vec<CqHandle>,
     /// Deregistrations waiting for the driver's last send from the region
     /// (a gathered payload still with the kernel, microseconds at most).
     deregs: Vec<(u32, Reply<RegionBuf>)>,
@@ -602,6 +606,7 @@ impl Worker {
             unsignaled: FxHashMap::default(),
             connecting: HashMap::new(),
             zombies_mr: Vec::new(),
+            zombies_cq: Vec::new(),
             deregs: Vec::new(),
             lends: Vec::new(),
             zombies_pd: Vec::new(),
@@ -659,6 +664,7 @@ impl Worker {
         self.events();
         self.completions();
         if !self.zombies_mr.is_empty()
+            || !self.zombies_cq.is_empty()
             || !self.zombies_pd.is_empty()
             || !self.deregs.is_empty()
             || !self.lends.is_empty()
@@ -794,6 +800,19 @@ impl Worker {
                 let cq = ep.create_cq(cap);
                 self.cqs.insert(cq, sink);
                 let _ = r.send(Ok(cq));
+            }
+            Command::DestroyCq(cq) => {
+                // Nobody reads it any more: what still completes to it
+                // (a QP not destroyed yet) is dropped, not kept.
+                if let Some(sink) = self.cqs.get(&cq) {
+                    sink.close();
+                }
+                match ep.destroy_cq(cq) {
+                    Err(VerbsError::CqInUse) => self.zombies_cq.push(cq),
+                    _ => {
+                        self.cqs.remove(&cq);
+                    }
+                }
             }
             Command::CreateQp(init, r) => {
                 let _ = r.send(ep.create_qp(init).map_err(Into::into));
@@ -976,6 +995,14 @@ impl Worker {
             .filter_map(|(lkey, r)| try_lend(ep, lkey, r))
             .collect();
         self.zombies_pd.retain(|&pd| ep.dealloc_pd(pd).is_err());
+        let cqs = &mut self.cqs;
+        self.zombies_cq.retain(|cq| match ep.destroy_cq(*cq) {
+            Err(VerbsError::CqInUse) => true,
+            _ => {
+                cqs.remove(cq);
+                false
+            }
+        });
     }
 }
 

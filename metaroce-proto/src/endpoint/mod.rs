@@ -753,10 +753,57 @@ impl Endpoint {
         self.mrs.by_lkey(lkey).map(|m| m.info)
     }
 
-    /// Creates a completion queue of `capacity` entries (`ibv_create_cq`).
+    /// Creates a completion queue of `capacity` entries (`ibv_create_cq`),
+    /// in the slot of a destroyed one if there is one.
     pub fn create_cq(&mut self, capacity: usize) -> CqHandle {
-        self.cqs.push(CompletionQueue::new(capacity));
-        CqHandle((self.cqs.len() - 1) as u32)
+        let q = CompletionQueue::new(capacity);
+        match self.cqs.iter().position(|q| !q.live) {
+            Some(i) => {
+                self.cqs[i] = q;
+                CqHandle(i as u32)
+            }
+            None => {
+                self.cqs.push(q);
+                CqHandle((self.cqs.len() - 1) as u32)
+            }
+        }
+    }
+
+    /// Destroys a completion queue (`ibv_destroy_cq`), with the completions
+    /// still in it; its handle is then invalid, and a later
+    /// [`create_cq`](Self::create_cq) may reuse its number.
+    /// [`VerbsError::CqInUse`] while a QP completes to it.
+    ///
+    /// ```
+    /// use metaroce_proto::verbs::VerbsError;
+    /// use metaroce_proto::{Endpoint, EndpointConfig};
+    /// let mut ep = Endpoint::new(EndpointConfig::default(), 1).unwrap();
+    /// let cq = ep.create_cq(16);
+    /// ep.destroy_cq(cq).unwrap();
+    /// assert_eq!(ep.destroy_cq(cq), Err(VerbsError::InvalidCq));
+    /// ```
+    pub fn destroy_cq(&mut self, cq: CqHandle) -> Result<(), VerbsError> {
+        self.live_cq(cq)?;
+        let used = self
+            .qps
+            .iter()
+            .flatten()
+            .any(|q| q.send_cq == cq || q.recv_cq == cq);
+        if used {
+            return Err(VerbsError::CqInUse);
+        }
+        let q = &mut self.cqs[cq.0 as usize];
+        q.live = false;
+        q.entries = VecDeque::new();
+        Ok(())
+    }
+
+    /// Queue `cq`, if it exists.
+    fn live_cq(&mut self, cq: CqHandle) -> Result<&mut CompletionQueue, VerbsError> {
+        self.cqs
+            .get_mut(cq.0 as usize)
+            .filter(|q| q.live)
+            .ok_or(VerbsError::InvalidCq)
     }
 
     /// Moves up to `max` completions into `out` (`ibv_poll_cq`); returns how many.
@@ -766,10 +813,7 @@ impl Endpoint {
         max: usize,
         out: &mut Vec<WorkCompletion>,
     ) -> Result<usize, VerbsError> {
-        let q = self
-            .cqs
-            .get_mut(cq.0 as usize)
-            .ok_or(VerbsError::InvalidCq)?;
+        let q = self.live_cq(cq)?;
         let n = max.min(q.entries.len());
         out.extend(q.entries.drain(..n));
         if q.entries.len() <= q.capacity {
@@ -782,6 +826,7 @@ impl Endpoint {
     pub fn cq_len(&self, cq: CqHandle) -> Result<usize, VerbsError> {
         self.cqs
             .get(cq.0 as usize)
+            .filter(|q| q.live)
             .map(|q| q.entries.len())
             .ok_or(VerbsError::InvalidCq)
     }
@@ -804,9 +849,7 @@ impl Endpoint {
             return Err(VerbsError::TooManyQps);
         }
         for cq in [init.send_cq, init.recv_cq] {
-            if cq.0 as usize >= self.cqs.len() {
-                return Err(VerbsError::InvalidCq);
-            }
+            self.live_cq(cq)?;
         }
         let idx = match self.qps.iter().position(|q| q.is_none()) {
             Some(i) => i,

@@ -543,6 +543,10 @@ pub enum VerbsError {
     /// The work queue is full.
     #[error("work queue full ({0} entries)")]
     QueueFull(u32),
+    /// The completion queue is the send or receive queue of a QP: destroy
+    /// the QP first.
+    #[error("completion queue still used by a QP")]
+    CqInUse,
     /// The memory region is referenced by outstanding work requests.
     #[error("memory region still in use by {0} work requests")]
     MrInUse(u32),
