@@ -327,9 +327,15 @@ struct Link {
     sends: Arc<Mutex<SendLog>>,
     /// Where its receives complete.
     recv_cq: CompletionQueue,
+    /// Posts to a device driven by its own thread, whose answers have not
+    /// come yet (a refusal surfaces at the next post or `test`).
+    unanswered: Mutex<VecDeque<PostAnswer>>,
     conn: Connection,
     node: Arc<Node>,
 }
+
+/// The endpoint thread's answer to a post.
+type PostAnswer = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), ApiError>> + Send>>;
 
 /// A QP not yet connected, with its PD and completion queues.
 type Opened = (ProtectionDomain, [CompletionQueue; 2], QueuePair);
@@ -370,22 +376,41 @@ impl Link {
             qp,
             sends: Arc::new(Mutex::new(sends)),
             recv_cq,
+            unanswered: Mutex::new(VecDeque::new()),
             conn,
             node,
         }
     }
 
+    /// Keeps the answer to a post made through the endpoint thread, and
+    /// takes the answers that came: a refusal is an error now.
+    fn answered_later(&self, f: Option<PostAnswer>) -> Result<(), NetError> {
+        let mut q = self.unanswered.lock().unwrap_or_else(|e| e.into_inner());
+        q.extend(f);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        while let Some(f) = q.front_mut() {
+            match f.as_mut().poll(&mut cx) {
+                std::task::Poll::Ready(r) => {
+                    q.pop_front();
+                    r?;
+                }
+                std::task::Poll::Pending => break,
+            }
+        }
+        Ok(())
+    }
+
     /// Posts a send of `local`; its number among the QP's sends
     /// ([`SendLog`]). On a polled device it is posted on the caller's
-    /// thread (no allocation, no command queued), else through the
-    /// endpoint thread, waiting for its answer.
+    /// thread (no allocation, no command queued), else handed to the
+    /// endpoint thread, its answer taken later.
     fn post_send(&self, op: SendOp, local: Sge) -> Result<u64, NetError> {
         let mut log = self.sends.lock().unwrap_or_else(|e| e.into_inner());
         let wr = SendWr::new(log.next, op, local);
         if self.dev().is_polled() {
             self.qp.post_send_now(wr)?;
         } else {
-            block_on(self.qp.post_send(wr))?;
+            self.answered_later(Some(Box::pin(self.qp.post_send(wr))))?;
         }
         log.next += 1;
         Ok(log.next - 1)
@@ -393,6 +418,9 @@ impl Link {
 
     /// The outcome of send `id`, if known (taking what its CQ has).
     fn send_outcome(&self, id: u64) -> Option<Result<(), NetError>> {
+        if let Err(e) = self.answered_later(None) {
+            return Some(Err(e));
+        }
         let mut log = self.sends.lock().unwrap_or_else(|e| e.into_inner());
         log.take();
         log.outcome(id)
@@ -404,7 +432,7 @@ impl Link {
         if self.dev().is_polled() {
             self.qp.post_recv_now(wr)?;
         } else {
-            block_on(self.qp.post_recv(wr))?;
+            self.answered_later(Some(Box::pin(self.qp.post_recv(wr))))?;
         }
         Ok(())
     }
@@ -878,7 +906,7 @@ struct Announced {
 #[repr(C)]
 pub(crate) struct SendComm {
     head: CommHead,
-    link: Link,
+    link: Arc<Link>,
     outstanding: Arc<AtomicU64>,
     /// Messages up to this size go eagerly (agreed with the peer).
     eager: usize,
@@ -955,7 +983,7 @@ impl SendComm {
                 side: Side::Send,
                 pd,
             },
-            link,
+            link: Arc::new(link),
             outstanding: Arc::new(AtomicU64::new(0)),
             eager,
             fifo,
@@ -1097,14 +1125,12 @@ impl SendComm {
         self.sent.insert(tag, seq.wrapping_add(1));
         self.outstanding.fetch_add(1, Ordering::Relaxed);
         // Out now, not at the next `test`.
-        let dev = self.link.dev().clone();
-        dev.progress();
+        self.link.dev().progress();
         Ok(Some(Box::new(Request::Send(SendReq {
             id,
             size,
-            sends: self.link.sends.clone(),
+            link: self.link.clone(),
             outstanding: self.outstanding.clone(),
-            dev,
         }))))
     }
 }
@@ -1114,19 +1140,9 @@ pub(crate) struct SendReq {
     /// Its `wr_id`: its place among the comm's sends.
     id: u64,
     size: usize,
-    sends: Arc<Mutex<SendLog>>,
+    /// The comm's QP and endpoint, which `test` drives.
+    link: Arc<Link>,
     outstanding: Arc<AtomicU64>,
-    /// The endpoint `test` drives.
-    dev: Device,
-}
-
-impl SendReq {
-    /// Whether the send completed (and how), taking what its CQ has.
-    fn outcome(&self) -> Option<Result<(), NetError>> {
-        let mut log = self.sends.lock().unwrap_or_else(|e| e.into_inner());
-        log.take();
-        log.outcome(self.id)
-    }
 }
 
 impl Drop for SendReq {
@@ -1341,6 +1357,7 @@ impl RecvEngine {
     /// message of that tag). Then announces the receives that waited too
     /// long for eager messages.
     fn progress(&mut self, link: &Link) -> Result<(), NetError> {
+        link.answered_later(None)?;
         self.post_freed(link)?;
         let mut wcs = std::mem::take(&mut self.scratch);
         drain(&link.recv_cq, &mut wcs);
@@ -1673,9 +1690,9 @@ impl Request {
         match self {
             Request::Send(s) => {
                 // If not done, a turn of a polled endpoint may bring it.
-                let mut r = s.outcome();
-                if r.is_none() && s.dev.progress() {
-                    r = s.outcome();
+                let mut r = s.link.send_outcome(s.id);
+                if r.is_none() && s.link.dev().progress() {
+                    r = s.link.send_outcome(s.id);
                 }
                 match r {
                     None => Ok(None),
