@@ -446,6 +446,20 @@ fn drain(cq: &CompletionQueue, out: &mut Vec<WorkCompletion>) -> bool {
     !out.is_empty()
 }
 
+/// The buffer of a receive that completed, `posted` the buffers of the
+/// receives posted (each one's `wr_id`), oldest first: receives complete
+/// in posting order.
+fn in_order(wc: &WorkCompletion, posted: &mut VecDeque<usize>) -> Result<usize, NetError> {
+    succeeded(wc)?;
+    let buf = wc.wr_id as usize;
+    if posted.pop_front() != Some(buf) {
+        return Err(NetError::Remote(format!(
+            "the receive into buffer {buf} completed out of order"
+        )));
+    }
+    Ok(buf)
+}
+
 /// A completion's status as a result.
 fn succeeded(wc: &WorkCompletion) -> Result<(), NetError> {
     if wc.status == WcStatus::Success {
@@ -1029,13 +1043,7 @@ impl SendComm {
 
     /// One clear-to-send message in, its slot's receive posted again.
     fn cts_in(&mut self, wc: &WorkCompletion) -> Result<(), NetError> {
-        succeeded(wc)?;
-        let slot = wc.wr_id as usize;
-        if self.fifo_posted.pop_front() != Some(slot) {
-            return Err(NetError::Remote(format!(
-                "a clear-to-send in slot {slot}, out of order"
-            )));
-        }
+        let slot = in_order(wc, &mut self.fifo_posted)?;
         let off = slot * CTS_BYTES;
         let len = (wc.byte_len as usize).min(CTS_BYTES);
         // SAFETY: the receive into this slot completed, so its bytes are
@@ -1387,13 +1395,7 @@ impl RecvEngine {
 
     /// One message in (its bounce receive completed).
     fn message_in(&mut self, wc: &WorkCompletion) -> Result<(), NetError> {
-        succeeded(wc)?;
-        let idx = wc.wr_id as usize;
-        if self.posted.pop_front() != Some(idx) {
-            return Err(NetError::Remote(format!(
-                "bounce receive {idx} completed out of order"
-            )));
-        }
+        let idx = in_order(wc, &mut self.posted)?;
         let imm = wc
             .imm
             .ok_or_else(|| NetError::Remote("a message without immediate data".into()))?;

@@ -264,10 +264,10 @@ fn a_receiver_that_only_receives_acknowledges_at_once() {
     assert_eq!(sb.acks_coalesced, 0);
 }
 
-/// How long B, a responder that is sending but answers late (200 µs
-/// after the request), held its ACK of the request: the time A's SEND took
-/// beyond the two link crossings.
-fn held_ack_wait(b: EndpointConfig) -> Duration {
+/// A request from A that B, a responder that has sent lately, received and
+/// holds the ACK of for an answer: the exchange, the completions seen on
+/// the way, and when the request was posted.
+fn a_request_b_holds(b: EndpointConfig) -> (PingPong, Vec<(u64, Instant)>, Instant) {
     let mut pp = PingPong::with(config(true), b, false);
     let mut sends = Vec::new();
     pp.send(true, 0);
@@ -275,11 +275,17 @@ fn held_ack_wait(b: EndpointConfig) -> Duration {
     pp.send(false, 1000);
     pp.await_recv(true, 1000, &mut sends);
     pp.p.run_for(Duration::from_micros(100));
-    // B has sent lately, so it holds the ACK of this request for an
-    // answer.
     let posted = pp.p.now;
     pp.send(true, 1);
     pp.await_recv(false, 1, &mut sends);
+    (pp, sends, posted)
+}
+
+/// How long B, a responder that is sending but answers late (200 µs
+/// after the request), held its ACK of the request: the time A's SEND took
+/// beyond the two link crossings.
+fn held_ack_wait(b: EndpointConfig) -> Duration {
+    let (mut pp, mut sends, posted) = a_request_b_holds(b);
     let cqa = pp.v.cqa;
     let until = pp.p.now + Duration::from_micros(200);
     let mut done = None;
@@ -400,17 +406,7 @@ fn coalesced_datagrams_are_taken_only_as_advertised() {
 /// without the destroy waits the hold.
 #[test]
 fn a_held_ack_goes_at_once_when_the_qp_is_destroyed() {
-    let mut pp = PingPong::new(true, true, false);
-    let mut sends = Vec::new();
-    pp.send(true, 0);
-    pp.await_recv(false, 0, &mut sends);
-    pp.send(false, 1000);
-    pp.await_recv(true, 1000, &mut sends);
-    pp.p.run_for(Duration::from_micros(100));
-    // B has sent lately, so it would hold the ACK of this request.
-    let posted = pp.p.now;
-    pp.send(true, 1);
-    pp.await_recv(false, 1, &mut sends);
+    let (mut pp, _, posted) = a_request_b_holds(config(true));
     pp.p.b.destroy_qp(pp.v.qb).unwrap();
     let cqa = pp.v.cqa;
     let until = pp.p.now + DEFAULT_ACK_HOLD;
