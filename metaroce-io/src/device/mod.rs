@@ -392,7 +392,12 @@ impl Device {
     /// the thread of [`open`](Self::open) does (acknowledgements,
     /// retransmissions and requests posted while nobody polls still go
     /// out). So the rest of the API behaves as on any device; a request
-    /// posted between two `progress` calls goes out at the next call.
+    /// posted between two `progress` calls goes out at the next call. A
+    /// call that posts or sets something up runs on the caller's thread
+    /// when no turn is being taken (else it waits in a queue for the next
+    /// turn); [`QueuePair::post_send_now`] and
+    /// [`QueuePair::post_recv_now`] post there and answer at once, with
+    /// no allocation, for a loop that polls its completion queues.
     /// The driver's `busy_poll` is not used: the callers are the busy poll.
     /// With [`Backend::Auto`] the device runs on the portable backend:
     /// an io_uring receive is bound to the thread that armed it, and the
