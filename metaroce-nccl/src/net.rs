@@ -54,6 +54,18 @@
 //! eager one). The clear-to-send bytes come from the peer and are checked
 //! (size, counts, id, index) before use; a WRITE can only reach the
 //! regions this side registered for receiving, inside their bounds.
+//!
+//! # Requests
+//!
+//! Each comm's QP has a send and a receive completion queue. On a polled
+//! device a post goes to the endpoint on the calling thread
+//! (`QueuePair::post_send_now`), answered at once, nothing allocated; with
+//! the endpoint thread driving, it is handed over and its answer taken at
+//! the next post or `test`. A send request is its number among the QP's
+//! sends: RC completes them in posting order, so the count of completions
+//! says which are done. Receives complete in posting order too, each
+//! naming its buffer in its `wr_id`. `test` takes what the CQs have, and a
+//! turn of a polled endpoint if nothing was there.
 
 use crate::abi::NCCL_NET_MAX_REQUESTS;
 use crate::config::{Config, DeviceSpec, Progress};
