@@ -76,6 +76,7 @@ pub(crate) fn poll_turn<D: TurnParts>(d: &mut D, max_wait: Duration) -> Result<b
     // Nothing sent, received, made, waited for or due: the endpoint is as
     // the first flush left it, with nothing to send (a polling caller's
     // idle turn).
-    let sent_after = (sent || got || made || timers || waited) && d.flush()?;
-    Ok(sent || got || made || timers || sent_after)
+    let busy = sent || got || made || timers;
+    let sent_after = (busy || waited) && d.flush()?;
+    Ok(busy || sent_after)
 }

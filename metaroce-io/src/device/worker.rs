@@ -290,22 +290,15 @@ impl Polled {
     /// endpoint is busy (or this thread is inside a turn already), to be
     /// queued for the next turn.
     pub(super) fn run(&self, c: Command) -> Option<Command> {
-        let mut g = match self.worker.try_lock() {
+        let g = match self.worker.try_lock() {
             Ok(g) => g,
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return Some(c),
         };
-        let Some(w) = g.as_mut() else {
+        if g.is_none() {
             return Some(c);
-        };
-        w.take_commands();
-        w.command(c);
-        w.ran = true;
-        w.events();
-        w.completions();
-        drop(g);
-        // The command may have set a timer the sleeping thread must see.
-        self.wake();
+        }
+        self.outside_turn(g, |w| w.command(c));
         None
     }
 
@@ -317,8 +310,20 @@ impl Polled {
         &self,
         f: impl FnOnce(&mut Worker) -> Result<T, ApiError>,
     ) -> Result<T, ApiError> {
-        let mut g = self.worker.lock().unwrap_or_else(|e| e.into_inner());
-        let w = g.as_mut().ok_or(ApiError::Closed)?;
+        let g = self.worker.lock().unwrap_or_else(|e| e.into_inner());
+        self.outside_turn(g, f).ok_or(ApiError::Closed)?
+    }
+
+    /// `f` on the worker held by `g`, outside a turn: the commands queued
+    /// before first, then what `f` made handed on, and the endpoint thread
+    /// woken (`f` may have set a timer the sleeping thread must see).
+    /// `None` once the endpoint stopped (`f` not called).
+    fn outside_turn<T>(
+        &self,
+        mut g: std::sync::MutexGuard<'_, Option<Worker>>,
+        f: impl FnOnce(&mut Worker) -> T,
+    ) -> Option<T> {
+        let w = g.as_mut()?;
         w.take_commands();
         let r = f(w);
         w.ran = true;
@@ -326,7 +331,7 @@ impl Polled {
         w.completions();
         drop(g);
         self.wake();
-        r
+        Some(r)
     }
 
     /// Wakes the endpoint thread for a new command, unless a caller drives
@@ -807,11 +812,8 @@ impl Worker {
                 if let Some(sink) = self.cqs.get(&cq) {
                     sink.close();
                 }
-                match ep.destroy_cq(cq) {
-                    Err(VerbsError::CqInUse) => self.zombies_cq.push(cq),
-                    _ => {
-                        self.cqs.remove(&cq);
-                    }
+                if !try_destroy_cq(ep, &mut self.cqs, cq) {
+                    self.zombies_cq.push(cq);
                 }
             }
             Command::CreateQp(init, r) => {
@@ -996,14 +998,22 @@ impl Worker {
             .collect();
         self.zombies_pd.retain(|&pd| ep.dealloc_pd(pd).is_err());
         let cqs = &mut self.cqs;
-        self.zombies_cq.retain(|cq| match ep.destroy_cq(*cq) {
-            Err(VerbsError::CqInUse) => true,
-            _ => {
-                cqs.remove(cq);
-                false
-            }
-        });
+        self.zombies_cq.retain(|&cq| !try_destroy_cq(ep, cqs, cq));
     }
+}
+
+/// Destroys queue `cq` and forgets its sink, unless a QP still completes
+/// to it: then whether it went (false: try again later).
+fn try_destroy_cq(
+    ep: &mut Endpoint,
+    cqs: &mut FxHashMap<CqHandle, Arc<CqSink>>,
+    cq: CqHandle,
+) -> bool {
+    if let Err(VerbsError::CqInUse) = ep.destroy_cq(cq) {
+        return false;
+    }
+    cqs.remove(&cq);
+    true
 }
 
 /// Deregisters `lkey` and answers `r`, unless the driver is still sending

@@ -912,11 +912,8 @@ impl Endpoint {
                 let ci = c.0 as usize;
                 if let Some(conn) = self.conns.get_mut(ci).and_then(|c| c.as_mut()) {
                     conn.qps.retain(|&q| q != qpn);
-                    let entry = crate::wire::AckStreamEntry {
-                        qpn: qp.remote_qpn,
-                        msn_done: qp.msn_done,
-                    };
-                    conn.retire_stream(qpn, entry, qp.msn_done != qp.reported_msn_done);
+                    let unreported = qp.msn_done != qp.reported_msn_done;
+                    conn.retire_stream(qpn, qp.stream_entry(), unreported);
                     self.touch(ci, None);
                 }
             }

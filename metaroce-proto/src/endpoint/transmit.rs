@@ -78,8 +78,8 @@ use crate::time::Instant;
 use crate::verbs::qp::{SegLimit, Segment};
 use crate::verbs::{AccessFlags, PdHandle, Qpn};
 use crate::wire::{
-    data_flags, Accept, AckBuilder, AckHeader, AckStreamEntry, Close, DataHeader, Hello, NakCode,
-    Opcode, OpcodeExt, PacketType,
+    data_flags, Accept, AckBuilder, AckHeader, Close, DataHeader, Hello, NakCode, Opcode,
+    OpcodeExt, PacketType,
 };
 
 impl Endpoint {
@@ -1295,11 +1295,7 @@ impl Endpoint {
         for (i, &qpn) in streams.iter().enumerate() {
             let live = self.qp_index(qpn).and_then(|idx| self.qps[idx].as_mut());
             if let Some(q) = live {
-                let e = AckStreamEntry {
-                    qpn: q.remote_qpn,
-                    msn_done: q.msn_done,
-                };
-                entries.push((e, qpn, i < fresh));
+                entries.push((q.stream_entry(), qpn, i < fresh));
                 q.reported_msn_done = q.msn_done;
             } else if let Some(&(_, e)) = self.conns[ci]
                 .as_ref()

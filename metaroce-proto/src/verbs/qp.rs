@@ -16,7 +16,7 @@ use crate::consts::{
 };
 use crate::time::Instant;
 use crate::wire::seq::{seq_dist, seq_lt};
-use crate::wire::{segment_payload, NakCode, NakEntry, Opcode, OpcodeExt};
+use crate::wire::{segment_payload, AckStreamEntry, NakCode, NakEntry, Opcode, OpcodeExt};
 use core::time::Duration;
 use std::collections::VecDeque;
 
@@ -626,6 +626,14 @@ impl Qp {
     /// only ones it still holds then).
     fn answers_reads(&self) -> bool {
         self.state.responds() || self.state == QpState::Error
+    }
+
+    /// Its progress as an ACK reports it to the peer's QP (§6.3).
+    pub(crate) fn stream_entry(&self) -> AckStreamEntry {
+        AckStreamEntry {
+            qpn: self.remote_qpn,
+            msn_done: self.msn_done,
+        }
     }
 
     pub(crate) fn has_send_work(&self, now: Instant) -> bool {
