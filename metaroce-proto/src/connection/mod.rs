@@ -628,17 +628,17 @@ impl Connection {
         }
         self.paths_tx
             .iter()
-            .position(|p| p.has_room() && self.probe_due_on(p))
+            .position(|p| self.probe_due_on(p) && p.has_room())
     }
 
     /// Whether path `p` may send a NOP probe, its window aside (the test
     /// of [`probe_path`](Self::probe_path)).
     #[inline]
     fn probe_due_on(&self, p: &PathTx) -> bool {
-        let failed = p.state == PathState::Probing && p.in_flight == 0;
-        let tail = p.state == PathState::Active && p.probe_due && p.move_to.is_none();
-        let check = p.check_due && p.in_flight == 0 && p.move_to.is_none();
-        (failed || tail || check) && self.path_open(p)
+        let failed = || p.state == PathState::Probing && p.in_flight == 0;
+        let tail = || p.state == PathState::Active && p.probe_due && p.move_to.is_none();
+        let check = || p.check_due && p.in_flight == 0 && p.move_to.is_none();
+        (failed() || tail() || check()) && self.path_open(p)
     }
 
     /// The reference RTT of the delay signal (PROTOCOL §14, Delay): the
@@ -674,20 +674,14 @@ impl Connection {
             .map_or(least, |f| shared.min(f).max(least))
     }
 
-    /// In one look at the paths: whether any has room in its window, and
-    /// whether [`probe_path`](Self::probe_path) has one (a probe is due).
+    /// Whether any path has room in its window, and whether
+    /// [`probe_path`](Self::probe_path) has one (a probe is due). Most
+    /// paths have no probe due: their flags are tested before their room.
     pub(crate) fn room_and_probe(&self) -> (bool, bool) {
-        let csn = self.csn_room();
-        let mut room = false;
-        for p in &self.paths_tx {
-            if p.has_room() {
-                room = true;
-                if csn && self.probe_due_on(p) {
-                    return (true, true);
-                }
-            }
+        if self.probe_path().is_some() {
+            return (true, true);
         }
-        (room, false)
+        (self.paths_tx.iter().any(PathTx::has_room), false)
     }
 
     /// Whether [`pick_path`](Self::pick_path) has a path for `bytes`: one

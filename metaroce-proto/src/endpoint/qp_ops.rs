@@ -221,9 +221,6 @@ impl Endpoint {
                 .iter()
                 .filter(|p| p.state == crate::connection::PathState::Active)
         };
-        let mean = c.window() / c.paths_tx.len() as u64;
-        let fastest = active().filter_map(|p| p.rtt.srtt()).min();
-        let all_min = active().all(|p| p.cc.at_min());
         // Every path queued past the least RTT ever seen by more than the
         // delay target: every route is a bottleneck, or some route has no
         // path, or the delay is one all paths share (PROTOCOL §14, Delay).
@@ -233,6 +230,14 @@ impl Endpoint {
             let over = (least * REPATH_QUEUED_RTTS).max(least + self.config.delay_target);
             active().count() >= 2 && active().all(|p| p.rtt.srtt().is_some_and(|s| s >= over))
         });
+        // Otherwise only a path congested round after round qualifies, and
+        // on most ACKs there is none: the rest is not worth computing.
+        if !queued_everywhere && !active().any(|p| p.cc.congested_rounds() >= REPATH_ROUNDS) {
+            return;
+        }
+        let mean = c.window() / c.paths_tx.len() as u64;
+        let fastest = active().filter_map(|p| p.rtt.srtt()).min();
+        let all_min = active().all(|p| p.cc.at_min());
         let mut candidates: Vec<usize> = c
             .paths_tx
             .iter()
