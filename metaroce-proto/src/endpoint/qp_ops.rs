@@ -324,16 +324,26 @@ impl Endpoint {
             .max()
             .unwrap_or(Instant::ZERO);
         let mut lost = Vec::new();
+        // Whether any path has lost enough in a row to be judged below.
+        let mut suspects = false;
         for p in c.paths_tx.iter_mut() {
-            p.detect_by_time(now, evidence, slack, &c.rtt, |e| {
-                if let PathEvent::Lost { csn } = e {
-                    lost.push(csn);
-                }
-            });
+            // Most paths are idle between small messages: nothing to judge.
+            if p.has_records() {
+                p.detect_by_time(now, evidence, slack, &c.rtt, |e| {
+                    if let PathEvent::Lost { csn } = e {
+                        lost.push(csn);
+                    }
+                });
+            }
+            suspects |= p.state == crate::connection::PathState::Active
+                && p.consecutive_lost >= crate::consts::PATH_FAIL_LOSSES;
         }
         if !lost.is_empty() {
             c.recount_in_flight();
             c.retransmit_lost(&lost);
+        }
+        if !suspects {
+            return;
         }
         let failing: Vec<usize> = (0..c.paths_tx.len())
             .filter(|&i| {
