@@ -259,6 +259,9 @@ pub(crate) struct Connection {
     /// Source ports that slow paths left lately: a move does not go back
     /// to a route that was found slow, for a while.
     pub(crate) slow_ports: SlowPorts,
+    /// Reused by [`slow_paths`](Self::slow_paths): the judged paths'
+    /// smoothed RTTs, sorted for their median; empty between calls.
+    srtt_scratch: Vec<Duration>,
 
     // Send side.
     pub(crate) next_csn: u32,
@@ -478,6 +481,7 @@ impl Connection {
             next_move_at: now,
             moves_made: 0,
             slow_ports: SlowPorts::default(),
+            srtt_scratch: Vec::new(),
             next_csn: 0,
             csn_una: 0,
             sent: VecDeque::new(),
@@ -906,17 +910,20 @@ impl Connection {
         if !self.paths_tx.iter().any(unjudged) {
             return Vec::new();
         }
-        let mut srtts: Vec<Duration> = self
-            .paths_tx
-            .iter()
-            .filter(|p| judged(p))
-            .filter_map(|p| p.rtt.srtt())
-            .collect();
-        if srtts.len() < 3 {
-            return Vec::new();
-        }
+        let mut srtts = core::mem::take(&mut self.srtt_scratch);
+        srtts.extend(
+            self.paths_tx
+                .iter()
+                .filter(|p| judged(p))
+                .filter_map(|p| p.rtt.srtt()),
+        );
         srtts.sort_unstable();
-        let median = srtts[srtts.len() / 2];
+        let median = (srtts.len() >= 3).then(|| srtts[srtts.len() / 2]);
+        srtts.clear();
+        self.srtt_scratch = srtts;
+        let Some(median) = median else {
+            return Vec::new();
+        };
         let mut slow = Vec::new();
         for (i, p) in self.paths_tx.iter_mut().enumerate() {
             if !unjudged(p) {

@@ -424,6 +424,9 @@ pub struct Endpoint {
     /// the delivered ones carried (request segments as a count per run of
     /// one QP, the rest one by one); empty between ACKs.
     ack_scratch: AckScratch,
+    /// Reused by every ACK built: its stream entries (QP progress), with
+    /// their QP and whether they are fresh; empty between ACKs.
+    stream_scratch: Vec<(crate::wire::AckStreamEntry, Qpn, bool)>,
     /// Connections in the `Established` state.
     established: usize,
     /// The receiver's grant to its senders.
@@ -490,6 +493,7 @@ impl Endpoint {
             local_ip: None,
             last_now: Instant::ZERO,
             ack_scratch: Default::default(),
+            stream_scratch: Vec::new(),
             established: 0,
             rcc: crate::cc::ReceiverCc::new(rcc_config.0, rcc_config.1).with_buffer(rcc_config.2),
             rx_active: crate::cc::ActiveSenders::new(rcc_config.1),

@@ -326,12 +326,13 @@ impl Endpoint {
             return;
         };
         if c.timer_key != next {
-            if let Some(k) = c.timer_key.take() {
-                self.timers.remove(&(k, ci));
-            }
+            // The new key in before the old one out: a set that would be
+            // empty in between frees its node, and the insert allocates one.
             if let Some(k) = next {
                 self.timers.insert((k, ci));
-                c.timer_key = Some(k);
+            }
+            if let Some(k) = std::mem::replace(&mut c.timer_key, next) {
+                self.timers.remove(&(k, ci));
             }
         }
     }
@@ -1291,7 +1292,7 @@ impl Endpoint {
                 streams.push(qpn);
             }
         }
-        let mut entries = Vec::with_capacity(streams.len());
+        let mut entries = std::mem::take(&mut self.stream_scratch);
         for (i, &qpn) in streams.iter().enumerate() {
             let live = self.qp_index(qpn).and_then(|idx| self.qps[idx].as_mut());
             if let Some(q) = live {
@@ -1306,6 +1307,10 @@ impl Endpoint {
             }
         }
         let c = self.conns[ci].as_mut()?;
+        // The list goes back, empty, with its room (nothing else fills it
+        // meanwhile): no allocation per ACK.
+        streams.clear();
+        c.dirty_streams = streams;
         let mut b = AckBuilder::new(buf, hdr).ok()?;
         // The options go last in the packet, but their room is kept first:
         // the window must not lose its place to path entries.
@@ -1365,6 +1370,8 @@ impl Endpoint {
                 }
             }
         }
+        entries.clear();
+        self.stream_scratch = entries;
         // One repeat used up by this ACK (fresh entries start one higher).
         c.recent_streams.retain_mut(|r| {
             r.1 = r.1.saturating_sub(1);
