@@ -50,10 +50,10 @@ harness() {
     shift 4
     local rv
     rv="$(mktemp -d /tmp/mr-nccl-rv.XXXXXX)"
-    (run_in "$ns1" env METAROCE_ADDRS="$a1" $EXTRA "$H" --rank 1 --rendezvous "$rv" "$@" --json bench >/dev/null 2>&1) &
+    (run_in "$ns1" env METAROCE_ADDRS="$a1" $EXTRA "$H" --rank 1 --rendezvous "$rv" "$@" --json bench >/dev/null 2>"$plug/rank1.err") &
     local pid=$!
-    (run_in "$ns0" env METAROCE_ADDRS="$a0" $EXTRA "$H" --rank 0 --rendezvous "$rv" "$@" --json bench 2>/dev/null)
-    wait "$pid"
+    (run_in "$ns0" env METAROCE_ADDRS="$a0" $EXTRA "$H" --rank 0 --rendezvous "$rv" "$@" --json bench 2>"$plug/rank0.err") || true
+    wait "$pid" || true
     rm -rf "$rv"
 }
 
@@ -62,13 +62,13 @@ perf_json() {
     local ns0="$1" ns1="$2" server="$3"
     shift 3
     if [ "$ns0" = - ]; then
-        "$P" perf "$@" --json 2>/dev/null
+        "$P" perf "$@" --json 2>"$plug/perf.err" || true
         return
     fi
-    (run_in "$ns1" "$P" perf server --bind "$server" >/dev/null 2>&1) &
+    (run_in "$ns1" "$P" perf server --bind "$server" >/dev/null 2>"$plug/server.err") &
     local pid=$!
     sleep 0.5
-    (run_in "$ns0" "$P" perf client "$server" "$@" --json 2>/dev/null) || true
+    (run_in "$ns0" "$P" perf client "$server" "$@" --json 2>"$plug/perf.err") || true
     kill "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
 }
@@ -78,16 +78,38 @@ py_bw='import json,sys; d=json.load(sys.stdin); r=[x for x in d["sendrecv"] if x
 py_lat='import json,sys; print(round(json.load(sys.stdin)["lat_p50_us"],1))'
 py_dir='import json,sys; d=json.load(sys.stdin); print(round((d["tx"]["gbps"]+d["rx"]["gbps"])/2,3))'
 
+# parse PY WHAT: what PY prints of the JSON on stdin; "fail" if there is
+# none, with the last lines the runs wrote to stderr (rank0.err, ...).
+parse() {
+    local out
+    if out=$(python3 -c "$1" 2>/dev/null); then
+        echo "$out"
+    else
+        echo "nccl-harness-compare: $2 gave no result; its stderr:" >&2
+        for f in "$plug"/*.err; do
+            [ -s "$f" ] && { echo "  ${f##*/}:"; tail -n 5 "$f" | sed 's/^/    /'; }
+        done >&2
+        echo fail
+    fi
+}
+
 # one PATHNAME NS0 ADDR0 NS1 ADDR1 SERVER PERF_EXTRA...
 one() {
     local name="$1" ns0="$2" a0="$3" ns1="$4" a1="$5" server="$6"
     shift 6
     local hl p50 p0 hb pb
-    hl=$(harness "$ns0" "$a0" "$ns1" "$a1" --max-size 8 --iters 5 --pingpongs 20000 | python3 -c "$py_rtt")
-    p50=$(perf_json "$ns0" "$ns1" "$server" --op send -s 8 -t 1 -D 2 "$@" | python3 -c "$py_lat")
-    p0=$(perf_json "$ns0" "$ns1" "$server" --op send -s 8 -t 1 -D 2 --busy-poll 0 "$@" | python3 -c "$py_lat")
-    hb=$(harness "$ns0" "$a0" "$ns1" "$a1" --max-size 8M --iters 20 --pingpongs 100 | python3 -c "$py_bw")
-    pb=$(perf_json "$ns0" "$ns1" "$server" --op send -s 512K -t 8 -D 3 --bidir "$@" | python3 -c "$py_dir")
+    rm -f "$plug"/*.err
+    hl=$(harness "$ns0" "$a0" "$ns1" "$a1" --max-size 8 --iters 5 --pingpongs 20000 | parse "$py_rtt" "$name: harness 8 B")
+    p50=$(perf_json "$ns0" "$ns1" "$server" --op send -s 8 -t 1 -D 2 "$@" | parse "$py_lat" "$name: perf 8 B")
+    p0=$(perf_json "$ns0" "$ns1" "$server" --op send -s 8 -t 1 -D 2 --busy-poll 0 "$@" | parse "$py_lat" "$name: perf 8 B sleeping")
+    hb=$(harness "$ns0" "$a0" "$ns1" "$a1" --max-size 8M --iters 20 --pingpongs 100 | parse "$py_bw" "$name: harness 8 MiB")
+    pb=$(perf_json "$ns0" "$ns1" "$server" --op send -s 512K -t 8 -D 3 --bidir "$@" | parse "$py_dir" "$name: perf 512 KiB")
+    case " $hl $p50 $p0 $hb $pb " in
+    *" fail "*)
+        echo "$name: round failed (harness $hl us, perf $p50 / $p0 us, harness $hb, perf $pb Gbit/s)"
+        return 0
+        ;;
+    esac
     local tcp=0
     if [ "$ns0" != - ]; then
         tcp=$(tcp4 "$ns0" "$ns1" "${server%:*}")
