@@ -11,6 +11,7 @@
 //! | `METAROCE_EAGER_BYTES` | messages up to this size go at once into buffers the receiver keeps posted, and are copied from there, instead of waiting for the receiver to announce NCCL's buffer (at most 262144; 0: never; both sides use the smaller value) | `8192` |
 //! | `METAROCE_BUSY_POLL_US` | how long the endpoint thread polls before it sleeps, µs (`thread` progress only) | `0` |
 //! | `METAROCE_CONNECT_TIMEOUT_MS` | how long `connect`/`accept` may take before they fail | `60000` |
+//! | `METAROCE_PSK_FILE` | a file of exactly 32 bytes, the pre-shared key of the authenticated mode (PROTOCOL §3.2): every connection proves the key in its handshake and seals every datagram with AES-128-GCM; ranks with different keys (or one without) get no connection, and their `connect`/`accept` fail with an error that names the key. Every rank must use the same file. Make one with `head -c 32 /dev/urandom > key` | none: datagrams go unsealed |
 //! | `METAROCE_FAULT_DROP` | probability that a received datagram is dropped (testing) | `0` |
 //! | `METAROCE_FAULT_SEED` | seed of the fault injector | `1` |
 //!
@@ -91,6 +92,8 @@ pub struct Config {
     pub fault_drop: f64,
     /// Seed of the fault injector.
     pub fault_seed: u64,
+    /// The pre-shared key of the authenticated mode, if any.
+    pub psk: Option<metaroce_io::proto::Psk>,
 }
 
 fn parse<T: std::str::FromStr>(
@@ -210,7 +213,20 @@ impl Config {
                 })
             }
         };
+        let psk = match get("METAROCE_PSK_FILE") {
+            None => None,
+            Some(path) => Some(
+                metaroce_io::read_psk_file(std::path::Path::new(path.trim())).map_err(|e| {
+                    ConfigError {
+                        var: "METAROCE_PSK_FILE",
+                        value: path.clone(),
+                        why: e.to_string(),
+                    }
+                })?,
+            ),
+        };
         Ok(Config {
+            psk,
             devices,
             backend,
             paths,
@@ -239,6 +255,7 @@ impl Config {
         cfg.planes = dev.planes[1..].to_vec();
         cfg.backend = self.backend;
         cfg.busy_poll = self.busy_poll;
+        cfg.endpoint.psk = self.psk;
         if let Some(p) = self.paths {
             cfg.endpoint.paths = p;
             cfg.send_sockets = 2 * usize::from(p);
@@ -327,6 +344,37 @@ mod tests {
         let c =
             Config::from_lookup(|k| (k == "METAROCE_PROGRESS").then(|| "thread".into())).unwrap();
         assert_eq!(c.progress, Progress::Thread);
+    }
+
+    /// A key file of 32 bytes goes into every endpoint's configuration; a
+    /// missing file or one of another length is refused, naming the
+    /// variable and saying why.
+    #[test]
+    fn the_key_file_is_read_into_the_endpoints() {
+        let dir = std::env::temp_dir().join(format!("metaroce-nccl-psk-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = dir.join("key");
+        std::fs::write(&key, [9u8; 32]).unwrap();
+        let with = |path: &std::path::Path| {
+            let path = path.display().to_string();
+            Config::from_lookup(move |k| match k {
+                "METAROCE_PSK_FILE" => Some(path.clone()),
+                "METAROCE_ADDRS" => Some("127.0.0.1".into()),
+                _ => None,
+            })
+        };
+        let c = with(&key).unwrap();
+        assert_eq!(c.psk, Some(metaroce_io::proto::Psk::new([9u8; 32])));
+        let d = c.driver(&c.devices[0], 0);
+        assert_eq!(d.endpoint.psk, c.psk);
+        assert!(Config::from_lookup(|_| None).unwrap().psk.is_none());
+        std::fs::write(&key, [9u8; 31]).unwrap();
+        let e = with(&key).unwrap_err();
+        assert_eq!(e.var, "METAROCE_PSK_FILE");
+        assert!(e.why.contains("31 bytes"), "{e}");
+        let e = with(&dir.join("missing")).unwrap_err();
+        assert_eq!(e.var, "METAROCE_PSK_FILE");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

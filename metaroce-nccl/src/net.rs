@@ -242,7 +242,8 @@ impl Node {
             let now = Instant::now();
             if now >= deadline {
                 return Err(NetError::Remote(format!(
-                    "no connection from {peer} in time"
+                    "no connection from {peer} in time (its own error says why; \
+                     with METAROCE_PSK_FILE, both sides need the same key)"
                 )));
             }
             inc = self
@@ -601,6 +602,21 @@ fn hello(nonce: u64, h: Hello) -> [u8; HELLO_LEN] {
     b
 }
 
+/// The set-up's one-byte "ready" from the peer. A peer that closes the
+/// set-up instead failed on its side (a connection it could not open, a
+/// key it was refused): said so, rather than as a short read.
+fn read_ready(s: &mut TcpStream) -> Result<(), NetError> {
+    let mut ready = [0u8; 1];
+    match s.read_exact(&mut ready) {
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(NetError::Remote(
+            "the peer ended the set-up before its side was ready: its own error says why \
+             (with METAROCE_PSK_FILE, both sides need the same key)"
+                .into(),
+        )),
+        r => Ok(r?),
+    }
+}
+
 fn read_hello(s: &mut TcpStream, nonce: u64) -> Result<Hello, NetError> {
     let mut b = [0u8; HELLO_LEN];
     s.read_exact(&mut b)?;
@@ -667,8 +683,7 @@ pub(crate) fn listen(
         s.write_all(&hello(h.nonce, ours))?;
         // The peer has its side of the connection between us (it opened
         // it, or waits for it), then says so.
-        let mut ready = [0u8; 1];
-        s.read_exact(&mut ready)?;
+        read_ready(&mut s)?;
         let conn = node.shared(ours.endpoint, theirs.endpoint, Instant::now() + timeout)?;
         block_on(qp.connect_with(&conn, metaroce_io::Qpn(theirs.qpn), rc_attrs()))?;
         // The receives the first messages consume are posted before the
@@ -782,8 +797,7 @@ pub(crate) fn connect(
             )?;
             // The peer's QP is connected and its receives are posted:
             // sends may start.
-            let mut ready = [0u8; 1];
-            s.read_exact(&mut ready)?;
+            read_ready(&mut s)?;
             Ok(comm)
         })?;
         map.insert(id, pending);

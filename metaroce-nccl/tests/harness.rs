@@ -127,6 +127,98 @@ fn injected_loss_over_loopback_every_byte() {
     }
 }
 
+/// Key files for the authenticated mode (`METAROCE_PSK_FILE`): two
+/// different 32-byte keys in a scratch directory, removed on drop.
+struct Keys(std::path::PathBuf);
+
+impl Keys {
+    fn new() -> Keys {
+        let d = common::scratch("keys");
+        std::fs::write(d.join("a"), [0x5a; 32]).expect("key a");
+        std::fs::write(d.join("b"), [0xa5; 32]).expect("key b");
+        Keys(d)
+    }
+    fn path(&self, name: &str) -> String {
+        self.0.join(name).display().to_string()
+    }
+}
+
+impl Drop for Keys {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// With the same key on both ranks every datagram is sealed
+/// (AES-128-GCM), and the whole verification still passes: messages up to
+/// 8 MiB both ways, grouped receives, receives posted late.
+#[test]
+fn sealed_over_loopback_every_byte() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let keys = Keys::new();
+    let mut env = loopback();
+    env.push(("METAROCE_PSK_FILE", keys.path("a")));
+    let outs = run_ranks(
+        "sealed",
+        &["--max-size", "8M", "--budget", "4M", "verify"],
+        &env,
+        |_| Vec::new(),
+        Duration::from_secs(600),
+    );
+    assert_ok(&outs);
+    for o in &outs {
+        assert!(String::from_utf8_lossy(&o.stdout).contains("verify ok"));
+    }
+}
+
+/// Ranks with different keys get no connection: the rank whose endpoint
+/// opens the connection between them is refused by the other's (PROTOCOL
+/// §3.2, `KeyRefused`) at once; the other learns it from the set-up
+/// stream closing, or, if it waits for that connection, gives up when
+/// `METAROCE_CONNECT_TIMEOUT_MS` (4 s here) runs out, pointing at the key.
+/// Both fail with an error rather than exchange a byte.
+#[test]
+fn ranks_with_different_keys_get_no_connection() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let keys = Keys::new();
+    let mut env = loopback();
+    env.push(("METAROCE_CONNECT_TIMEOUT_MS", "4000".into()));
+    let started = std::time::Instant::now();
+    let outs = run_ranks(
+        "wrong-key",
+        &["--max-size", "64K", "verify"],
+        &env,
+        |rank| {
+            vec![
+                "env".into(),
+                format!("METAROCE_PSK_FILE={}", keys.path(["a", "b"][rank])),
+            ]
+        },
+        Duration::from_secs(60),
+    );
+    let took = started.elapsed();
+    for (rank, o) in outs.iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        eprintln!("--- rank {rank} ---\n{err}");
+        assert!(
+            !o.status.success(),
+            "rank {rank} connected with another key"
+        );
+        assert!(!String::from_utf8_lossy(&o.stdout).contains("verify ok"));
+    }
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&outs[0].stderr),
+        String::from_utf8_lossy(&outs[1].stderr)
+    );
+    assert!(all.contains("refused the key"), "no rank says why:\n{all}");
+    assert!(
+        all.matches("METAROCE_PSK_FILE").count() + all.matches("refused the key").count() >= 2,
+        "a rank fails without pointing at the key:\n{all}"
+    );
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+}
+
 /// Messages longer than their buffers fail with an error on the side that
 /// finds out (the sender for one that waits for its buffer's announcement,
 /// the receiver for an eager one), within seconds, and no byte lands past a
