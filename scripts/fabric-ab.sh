@@ -26,11 +26,14 @@ usage: scripts/fabric-ab.sh [options] BIN_A BIN_B
   --rate-mbit R    rate of each spine and direction (default 200; 0 = unshaped)
   --mtu M          MTU of every fabric link (default: the fabric's, jumbo)
   --prefix P       fabric namespace prefix (default mrab)
+  --hog N          N busy loops at nice 19 beside the runs, a loaded host
+                   on demand (default 0; the shared hosts' other guests
+                   load them like this at times)
   -h, --help       this help
 EOF
 }
 
-LOSS=0 RUNS=5 DUR=4 PATHS=16 SPINES=4 RATE=200 MTU= PREFIX=mrab
+LOSS=0 RUNS=5 DUR=4 PATHS=16 SPINES=4 RATE=200 MTU= PREFIX=mrab HOG=0
 ARGS=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -42,6 +45,7 @@ while [ $# -gt 0 ]; do
     --rate-mbit) RATE=$2; shift 2 ;;
     --mtu) MTU=$2; shift 2 ;;
     --prefix) PREFIX=$2; shift 2 ;;
+    --hog) HOG=$2; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     -*) echo "fabric-ab: unknown option $1" >&2; usage >&2; exit 2 ;;
     *) ARGS+=("$1"); shift ;;
@@ -56,7 +60,9 @@ done
 
 H1=$PREFIX-h1 H2=$PREFIX-h2
 OUT=$(mktemp -d)
+HOGS=()
 cleanup() {
+    [ ${#HOGS[@]} -gt 0 ] && kill "${HOGS[@]}" 2>/dev/null || true
     ip netns pids "$H2" 2>/dev/null | xargs -r kill 2>/dev/null || true
     ip netns pids "$H1" 2>/dev/null | xargs -r kill 2>/dev/null || true
     "$A" fabric --prefix "$PREFIX" down >/dev/null 2>&1 || true
@@ -100,10 +106,18 @@ print(f"{label} {i} gbps={gbps:.3f} of_capacity={share} rto_per_10k={per10k} "
 PY
 }
 
+for _ in $(seq 1 "$HOG"); do
+    nice -n 19 bash -c 'while :; do :; done' &
+    HOGS+=($!)
+done
 for i in $(seq 1 "$RUNS"); do
     one_run "$A" A "$i" | tee -a "$OUT/results"
     one_run "$B" B "$i" | tee -a "$OUT/results"
 done
+if [ ${#HOGS[@]} -gt 0 ]; then
+    kill "${HOGS[@]}" 2>/dev/null || true
+    HOGS=()
+fi
 
 python3 - "$OUT/results" <<'PY'
 import statistics, sys
