@@ -787,7 +787,7 @@ impl Endpoint {
     /// assert_eq!(ep.destroy_cq(cq), Err(VerbsError::InvalidCq));
     /// ```
     pub fn destroy_cq(&mut self, cq: CqHandle) -> Result<(), VerbsError> {
-        self.live_cq(cq)?;
+        let i = self.live_cq(cq)?;
         let used = self
             .qps
             .iter()
@@ -796,18 +796,19 @@ impl Endpoint {
         if used {
             return Err(VerbsError::CqInUse);
         }
-        let q = &mut self.cqs[cq.0 as usize];
+        let q = &mut self.cqs[i];
         q.live = false;
         q.entries = VecDeque::new();
         Ok(())
     }
 
-    /// Queue `cq`, if it exists.
-    fn live_cq(&mut self, cq: CqHandle) -> Result<&mut CompletionQueue, VerbsError> {
-        self.cqs
-            .get_mut(cq.0 as usize)
-            .filter(|q| q.live)
-            .ok_or(VerbsError::InvalidCq)
+    /// The slot of queue `cq`, if the queue exists (not destroyed).
+    fn live_cq(&self, cq: CqHandle) -> Result<usize, VerbsError> {
+        let i = cq.0 as usize;
+        match self.cqs.get(i) {
+            Some(q) if q.live => Ok(i),
+            _ => Err(VerbsError::InvalidCq),
+        }
     }
 
     /// Moves up to `max` completions into `out` (`ibv_poll_cq`); returns how many.
@@ -817,7 +818,8 @@ impl Endpoint {
         max: usize,
         out: &mut Vec<WorkCompletion>,
     ) -> Result<usize, VerbsError> {
-        let q = self.live_cq(cq)?;
+        let i = self.live_cq(cq)?;
+        let q = &mut self.cqs[i];
         let n = max.min(q.entries.len());
         out.extend(q.entries.drain(..n));
         if q.entries.len() <= q.capacity {
@@ -828,11 +830,7 @@ impl Endpoint {
 
     /// Completions waiting in a queue.
     pub fn cq_len(&self, cq: CqHandle) -> Result<usize, VerbsError> {
-        self.cqs
-            .get(cq.0 as usize)
-            .filter(|q| q.live)
-            .map(|q| q.entries.len())
-            .ok_or(VerbsError::InvalidCq)
+        Ok(self.cqs[self.live_cq(cq)?].entries.len())
     }
 
     /// Creates a queue pair in the RESET state (`ibv_create_qp`).
